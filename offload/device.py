@@ -1,0 +1,93 @@
+"""The only file that knows CUDA: the compute device, streams, events, pinned memory.
+
+On a machine without CUDA every function here has a CPU path: the compute device is the
+CPU, a "stream" is None (work is synchronous), an event is None and is always complete.
+Callers never test ``torch.cuda.is_available()`` themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+
+def compute_device() -> torch.device:
+    """``cuda`` (the current CUDA device) when present, ``cpu`` otherwise."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_cuda(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A 1-D host tensor, page-locked when ``pin`` and CUDA is present."""
+    return torch.empty(numel, dtype=dtype, pin_memory=bool(pin and can_pin()))
+
+
+def new_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """A side stream for copies on CUDA; None on the CPU."""
+    return torch.cuda.Stream(device=device) if is_cuda(device) else None
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """Run the enclosed work on ``stream`` (no-op for None)."""
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def current_stream(device: torch.device):
+    return torch.cuda.current_stream(device) if is_cuda(device) else None
+
+
+def record_event(stream) -> Optional["torch.cuda.Event"]:
+    """An event marking all work queued so far on ``stream``; None (already complete) on CPU."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def wait_event(stream, event) -> None:
+    """Make ``stream`` wait for ``event`` without blocking the host."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def sync_event(event) -> None:
+    """Block the calling host thread until ``event`` has completed."""
+    if event is not None:
+        event.synchronize()
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor, stream=None):
+    """Copy ``src`` into ``dst`` on ``stream`` (asynchronous when one side is pinned host memory
+    and the other is on CUDA). Returns the event that marks completion; until it fires, neither
+    buffer may be reused. On CPU the copy is synchronous and the event is None."""
+    if stream is None:
+        dst.copy_(src)
+        return None
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        return record_event(stream)
+
+
+def synchronize(device: torch.device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def memory_allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if is_cuda(device) else 0
