@@ -1,5 +1,12 @@
-"""offload: a ZeRO-Offload engine for PyTorch."""
-from offload._native import native_info
+"""offload: a ZeRO-Offload engine for PyTorch.
 
-__all__ = ["native_info"]
+    import offload
+    engine = offload.initialize(model, {"offload_optimizer": {"device": "cpu"}})
+"""
+from offload._native import native_info
+from offload.checkpoint import CheckpointError, export_fp32
+from offload.config import Config, ConfigError
+from offload.engine import Engine, initialize
+
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "CheckpointError", "native_info"]
 __version__ = "0.1.0"

@@ -91,3 +91,18 @@ def synchronize(device: torch.device) -> None:
 
 def memory_allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if is_cuda(device) else 0
+
+
+def copy_to_host_async(dst: torch.Tensor, src: torch.Tensor, stream):
+    """Device -> host copy of ``src`` on the side ``stream``, ordered after the work already
+    queued on the current stream (which produced ``src``). ``src`` is marked as used by
+    ``stream`` so the caching allocator does not hand its memory out before the copy ends.
+    Returns the completion event (None on CPU, where the copy is done on return)."""
+    if stream is None or not src.is_cuda:
+        dst.copy_(src)
+        return None
+    stream.wait_stream(torch.cuda.current_stream(src.device))
+    src.record_stream(stream)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        return record_event(stream)

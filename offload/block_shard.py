@@ -1,0 +1,50 @@
+"""The runtime owner of one block shard: its device parameter buffer, its optimizer state,
+its gradient buffer, and the update in flight.
+
+``pending`` is the future of the optimizer update in flight for this block (None when the
+parameters are current); ``update_event`` marks the end of the H2D copy of the updated
+parameters. A forward that uses the block first calls ``wait_update()``.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Optional
+
+import torch
+
+from offload import device as dev
+from offload.blocks import BlockLayout
+from offload.grads import GradBuffer
+from offload.residency import OptimState
+
+
+class BlockShard:
+    def __init__(self, layout: BlockLayout, param_flat: torch.Tensor, state: OptimState, grad: GradBuffer,
+                 shard: tuple):
+        self.layout = layout
+        self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
+        self.state = state                # [master | exp_avg | exp_avg_sq] of this rank's shard
+        self.grad = grad                  # accumulated gradients of the shard
+        self.shard = shard                # [start, end) of this rank's shard in the padded flat
+        self.pending: Optional[Future] = None
+        self.update_event = None          # H2D copy of the new parameters (CUDA)
+        self.stepped = 0                  # optimizer steps applied (bias correction)
+
+    @property
+    def index(self) -> int:
+        return self.layout.index
+
+    @property
+    def name(self) -> str:
+        return self.layout.name or "<root>"
+
+    def wait_update(self) -> None:
+        """Make the parameters current before use: the host waits for the optimizer job
+        (re-raising its error), the compute stream waits for the H2D copy it queued."""
+        fut = self.pending
+        if fut is not None:
+            fut.result()
+            self.pending = None
+        ev, self.update_event = self.update_event, None
+        if ev is not None:
+            dev.wait_event(dev.current_stream(self.param_flat.device), ev)

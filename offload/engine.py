@@ -1,0 +1,411 @@
+"""The training engine: wraps a model, installs the hooks, runs the step.
+
+    engine = offload.initialize(model, config)
+    loss = engine(inputs, targets)       # the model's forward
+    engine.backward(loss)                # gradients leave the device block by block
+    engine.step()                        # at the accumulation boundary
+
+Per block (see blocks.py) the engine keeps the parameters as views into one flat device
+buffer, the fp32 master and Adam moments on the configured tier (device, pinned host, NVMe)
+and a host gradient buffer. A parameter's gradient is moved off the device by its
+post-accumulate-grad hook; when all of a block's parameters have landed, the block is
+complete. With no global dependency (no clipping, not fp16) the block's update is queued at
+once, so the CPU step overlaps the rest of backward; otherwise ``step()`` computes the global
+norm / overflow and queues every block in forward order. Either way ``step()`` returns
+without waiting: a forward pre-hook makes each block wait only for its own update.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from offload import blocks as blk
+from offload import device as dev
+from offload.block_shard import BlockShard
+from offload.config import Config
+from offload.grads import GradBuffer
+from offload.loss_scaler import LossScaler
+from offload.residency import OptimState, Tier
+from offload.step_pipeline import StepArgs, StepPipeline
+from offload.telemetry import Telemetry
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _ParamGroups(torch.optim.Optimizer):
+    """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
+    torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping."""
+
+    def __init__(self, groups, defaults):
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # called by Engine.step(); the scheduler tracks the call
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None  # the engine owns gradient buffers
+
+
+def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None) -> "Engine":
+    """Wrap ``model`` for training with offloaded optimizer state.
+
+    ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
+    ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
+    by default one group of all parameters with ``requires_grad``."""
+    return Engine(model, Config.from_any(config), param_groups)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: Config, param_groups=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
+        if config.zero_optimization.stage != 0:
+            raise NotImplementedError("zero_optimization.stage > 0 (partitioning across ranks) is not available yet")
+        if config.offload_param.device != "none":
+            raise NotImplementedError("offload_param (parameter offload) is not available yet")
+        self.config = config
+        self.module = model
+        self.device = dev.compute_device()
+        self.dtype = _DTYPES[config.precision]
+        self.telemetry = Telemetry()
+        self.optimizer = self._make_optimizer(model, param_groups)
+        group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        self.layouts = blk.build_layouts(model, config.blocks, group_of)
+        self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
+        self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
+        self._store = None
+        self._host_pool = None
+        self._swap_pool = None
+        self.blocks: List[BlockShard] = []
+        self._hooks = []
+        self._closed = False
+        try:
+            self._build_storage()
+            self._build_blocks()
+            self._move_rest(model)
+            self._install_hooks()
+        except BaseException:
+            self._release_storage()
+            raise
+        self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        self._overlap = (config.overlap_step and config.gradient_clipping == 0.0 and config.precision != "fp16")
+        self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
+                                     slots=self._swap_slots, telemetry=self.telemetry,
+                                     compute_device=self.device, copy_param=self.dtype == torch.float32)
+        self._d2h = dev.new_stream(self.device)
+        self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
+        self.micro_step = 0       # backward calls
+        self._boundary = False    # the current backward closes an accumulation window
+        self._window_submitted = False
+        self._completion: List[int] = []       # block completion order in the last backward
+        self._last_order: Optional[List[int]] = None
+
+    # ---- construction ---------------------------------------------------------------------
+    def _make_optimizer(self, model, param_groups) -> _ParamGroups:
+        o = self.config.optimizer
+        defaults = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
+        if param_groups is None:
+            param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        groups = []
+        for g in param_groups:
+            g = dict(g)
+            g["params"] = [p for p in g["params"] if p.requires_grad]
+            unknown = set(g) - set(defaults) - {"params", "name"}
+            if unknown:
+                raise ValueError(f"param group keys {sorted(unknown)} are not used by offload: "
+                                 f"use lr, betas, eps, weight_decay")
+            groups.append(g)
+        return _ParamGroups(groups, defaults)
+
+    def _build_storage(self) -> None:
+        from offload.storage.pinned_pool import HostPool
+        cfg = self.config
+        pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
+        state_bytes = [3 * lay.padded_numel * 4 for lay in self.layouts]
+        grad_dtype = self._grad_dtype()
+        grad_bytes = [lay.padded_numel * torch.empty((), dtype=grad_dtype).element_size() for lay in self.layouts]
+        host_slots = []
+        if self.tier is not Tier.DEVICE:
+            host_slots += grad_bytes
+        if self.tier is Tier.HOST:
+            host_slots += state_bytes
+        self._swap_slots = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1)
+        if host_slots:
+            self._host_pool = HostPool(host_slots, pin=pin, name="offload-host")
+        if self.tier is Tier.NVME:
+            from offload.storage.nvme import NvmeStore
+            a = cfg.aio
+            self._store = NvmeStore(cfg.offload_optimizer.nvme_path, backend=a.backend, block_size=a.block_size,
+                                    queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
+                                    name="optimizer")
+            self._store.reserve({self._state_key(lay): n for lay, n in zip(self.layouts, state_bytes)})
+            self._swap_pool = HostPool([max(state_bytes)] * self._swap_slots, pin=pin, name="offload-swap")
+
+    def _grad_dtype(self) -> torch.dtype:
+        # Without accumulation the gradient crosses to the host in the compute dtype and the
+        # kernel reads it directly; with accumulation the host sums in fp32.
+        if self.config.gradient_accumulation_steps == 1 and self.config.precision == "bf16":
+            return self.dtype
+        return torch.float32
+
+    @staticmethod
+    def _state_key(lay: blk.BlockLayout) -> str:
+        return f"b{lay.index}.state"
+
+    def _build_blocks(self) -> None:
+        grad_dtype = self._grad_dtype()
+        for lay in self.layouts:
+            n = lay.padded_numel
+            master = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
+            if self.tier is Tier.DEVICE:
+                state = OptimState(self._state_key(lay), n, Tier.DEVICE,
+                                   tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
+                gbuf = torch.zeros(n, dtype=grad_dtype, device=self.device)
+            else:
+                gbuf = self._host_pool.acquire(n * torch.empty((), dtype=grad_dtype).element_size()).view(grad_dtype, n)
+                gbuf.zero_()
+                if self.tier is Tier.HOST:
+                    t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
+                    state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
+                else:
+                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store)
+
+            def fill(t, master=master):
+                t[0].copy_(master)
+                t[1:].zero_()
+            state.overwrite(fill)
+            state.reclaim(block=True)
+            param_flat = master.to(device=self.device, dtype=self.dtype)
+            blk.bind_views(lay, param_flat)
+            self.blocks.append(BlockShard(lay, param_flat, state, GradBuffer(gbuf, len(lay.segments)), (0, n)))
+
+    def _move_rest(self, model: nn.Module) -> None:
+        """Frozen parameters and buffers go to the device in the compute dtype."""
+        bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in bound:
+                    p.data = p.data.to(device=self.device, dtype=self.dtype if p.is_floating_point() else None)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
+
+    def _install_hooks(self) -> None:
+        # Each block's update must land before any module that reads its parameters runs:
+        # its own module, and modules that share a parameter with it (tied weights).
+        owner = {id(s.param): b for b in self.blocks for s in b.layout.segments}
+        for m in self.module.modules():
+            waits = {owner[id(p)].index: owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+            for b in self.blocks:
+                if b.layout.module is m:
+                    waits[b.index] = b
+            if waits:
+                self._hooks.append(m.register_forward_pre_hook(self._make_wait_hook(list(waits.values()))))
+        for b in self.blocks:
+            for i, s in enumerate(b.layout.segments):
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(b, i, s)))
+
+    def _make_wait_hook(self, blocks: List[BlockShard]):
+        def hook(module, args):
+            for b in blocks:
+                if b.pending is not None or b.update_event is not None:
+                    with self.telemetry.span("offload::wait_update"):
+                        b.wait_update()
+        return hook
+
+    def _make_grad_hook(self, block: BlockShard, index: int, seg: blk.Segment):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            with self.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+                block.grad.land(index, seg.offset - block.shard[0], grad, self._d2h)
+            param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
+            if block.grad.complete:
+                self._on_block_complete(block)
+        return hook
+
+    # ---- training -------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        with self.telemetry.span("offload::forward"):
+            return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` averaged over the accumulation window (divided by
+        gradient_accumulation_steps, as DeepSpeed does), scaled for fp16."""
+        self._check_open()
+        gas = self.config.gradient_accumulation_steps
+        self._boundary = (self.micro_step + 1) % gas == 0
+        self._window_submitted = False
+        self._completion = []
+        for b in self.blocks:
+            b.grad.begin_backward()
+            if b.pending is not None:     # the grads of this window go into buffers the
+                b.wait_update()           # previous update may still read
+        if self._boundary and self._overlap and self.tier is Tier.NVME:
+            self.pipeline.set_order(self._last_order or [b.index for b in reversed(self.blocks)])
+        scaled = loss / gas if gas > 1 else loss
+        if self.scaler.enabled:
+            scaled = scaled * self.scaler.scale
+        with self.telemetry.span("offload::backward"):
+            scaled.backward()
+        self.micro_step += 1
+        for b in self.blocks:             # parameters that took no part in this backward
+            if not b.grad.complete:
+                b.grad.arrived = b.grad.num_segments
+                self._on_block_complete(b)
+        if self._boundary:
+            self._last_order = list(self._completion)
+
+    def _on_block_complete(self, block: BlockShard) -> None:
+        self._completion.append(block.index)
+        if self._boundary and self._overlap:
+            self._submit(block, grad_scale=1.0)
+
+    def _submit(self, block: BlockShard, grad_scale: float) -> None:
+        if not block.grad.close_window(block.layout.segments):
+            block.grad.reset_window()     # no gradient at all: torch skips such parameters
+            return
+        groups = tuple((g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
+                       for g in self.optimizer.param_groups)
+        args = StepArgs(step=block.stepped + 1, groups=groups, adamw=self.config.optimizer.type == "AdamW",
+                        grad_scale=grad_scale)
+        self.pipeline.submit(block, args)
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary (a no-op between boundaries).
+        Returns False when an fp16 overflow skipped the step. Does not wait for the update:
+        the next forward of each block waits for that block alone."""
+        self._check_open()
+        if not self._boundary or self._window_submitted:
+            return False
+        self._window_submitted = True
+        self._boundary = False
+        if not self._overlap:
+            coef, overflow = 1.0, False
+            if self.config.gradient_clipping > 0 or self.scaler.enabled:
+                with self.telemetry.span("offload::grad_norm"):
+                    coef, overflow = self._unscale_clip_coef()
+            if overflow:
+                self.scaler.update(True)
+                for b in self.blocks:
+                    b.grad.reset_window()
+                self.telemetry.count("skipped_steps")
+                return False
+            self.scaler.update(False)
+            if self.tier is Tier.NVME:
+                self.pipeline.set_order([b.index for b in self.blocks])
+            for b in self.blocks:
+                self._submit(b, coef)
+        self.global_step += 1
+        self.optimizer.step()
+        return True
+
+    def _unscale_clip_coef(self):
+        """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
+        torch.nn.utils.clip_grad_norm_ does: per-parameter norms, then the norm of those."""
+        per_param = []
+        for b in self.blocks:
+            b.grad.wait_landed()
+            for s in b.layout.segments:
+                a = s.offset - b.shard[0]
+                per_param.append((self._param_order.get(id(s.param), 0), b.grad.tensor[a:a + s.numel]))
+        per_param.sort(key=lambda t: t[0])
+        norms = torch._foreach_norm([g for _, g in per_param], 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+        inv_scale = 1.0 / self.scaler.scale
+        if not math.isfinite(total.item()):
+            return 1.0, True
+        coef = inv_scale
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            unscaled = total * inv_scale if self.scaler.enabled else total
+            c = torch.clamp(clip / (unscaled + 1e-6), max=1.0)
+            coef = c.item() * inv_scale if self.scaler.enabled else c.item()
+        return coef, False
+
+    def synchronize(self) -> None:
+        """Wait until every queued update is applied and every state write has completed."""
+        self.pipeline.wait_all()
+        dev.synchronize(self.device)
+
+    # ---- state ----------------------------------------------------------------------------
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Consolidated fp32 weights with the keys of ``model.state_dict()`` (on the CPU)."""
+        from offload import checkpoint
+        self.synchronize()
+        return checkpoint.live_state_dict(self)
+
+    def save_checkpoint(self, path: str) -> str:
+        from offload import checkpoint
+        self._check_open()
+        self.synchronize()
+        return checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from offload import checkpoint
+        self._check_open()
+        self.synchronize()
+        checkpoint.load(self, path)
+
+    def stats(self) -> dict:
+        snap = self.telemetry.snapshot()
+        dev_bytes = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks)
+        if self.tier is Tier.DEVICE:
+            dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
+                             for b in self.blocks)
+        host = sum(p.stats()["capacity_bytes"] for p in (self._host_pool, self._swap_pool) if p is not None)
+        host_peak = sum(p.stats()["peak_bytes"] for p in (self._host_pool, self._swap_pool) if p is not None)
+        nvme = self._store.stats().get("reserved_bytes", 0) if self._store is not None else 0
+        snap.update({
+            "step": self.global_step, "micro_step": self.micro_step,
+            "tier_bytes": {"device": dev_bytes, "host": host, "nvme": nvme},
+            "loss_scale": self.scaler.scale if self.scaler.enabled else None,
+            "skipped_steps": self.scaler.skipped,
+            "device_param_bytes_peak": sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks),
+        })
+        snap["peaks"]["host_pool"] = host_peak
+        return snap
+
+    # ---- teardown -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed: create a new one with offload.initialize")
+
+    def close(self) -> None:
+        """Wait for updates in flight, remove hooks, release host buffers and swap files.
+        The model keeps its current parameter values (on the device)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.pipeline.close()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._release_storage()
+
+    def _release_storage(self) -> None:
+        for r in (self._store, self._swap_pool, self._host_pool):
+            if r is not None:
+                r.close()
+        self._store = self._swap_pool = self._host_pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,82 @@
+"""The accumulated gradients of one block, and how a parameter's gradient lands in them.
+
+Layout: 1-D, ``dtype`` (fp32, or the compute dtype when there is no accumulation), the
+block's padded numel, in the optimizer state's memory (host for the cpu/nvme tiers, the
+device for tier none). A parameter's gradient lands once per backward, from its
+post-accumulate-grad hook: the first landing of an accumulation window overwrites the
+parameter's range, later ones add to it, so no zeroing pass runs between windows. Ranges
+whose parameter received no gradient in a window are zeroed when the window closes.
+
+Synchronization: a CUDA landing is an asynchronous copy on the D2H stream; ``events``
+holds the completion events, which the optimizer waits for (``wait_landed``) before it
+reads the buffer. The device gradient is freed by the caller right after the landing is
+queued (its memory is protected by ``record_stream``).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from offload import device as dev
+
+
+class GradBuffer:
+    def __init__(self, tensor: torch.Tensor, num_segments: int):
+        self.tensor = tensor                          # 1-D, padded numel
+        self.num_segments = num_segments
+        self._seen = [False] * num_segments           # landed in the current window
+        self.arrived = 0                              # landings in the current backward
+        self.events: List = []                        # CUDA copies still in flight
+        self._staging: Optional[torch.Tensor] = None  # pinned, for accumulating CUDA landings
+
+    # ---- one backward ------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.arrived = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.arrived == self.num_segments
+
+    def land(self, index: int, offset: int, grad: torch.Tensor, stream) -> None:
+        """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
+        flat = grad.detach().reshape(-1)
+        dst = self.tensor[offset:offset + flat.numel()]
+        if not self._seen[index]:
+            if dst.device == flat.device:
+                dst.copy_(flat)
+            else:
+                ev = dev.copy_to_host_async(dst, flat, stream)
+                if ev is not None:
+                    self.events.append(ev)
+            self._seen[index] = True
+        elif dst.device == flat.device:
+            dst.add_(flat)
+        else:
+            # Accumulating a device gradient into host memory: bring it over, then add.
+            if self._staging is None or self._staging.numel() < flat.numel():
+                self._staging = dev.empty_host(self.tensor.numel(), flat.dtype, pin=True)
+            tmp = self._staging[:flat.numel()]
+            dev.sync_event(dev.copy_to_host_async(tmp, flat, stream))
+            self.wait_landed()
+            dst.add_(tmp)
+        self.arrived += 1
+
+    def wait_landed(self) -> None:
+        for ev in self.events:
+            dev.sync_event(ev)
+        self.events.clear()
+
+    # ---- the accumulation window -------------------------------------------------------------
+    def close_window(self, segments) -> bool:
+        """Zero the ranges of parameters that got no gradient in this window.
+        Returns whether any gradient landed at all."""
+        any_seen = any(self._seen)
+        for i, s in enumerate(segments):
+            if not self._seen[i]:
+                self.tensor[s.offset:s.offset + s.numel].zero_()
+        return any_seen
+
+    def reset_window(self) -> None:
+        """After the optimizer consumed the buffer: the next landing overwrites."""
+        self._seen = [False] * self.num_segments
