@@ -19,10 +19,12 @@ from offload.residency import OptimState
 
 
 class BlockShard:
-    def __init__(self, layout: BlockLayout, param_flat: torch.Tensor, state: OptimState, grad: GradBuffer,
-                 shard: tuple):
+    def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state: OptimState,
+                 grad: GradBuffer, shard: tuple, params=None):
         self.layout = layout
         self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
+        self.params = params              # BlockParams when the parameters are offloaded (then
+                                          # param_flat is None: they visit the device per use)
         self.state = state                # [master | exp_avg | exp_avg_sq] of this rank's shard
         self.grad = grad                  # accumulated gradients of the shard
         self.shard = shard                # [start, end) of this rank's shard in the padded flat
@@ -48,3 +50,7 @@ class BlockShard:
         ev, self.update_event = self.update_event, None
         if ev is not None:
             dev.wait_event(dev.current_stream(self.param_flat.device), ev)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.params.dtype if self.params is not None else self.param_flat.dtype

@@ -108,12 +108,12 @@ def _write_block(fname: str, block) -> int:
 
 def _key_map(engine):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
-    where = {id(s.param): (b.index, s.offset) for b in engine.blocks for s in b.layout.segments}
+    where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
     keys, extra = {}, {}
     for k, v in engine.module.state_dict(keep_vars=True).items():
         if id(v) in where:
-            bi, off = where[id(v)]
-            keys[k] = {"block": bi, "offset": off, "shape": list(v.shape)}
+            bi, seg = where[id(v)]   # the segment's shape: an offloaded parameter may be a placeholder
+            keys[k] = {"block": bi, "offset": seg.offset, "shape": list(seg.shape)}
         else:
             keys[k] = {"extra": True}
             extra[k] = v.detach().to("cpu", copy=True)
@@ -167,6 +167,8 @@ def load(engine, path: str) -> None:
         raise CheckpointError(f"{path} has {len(meta['blocks'])} blocks, the model has {len(engine.blocks)}: "
                               f"it was saved from a different model or block grouping")
     with engine.telemetry.span("offload::checkpoint_load"):
+        if engine.param_offload is not None:
+            engine.param_offload.release_all()   # device copies would be stale
         for b, binfo in zip(engine.blocks, meta["blocks"]):
             lay = b.layout
             names = [s.name for s in lay.segments]
@@ -182,7 +184,12 @@ def load(engine, path: str) -> None:
             b.state.reclaim(block=True)
             s0, s1 = b.shard
             with torch.no_grad():
-                b.param_flat[s0:s0 + lay.numel].copy_(rows[0])
+                if b.params is not None:      # offloaded: the home copy, in the compute dtype
+                    home = torch.zeros(b.params.numel, dtype=b.params.dtype)
+                    home[:lay.numel].copy_(rows[0])
+                    b.params.write_home(home)
+                else:
+                    b.param_flat[s0:s0 + lay.numel].copy_(rows[0])
             b.stepped = binfo["stepped"]
             b.grad.reset_window()
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)

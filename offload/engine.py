@@ -65,8 +65,6 @@ class Engine:
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
         if config.zero_optimization.stage != 0:
             raise NotImplementedError("zero_optimization.stage > 0 (partitioning across ranks) is not available yet")
-        if config.offload_param.device != "none":
-            raise NotImplementedError("offload_param (parameter offload) is not available yet")
         self.config = config
         self.module = model
         self.device = dev.compute_device()
@@ -80,14 +78,21 @@ class Engine:
         self._store = None
         self._host_pool = None
         self._swap_pool = None
+        self._param_store = None          # parameter home tier (offload_param), see _build_param_homes
+        self._param_home_pool = None
+        self._param_stage_pool = None
+        self._param_write_pool = None
+        self.param_offload = None
         self.blocks: List[BlockShard] = []
         self._hooks = []
         self._closed = False
         try:
             self._build_storage()
+            self._build_param_homes()
             self._build_blocks()
             self._move_rest(model)
             self._install_hooks()
+            self._start_param_offload()
         except BaseException:
             self._release_storage()
             raise
@@ -95,7 +100,8 @@ class Engine:
         self._overlap = (config.overlap_step and config.gradient_clipping == 0.0 and config.precision != "fp16")
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
-                                     compute_device=self.device, copy_param=self.dtype == torch.float32)
+                                     compute_device=self.device, copy_param=self.dtype == torch.float32,
+                                     param_write_pool=self._param_write_pool)
         self._d2h = dev.new_stream(self.device)
         self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
         self.micro_step = 0       # backward calls
@@ -145,6 +151,76 @@ class Engine:
             self._store.reserve({self._state_key(lay): n for lay, n in zip(self.layouts, state_bytes)})
             self._swap_pool = HostPool([max(state_bytes)] * self._swap_slots, pin=pin, name="offload-swap")
 
+    # ---- parameter offload ------------------------------------------------------------------
+    def _param_bytes(self, lay: blk.BlockLayout) -> int:
+        return lay.padded_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _build_param_homes(self) -> None:
+        """Host or NVMe homes for the parameter copies when offload_param asks for them."""
+        from offload.storage.pinned_pool import HostPool
+        pc = self.config.offload_param
+        if pc.device == "none":
+            return
+        sizes = [self._param_bytes(lay) for lay in self.layouts]
+        largest = max(sizes)
+        budget = pc.device_budget_bytes or 2 * largest
+        if budget < largest:
+            big = self.layouts[sizes.index(largest)]
+            raise ValueError(f"offload_param.device_budget_bytes={budget} is smaller than block "
+                             f"{big.name or '<root>'!r} ({largest} bytes): raise it to at least {largest} "
+                             f"(twice that lets the next block arrive while one runs)")
+        pf = self.config.prefetch
+        self._param_budget = budget
+        self._device_lookahead = pf.device_lookahead_bytes if pf.device_lookahead_bytes is not None \
+            else budget - largest
+        self._host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None \
+            else 2 * budget
+        pin = pc.pin_memory and dev.can_pin()
+        if pc.device == "cpu":
+            self._param_home_pool = HostPool(sizes, pin=pin, name="offload-param-home")
+            return
+        from offload.storage.nvme import NvmeStore
+        a = self.config.aio
+        self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
+                                      queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
+                                      name="params")
+        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, sizes)})
+        # Staging buffers: the blocks that fit in the device budget and the host lookahead
+        # (on a CPU device a staged buffer is the device copy), largest first, plus one spare.
+        slots, total = [], 0
+        for n in sorted(sizes, reverse=True):
+            if total >= budget + self._host_lookahead + largest:
+                break
+            slots.append(n)
+            total += n
+        self._param_stage_pool = HostPool(slots + [largest], pin=pin, name="offload-param-stage")
+        self._param_write_pool = HostPool([largest] * self.config.optimizer_workers, pin=pin,
+                                          name="offload-param-write")
+
+    def _param_home(self, lay: blk.BlockLayout):
+        from offload.param_residency import BlockParams
+        pc = self.config.offload_param
+        if pc.device == "none":
+            return None
+        n = lay.padded_numel
+        if pc.device == "cpu":
+            home = self._param_home_pool.acquire(self._param_bytes(lay)).view(self.dtype, n)
+            return BlockParams(lay, self.dtype, self.device, home_buf=home)
+        return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
+                           write_pool=self._param_write_pool, key=f"b{lay.index}.param")
+
+    def _start_param_offload(self) -> None:
+        from offload.param_offload import ParamOffload
+        if self.config.offload_param.device == "none":
+            return
+        self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
+                                          device_lookahead=self._device_lookahead,
+                                          host_lookahead=self._host_lookahead,
+                                          prefetch=self.config.prefetch.enabled)
+        self.param_offload.resident_bytes = sum(
+            p.numel() * p.element_size() for p in self.module.parameters()
+            if not any(p is s.param for b in self.blocks for s in b.layout.segments))
+
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
         # kernel reads it directly; with accumulation the host sums in fp32.
@@ -179,9 +255,16 @@ class Engine:
                 t[1:].zero_()
             state.overwrite(fill)
             state.reclaim(block=True)
-            param_flat = master.to(device=self.device, dtype=self.dtype)
-            blk.bind_views(lay, param_flat)
-            self.blocks.append(BlockShard(lay, param_flat, state, GradBuffer(gbuf, len(lay.segments)), (0, n)))
+            params = self._param_home(lay)
+            if params is None:
+                param_flat = master.to(device=self.device, dtype=self.dtype)
+                blk.bind_views(lay, param_flat)
+            else:                          # offloaded: written home, never whole on the device
+                param_flat = None
+                params.write_home(master.to(self.dtype))
+                params.release_initial()
+            self.blocks.append(BlockShard(lay, param_flat, state, GradBuffer(gbuf, len(lay.segments)), (0, n),
+                                          params=params))
 
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters and buffers go to the device in the compute dtype."""
@@ -271,6 +354,8 @@ class Engine:
 
     def _on_block_complete(self, block: BlockShard) -> None:
         self._completion.append(block.index)
+        if self.param_offload is not None:
+            self.param_offload.on_grads_complete(block.index)
         if self._boundary and self._overlap:
             self._submit(block, grad_scale=1.0)
 
@@ -311,6 +396,8 @@ class Engine:
                 self._submit(b, coef)
         self.global_step += 1
         self.optimizer.step()
+        if self.param_offload is not None:
+            self.param_offload.after_step()
         return True
 
     def _unscale_clip_coef(self):
@@ -362,19 +449,29 @@ class Engine:
 
     def stats(self) -> dict:
         snap = self.telemetry.snapshot()
-        dev_bytes = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks)
+        resident = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks
+                       if b.param_flat is not None)
+        po = self.param_offload
+        dev_bytes = resident + (po.prefetcher.device_bytes() if po is not None else 0)
         if self.tier is Tier.DEVICE:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
-        host = sum(p.stats()["capacity_bytes"] for p in (self._host_pool, self._swap_pool) if p is not None)
-        host_peak = sum(p.stats()["peak_bytes"] for p in (self._host_pool, self._swap_pool) if p is not None)
-        nvme = self._store.stats().get("reserved_bytes", 0) if self._store is not None else 0
+        pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
+                             self._param_write_pool) if p is not None]
+        host = sum(p.stats()["capacity_bytes"] for p in pools)
+        host_peak = sum(p.stats()["peak_bytes"] for p in pools)
+        nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
         snap.update({
             "step": self.global_step, "micro_step": self.micro_step,
             "tier_bytes": {"device": dev_bytes, "host": host, "nvme": nvme},
             "loss_scale": self.scaler.scale if self.scaler.enabled else None,
             "skipped_steps": self.scaler.skipped,
-            "device_param_bytes_peak": sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks),
+            "device_param_bytes_peak": (po.device_param_bytes_peak() if po is not None
+                                        else resident + sum(p.numel() * p.element_size()
+                                                            for p in self.module.parameters() if not p.requires_grad)),
+            "prefetch": {k: snap["counters"].get(f"prefetch_{k}", 0) for k in ("hits", "misses", "divergences",
+                                                                                   "retraces")},
+            "param_budget_overruns": po.overruns if po is not None else 0,
         })
         snap["peaks"]["host_pool"] = host_peak
         return snap
@@ -393,16 +490,20 @@ class Engine:
         try:
             self.pipeline.close()
         finally:
+            if self.param_offload is not None:
+                self.param_offload.close()
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
             self._release_storage()
 
     def _release_storage(self) -> None:
-        for r in (self._store, self._swap_pool, self._host_pool):
+        for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
+                  self._param_stage_pool, self._param_write_pool):
             if r is not None:
                 r.close()
-        self._store = self._swap_pool = self._host_pool = None
+        self._store = self._swap_pool = self._host_pool = self._param_store = None
+        self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
     def __enter__(self):
         return self

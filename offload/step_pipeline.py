@@ -39,7 +39,7 @@ class StepArgs:
 
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
-                 compute_device: torch.device, copy_param: bool):
+                 compute_device: torch.device, copy_param: bool, param_write_pool=None):
         self.blocks = list(blocks)
         self.telemetry = telemetry
         self.device = compute_device
@@ -53,6 +53,7 @@ class StepPipeline:
         self._h2d = dev.new_stream(compute_device)
         self._copy_param = copy_param             # fp32 device params: copy from the master
         self._staging = threading.local()         # per worker: pinned param copy for the H2D
+        self._param_write_pool = param_write_pool # host buffers for NVMe-home parameter write-back
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -144,10 +145,13 @@ class StepPipeline:
 
     def _param_out(self, block: BlockShard) -> Optional[torch.Tensor]:
         """Where the kernel writes the low-precision parameter copy (None: fp32 params,
-        copied from the master afterwards). On the CPU it is the device buffer itself."""
+        copied from the master afterwards): the home copy of an offloaded block, the device
+        buffer itself on a CPU device, else a pinned staging buffer for the H2D."""
+        s0, s1 = block.shard
+        if block.params is not None:
+            return None if self._copy_param else self._home_target(block)[s0:s1]
         if self._copy_param:
             return None
-        s0, s1 = block.shard
         if not block.param_flat.is_cuda:
             return block.param_flat[s0:s1]
         buf = getattr(self._staging, "buf", None)
@@ -156,8 +160,33 @@ class StepPipeline:
             self._staging.buf = buf
         return buf[:s1 - s0]
 
+    def _home_target(self, block: BlockShard) -> torch.Tensor:
+        """The buffer the new home copy of an offloaded block is assembled in: the HOST home
+        itself, or (NVMe home) a write-staging buffer held by this worker until written."""
+        bp = block.params
+        home = bp.home_view_for_write()
+        if home is not None:
+            return home
+        loan = getattr(self._staging, "loan", None)
+        if loan is None:
+            loan = self._staging.loan = self._param_write_pool.acquire(bp.nbytes)
+        return loan.view(bp.dtype, bp.numel)
+
     def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor]) -> None:
         s0, s1 = block.shard
+        if block.params is not None:
+            bp = block.params
+            target = self._home_target(block)
+            with self.telemetry.span("offload::param_writeback", "nvme_write" if bp.on_nvme else None,
+                                     bp.nbytes if bp.on_nvme else 0):
+                if out is None:
+                    target[s0:s1].copy_(master)
+                bp.write_home(target)
+            loan = getattr(self._staging, "loan", None)
+            if loan is not None:
+                self._staging.loan = None
+                loan.release()
+            return
         dst = block.param_flat[s0:s1]
         src = master if out is None else out
         if src.data_ptr() == dst.data_ptr():

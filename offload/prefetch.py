@@ -1,0 +1,111 @@
+"""Trace-based prefetch of offloaded parameter blocks.
+
+During the first step the order in which blocks are requested (forward pre-hooks, saved
+parameters unpacked by backward, reads caught outside a module's forward) is recorded. From
+then on every request advances a cursor along the recorded trace, and the blocks ahead of
+the cursor are kept in flight on each link:
+
+* NVMe -> host: blocks within ``host_lookahead_bytes`` ahead are staged into host buffers;
+* host -> device: blocks within ``device_lookahead_bytes`` ahead are copied to the device,
+  never beyond the device budget (bytes on the device, in flight included).
+
+When a request does not match the trace (control flow, a module used a different number of
+times, eval instead of train) the step counts a miss, the block is served on demand, and the
+new order is recorded and replaces the trace at the end of the step. A block is never read
+ahead while its optimizer update is in flight (``blocked``), so a prefetch never serves
+stale data, and nothing here waits on anything but I/O already issued: it cannot hang.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+from offload.param_residency import BlockParams, ParamState
+from offload.telemetry import Telemetry
+
+
+class Prefetcher:
+    def __init__(self, params: Sequence[Optional[BlockParams]], *, budget: int, device_lookahead: int,
+                 host_lookahead: int, enabled: bool, telemetry: Telemetry, h2d_stream,
+                 blocked: Callable[[int], bool]):
+        self.params = list(params)          # by block index; None: the block is not offloaded
+        self.budget = budget
+        self.device_lookahead = device_lookahead
+        self.host_lookahead = host_lookahead
+        self.enabled = enabled
+        self.telemetry = telemetry
+        self.h2d = h2d_stream
+        self.blocked = blocked
+        self.trace: Optional[List[int]] = None
+        self._recording: List[int] = []
+        self._cursor = 0
+        self._diverged = False
+
+    # ---- the trace ---------------------------------------------------------------------
+    def rewind(self) -> None:
+        """A new step (or forward) starts: install what was recorded, restart the cursor."""
+        # A path that stopped early on the trace (an eval forward) keeps the trace.
+        if self._recording and (self.trace is None or self._diverged):
+            self.trace = self._recording
+            self.telemetry.count("prefetch_retraces")
+        self._recording = []
+        self._cursor = 0
+        self._diverged = False
+
+    def request(self, index: int) -> None:
+        """Block ``index`` is about to be used: account hit/miss, follow or leave the trace."""
+        if self._recording and self._recording[-1] == index:
+            return                              # the same block again: one use
+        self._recording.append(index)
+        bp = self.params[index]
+        hit = bp.state is not ParamState.HOME
+        self.telemetry.count("prefetch_hits" if hit else "prefetch_misses")
+        if self.trace is not None and not self._diverged:
+            if self._cursor < len(self.trace) and self.trace[self._cursor] == index:
+                self._cursor += 1
+            else:
+                self._diverged = True           # another path: on demand until re-recorded
+                self.telemetry.count("prefetch_divergences")
+
+    def upcoming(self) -> List[int]:
+        if not self.enabled or self.trace is None or self._diverged:
+            return []
+        return self.trace[self._cursor:]
+
+    def next_use_within(self, index: int, nbytes: int) -> bool:
+        """Whether ``index`` is used again within the next ``nbytes`` of trace."""
+        seen = 0
+        for i in self.upcoming():
+            if i == index:
+                return True
+            seen += self.params[i].nbytes
+            if seen > nbytes:
+                return False
+        return False
+
+    # ---- keeping blocks in flight ------------------------------------------------------------
+    def device_bytes(self) -> int:
+        return sum(bp.device_bytes for bp in self.params if bp is not None)
+
+    def issue(self) -> None:
+        """Start the copies the lookahead windows allow (called on every request)."""
+        ahead_dev = ahead_host = 0
+        seen = set()
+        for i in self.upcoming():
+            if i in seen:
+                continue
+            seen.add(i)
+            bp = self.params[i]
+            ahead_dev += bp.nbytes
+            ahead_host += bp.nbytes
+            if ahead_host > self.host_lookahead and ahead_dev > self.device_lookahead:
+                break
+            if self.blocked(i):
+                continue                        # its update is in flight: read it later
+            if bp.state is ParamState.HOME and bp.on_nvme and ahead_host <= self.host_lookahead:
+                with self.telemetry.span("offload::prefetch_nvme", "nvme_read", bp.nbytes):
+                    bp.stage()
+            bp.poll()
+            if bp.state is ParamState.STAGED or (bp.state is ParamState.HOME and not bp.on_nvme):
+                if ahead_dev <= self.device_lookahead and self.device_bytes() + bp.nbytes <= self.budget:
+                    with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):
+                        bp.to_device(self.h2d)
