@@ -82,12 +82,66 @@ def ptr(t) -> int:
 
 # ---- CPU Adam ---------------------------------------------------------------------------
 # BEGIN ADAM SECTION
+# Codes of enum offload_dtype / offload_isa in native/offload_native.h.
+DTYPE_NONE, DTYPE_F32, DTYPE_BF16, DTYPE_F16 = -1, 0, 1, 2
+ISA_AUTO = -1
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+
+
+class AdamHparams(ctypes.Structure):
+    """Mirror of offload_adam_hparams: the per-call fp32 scalars (offload/optim/cpu_adam.py
+    derives them in double, as torch does, and ctypes rounds each to fp32)."""
+    _fields_ = [(name, ctypes.c_float) for name in (
+        "grad_scale", "l2", "decay", "lerp_weight", "beta2", "one_minus_beta2",
+        "bias_correction2_sqrt", "eps", "neg_step_size")]
+
+
 def _declare_adam(lib: ctypes.CDLL) -> None:
-    pass
+    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.offload_adam_step.argtypes = [vp, vp, vp, vp, vp, i64, i32, i32, i32, ctypes.POINTER(AdamHparams)]
+    lib.offload_adam_step.restype = i32
+    lib.offload_adam_bandwidth_probe.argtypes, lib.offload_adam_bandwidth_probe.restype = [vp, vp, vp, vp, i64], i32
+    for name in ("offload_adam_set_num_threads", "offload_adam_set_isa"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [i32], i32
+    for name in ("offload_adam_get_num_threads", "offload_adam_isa", "offload_adam_best_isa"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
+
+
+def _adam_check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+def adam_step(L: ctypes.CDLL, param: int, grad: int, exp_avg: int, exp_avg_sq: int, param_copy: int | None,
+              n: int, grad_dtype: int, state_dtype: int, copy_dtype: int, hp: AdamHparams) -> None:
+    """One fused Adam pass on raw addresses. Arguments are checked by the caller
+    (offload/optim/cpu_adam.py); the library re-checks only codes and null pointers."""
+    rc = L.offload_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, n,
+                             grad_dtype, state_dtype, copy_dtype, ctypes.byref(hp))
+    _adam_check(rc, "offload_adam_step")
+
+
+def adam_bandwidth_probe(L: ctypes.CDLL, a: int, b: int, c: int, d: int, n: int) -> None:
+    """a += d; b += d; c += d over n fp32 elements: the fp32 step's 28 bytes/element of traffic."""
+    _adam_check(L.offload_adam_bandwidth_probe(a, b, c, d, n), "offload_adam_bandwidth_probe")
+
+
+def adam_set_num_threads(L: ctypes.CDLL, n: int) -> None:
+    _adam_check(L.offload_adam_set_num_threads(n), f"offload_adam_set_num_threads({n})")
+
+
+def adam_set_isa(L: ctypes.CDLL, isa: str | None) -> None:
+    """Force the kernel's ISA by name (tests, benchmarks); None restores automatic dispatch."""
+    codes = {name: code for code, name in ISA_NAMES.items()}
+    if isa is not None and isa not in codes:
+        raise ValueError(f"unknown ISA {isa!r}: use one of {sorted(codes)} or None")
+    rc = L.offload_adam_set_isa(ISA_AUTO if isa is None else codes[isa])
+    if rc < 0:
+        raise ValueError(f"this CPU cannot run the {isa} kernel (best: {ISA_NAMES[L.offload_adam_best_isa()]})")
 
 
 def _adam_info(lib: ctypes.CDLL) -> dict:
-    return {}
+    return {"isa": ISA_NAMES[lib.offload_adam_isa()], "threads": lib.offload_adam_get_num_threads()}
 # END ADAM SECTION
 
 

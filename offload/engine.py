@@ -97,7 +97,7 @@ class Engine:
             self._release_storage()
             raise
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
-        self._overlap = (config.overlap_step and config.gradient_clipping == 0.0 and config.precision != "fp16")
+        self._overlap = self._overlap_possible()
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
                                      compute_device=self.device, copy_param=self.dtype == torch.float32,
@@ -135,7 +135,15 @@ class Engine:
         grad_dtype = self._grad_dtype()
         grad_bytes = [lay.padded_numel * torch.empty((), dtype=grad_dtype).element_size() for lay in self.layouts]
         host_slots = []
-        if self.tier is not Tier.DEVICE:
+        self._grad_pool = None
+        # Without a global dependency and without accumulation a block's gradients are
+        # consumed by its update right away: borrow gradient buffers from a bounded pool.
+        pooled_grads = self._overlap_possible() and cfg.gradient_accumulation_steps == 1
+        if self.tier is not Tier.DEVICE and pooled_grads:
+            n_grad = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 2)
+            self._grad_pool = HostPool([max(grad_bytes)] * min(n_grad, len(grad_bytes)), pin=pin,
+                                       name="offload-grads")
+        elif self.tier is not Tier.DEVICE:
             host_slots += grad_bytes
         if self.tier is Tier.HOST:
             host_slots += state_bytes
@@ -221,6 +229,13 @@ class Engine:
             p.numel() * p.element_size() for p in self.module.parameters()
             if not any(p is s.param for b in self.blocks for s in b.layout.segments))
 
+    def _overlap_possible(self) -> bool:
+        c = self.config
+        return c.overlap_step and c.gradient_clipping == 0.0 and c.precision != "fp16"
+
+    def _jobs_in_flight(self) -> bool:
+        return any(b.pending is not None and not b.pending.done() for b in self.blocks)
+
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
         # kernel reads it directly; with accumulation the host sums in fp32.
@@ -236,14 +251,19 @@ class Engine:
         grad_dtype = self._grad_dtype()
         for lay in self.layouts:
             n = lay.padded_numel
+            blk.materialize_meta(lay)
             master = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             if self.tier is Tier.DEVICE:
                 state = OptimState(self._state_key(lay), n, Tier.DEVICE,
                                    tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
-                gbuf = torch.zeros(n, dtype=grad_dtype, device=self.device)
+                grad = GradBuffer(torch.zeros(n, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
-                gbuf = self._host_pool.acquire(n * torch.empty((), dtype=grad_dtype).element_size()).view(grad_dtype, n)
-                gbuf.zero_()
+                if self._grad_pool is not None:
+                    grad = GradBuffer(None, len(lay.segments), numel=n, dtype=grad_dtype, pool=self._grad_pool,
+                                      has_jobs=self._jobs_in_flight)
+                else:
+                    nb = n * torch.empty((), dtype=grad_dtype).element_size()
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, n), len(lay.segments))
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
                     state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
@@ -263,12 +283,15 @@ class Engine:
                 param_flat = None
                 params.write_home(master.to(self.dtype))
                 params.release_initial()
-            self.blocks.append(BlockShard(lay, param_flat, state, GradBuffer(gbuf, len(lay.segments)), (0, n),
-                                          params=params))
+            self.blocks.append(BlockShard(lay, param_flat, state, grad, (0, n), params=params))
 
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters and buffers go to the device in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if id(t) not in bound and t.is_meta:
+                raise blk.ModelError(f"{name!r} is on the meta device but is not trainable block state: "
+                                     f"materialize frozen parameters and buffers before offload.initialize")
         for m in model.modules():
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in bound:
@@ -457,7 +480,7 @@ class Engine:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
         pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool) if p is not None]
+                             self._param_write_pool, self._grad_pool) if p is not None]
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
@@ -499,7 +522,7 @@ class Engine:
 
     def _release_storage(self) -> None:
         for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
-                  self._param_stage_pool, self._param_write_pool):
+                  self._param_stage_pool, self._param_write_pool, getattr(self, "_grad_pool", None)):
             if r is not None:
                 r.close()
         self._store = self._swap_pool = self._host_pool = self._param_store = None

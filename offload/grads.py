@@ -22,9 +22,18 @@ from offload import device as dev
 
 
 class GradBuffer:
-    def __init__(self, tensor: torch.Tensor, num_segments: int):
-        self.tensor = tensor                          # 1-D, padded numel
+    """With a ``pool`` the buffer is borrowed at the window's first landing and returned
+    when the window is consumed (``reset_window``), so host memory for gradients is bounded
+    by the pool, not the model. ``has_jobs`` tells whether an update in flight will return a
+    buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
+
+    def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
+                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None):
+        self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         self.num_segments = num_segments
+        self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
+        self._pool, self._has_jobs = pool, has_jobs
+        self._loan = None
         self._seen = [False] * num_segments           # landed in the current window
         self.arrived = 0                              # landings in the current backward
         self.events: List = []                        # CUDA copies still in flight
@@ -41,6 +50,8 @@ class GradBuffer:
     def land(self, index: int, offset: int, grad: torch.Tensor, stream) -> None:
         """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
         flat = grad.detach().reshape(-1)
+        if self.tensor is None:
+            self._borrow()
         dst = self.tensor[offset:offset + flat.numel()]
         if not self._seen[index]:
             if dst.device == flat.device:
@@ -62,6 +73,21 @@ class GradBuffer:
             dst.add_(tmp)
         self.arrived += 1
 
+    def _borrow(self) -> None:
+        nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
+        loan = self._pool.try_acquire(nbytes)
+        while loan is None:
+            if not self._has_jobs():
+                # every buffer is held by a block still collecting gradients: allocate
+                self.tensor = torch.empty(self._numel, dtype=self._dtype)
+                return
+            try:
+                loan = self._pool.acquire(nbytes, timeout=0.05)
+            except TimeoutError:
+                pass
+        self._loan = loan
+        self.tensor = loan.view(self._dtype, self._numel)
+
     def wait_landed(self) -> None:
         for ev in self.events:
             dev.sync_event(ev)
@@ -72,11 +98,20 @@ class GradBuffer:
         """Zero the ranges of parameters that got no gradient in this window.
         Returns whether any gradient landed at all."""
         any_seen = any(self._seen)
+        if not any_seen:
+            return False
         for i, s in enumerate(segments):
             if not self._seen[i]:
                 self.tensor[s.offset:s.offset + s.numel].zero_()
         return any_seen
 
     def reset_window(self) -> None:
-        """After the optimizer consumed the buffer: the next landing overwrites."""
+        """After the optimizer consumed the buffer: the next landing overwrites (a borrowed
+        buffer goes back to the pool)."""
         self._seen = [False] * self.num_segments
+        if self._pool is not None and self.tensor is not None:
+            self.wait_landed()
+            self.tensor = None
+            loan, self._loan = self._loan, None
+            if loan is not None:
+                loan.release()

@@ -1,0 +1,527 @@
+"""CPU Adam: parity with torch.optim.AdamW / Adam, the reference, every dtype combination,
+odd sizes and unaligned views, on the native kernel and on the torch fallback.
+
+fp32 parity bound: torch's own fused and single-tensor (foreach=False) kernels differ by a
+few ulp (different operation order; torch.sqrt on CPU floats is not correctly rounded in
+this build). Each test measures that difference on its own data and requires ours to be
+at least as close to foreach=False, with a floor of one ulp of the largest value.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.optim import CPUAdam, adam_step, get_num_threads, reference, set_num_threads
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+SIZES = [1, 7, 15, 17, 1023]
+LARGE = 2**20 + 3
+STEPS = 100
+LR = 1e-2
+MODES = [(True, 0.0), (True, 0.01), (False, 0.0), (False, 0.01)]  # (adamw_mode, weight_decay)
+
+# Documented tolerances for the low-precision combinations, against the reference
+# (on this torch build the native kernel matches the reference bit for bit; the slack
+# covers torch builds whose kernels fuse multiply-adds differently):
+#   fp32 state:  |param diff| <= 1e-6 (a few ulp at |p| ~ 3 after 100 steps at lr 1e-2)
+#   bf16 state:  moments within 1 bf16 ulp (rtol 2**-8); param within 1e-4 (one flipped
+#                rounding of a bf16 moment changes a step by ~0.4 % of lr, over 100 steps)
+PARAM_ATOL_F32_STATE = 1e-6
+PARAM_ATOL_BF16_STATE = 1e-4
+MOMENT_RTOL_BF16 = 2**-8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    """torch's reference runs on one thread: its OpenMP pool slows down ~100x when the 2-core
+    machine is shared with other work, and elementwise results do not depend on it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "native":
+        monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+        try:
+            _native.lib()
+        except ImportError as exc:
+            pytest.skip(str(exc))
+    else:
+        monkeypatch.setenv("OFFLOAD_NATIVE", "off")
+    return request.param
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+    try:
+        L = _native.lib()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    yield L
+    _native.adam_set_isa(L, None)
+
+
+def _grads(n: int, dtype: torch.dtype, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(dtype) for _ in range(steps)]
+
+
+def _param0(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _view(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """A zeroed contiguous view starting `offset` elements into a larger buffer (unaligned)."""
+    return torch.zeros(n + offset + 8, dtype=dtype)[offset:offset + n]
+
+
+def _run_torch(kind: str, p0, grads, adamw: bool, wd: float, betas=(0.9, 0.999)):
+    p = torch.nn.Parameter(p0.clone())
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    kw = {"fused": True} if kind == "fused" else {"foreach": kind == "foreach"}
+    opt = cls([p], lr=LR, betas=betas, weight_decay=wd, **kw)
+    for g in grads:
+        p.grad = g.float()
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def _run_ours(p0, grads, adamw, wd, *, state_dtype=F32, copy_dtype=None, offset=0, grad_scale=1.0,
+              step_fn=adam_step, betas=(0.9, 0.999)):
+    n = p0.numel()
+    p = _view(n, F32, offset + 1 if offset else 0)
+    p.copy_(p0)
+    m, v = _view(n, state_dtype, 3 * offset), _view(n, state_dtype, 5 * offset)
+    copy = None if copy_dtype is None else _view(n, copy_dtype, 7 * offset)
+    for step, g in enumerate(grads, 1):
+        if offset:  # the grad too, at yet another misalignment
+            gv = _view(n, g.dtype, 2 * offset)
+            gv.copy_(g)
+            g = gv
+        step_fn(p, g, m, v, step=step, lr=LR, betas=betas, eps=1e-8, weight_decay=wd,
+                adamw_mode=adamw, param_copy=copy, grad_scale=grad_scale)
+    return p, m, v, copy
+
+
+def _maxdiff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _bound(single, fused, foreach) -> float:
+    floor = torch.finfo(F32).eps * single.abs().max().item()
+    return max(_maxdiff(fused, single), _maxdiff(foreach, single), floor)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_results(n: int, grad_dtype: torch.dtype, adamw: bool, wd: float):
+    """torch foreach=False's (param, exp_avg, exp_avg_sq) after STEPS steps, and the bound
+    for each: how far torch's fused (and, for small n, foreach) kernels are from it.
+    Cached: the native and fallback tests share it; callers must not modify the tensors."""
+    p0, grads = _param0(n), _grads(n, grad_dtype, STEPS)
+    single = _run_torch("single", p0, grads, adamw, wd)
+    fused = _run_torch("fused", p0, grads, adamw, wd)
+    foreach = _run_torch("foreach", p0, grads, adamw, wd) if n < 10**5 else single
+    return single, [_bound(s, f, e) for s, f, e in zip(single, fused, foreach)]
+
+
+def _check_parity(n, grad_dtype, adamw, wd, variants=((None, 0), (BF16, 0), (F16, 1))):
+    """Ours (copy dtypes, aligned and unaligned) against torch foreach=False."""
+    single, bounds = _torch_results(n, grad_dtype, adamw, wd)
+    p0, grads = _param0(n), _grads(n, grad_dtype, STEPS)
+    first = None
+    for copy_dtype, offset in variants:
+        p, m, v, copy = _run_ours(p0, grads, adamw, wd, copy_dtype=copy_dtype, offset=offset)
+        for name, ours, ref, bound in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), single, bounds):
+            assert _maxdiff(ours, ref) <= bound, (name, p0.numel(), copy_dtype, offset, _maxdiff(ours, ref), bound)
+        if copy is not None:
+            assert torch.equal(copy, p.to(copy_dtype)), "param_copy is not the rounded new param"
+        if first is None:
+            first = p
+        else:  # alignment and the copy never change the update
+            assert torch.equal(p, first)
+
+
+@pytest.mark.parametrize("adamw,wd", MODES)
+@pytest.mark.parametrize("grad_dtype", [F32, BF16, F16])
+def test_parity_with_torch(backend, grad_dtype, adamw, wd):
+    for n in SIZES:
+        _check_parity(n, grad_dtype, adamw, wd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend_name,grad_dtype,adamw,wd", [
+    ("native", F32, True, 0.01), ("native", BF16, False, 0.01), ("torch", F32, True, 0.01)])
+def test_parity_with_torch_large(monkeypatch, backend_name, grad_dtype, adamw, wd):
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on" if backend_name == "native" else "off")
+    if backend_name == "native":
+        try:
+            _native.lib()
+        except ImportError as exc:
+            pytest.skip(str(exc))
+    _check_parity(LARGE, grad_dtype, adamw, wd, variants=((BF16, 1),))
+
+
+def _check_against_reference(p0, grads, adamw, wd, state_dtype, copy_dtype, offset, betas=(0.9, 0.999)):
+    ours = _run_ours(p0, grads, adamw, wd, state_dtype=state_dtype, copy_dtype=copy_dtype, offset=offset, betas=betas)
+    ref = _run_ours(p0, grads, adamw, wd, state_dtype=state_dtype, copy_dtype=copy_dtype,
+                    step_fn=reference.adam_step, betas=betas)
+    atol = PARAM_ATOL_F32_STATE if state_dtype == F32 else PARAM_ATOL_BF16_STATE
+    assert _maxdiff(ours[0], ref[0]) <= atol
+    for a, b in zip(ours[1:3], ref[1:3]):
+        if state_dtype == F32:
+            assert _maxdiff(a, b) <= PARAM_ATOL_F32_STATE
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=MOMENT_RTOL_BF16, atol=1e-30)
+    if copy_dtype is not None:
+        assert torch.equal(ours[3], ours[0].to(copy_dtype))
+
+
+@pytest.mark.parametrize("adamw,wd", [(True, 0.01), (False, 0.01)])
+@pytest.mark.parametrize("grad_dtype", [F32, BF16, F16])
+def test_bf16_state_against_reference(backend, grad_dtype, adamw, wd):
+    for i, n in enumerate(SIZES):
+        copy_dtype = [None, BF16, F16][i % 3]
+        _check_against_reference(_param0(n), _grads(n, grad_dtype, STEPS), adamw, wd, BF16, copy_dtype, i % 2)
+
+
+@pytest.mark.slow
+def test_bf16_state_against_reference_large(backend):
+    _check_against_reference(_param0(LARGE), _grads(LARGE, BF16, 20), True, 0.01, BF16, BF16, 1)
+
+
+def test_lerp_weight_above_half(backend):
+    """beta1 < 0.5 takes torch's other lerp formula."""
+    for n in (17, 1023):
+        _check_against_reference(_param0(n), _grads(n, F32, 20), True, 0.01, F32, None, 0, betas=(0.3, 0.999))
+
+
+def test_bf16_state_accuracy_cost(backend):
+    """The memory-saving mode's documented cost (reference.py): steps stay within 25 % of fp32
+    Adam's on this run. A gross error (wrong rounding, state not written back) breaks it."""
+    n = 4096
+    p0, grads = _param0(n), _grads(n, F32, STEPS)
+    p32 = _run_ours(p0, grads, True, 0.0)[0]
+    p16 = _run_ours(p0, grads, True, 0.0, state_dtype=BF16)[0]
+    moved = (p32 - p0).norm()
+    assert ((p16 - p32).norm() / moved).item() < 0.25
+
+
+@pytest.mark.parametrize("grad_dtype", [F32, BF16, F16])
+def test_grad_scale_is_grad_mul(backend, grad_dtype):
+    """grad_scale = c gives bit for bit what multiplying the fp32 gradient by c first gives."""
+    n, c = 1023, 0.37
+    p0, grads = _param0(n), _grads(n, grad_dtype, 20)
+    fused = _run_ours(p0, grads, True, 0.01, grad_scale=c, copy_dtype=BF16, offset=1)
+    premultiplied = _run_ours(p0, [g.to(F32, copy=True).mul_(c) for g in grads], True, 0.01, copy_dtype=BF16)
+    for a, b in zip(fused, premultiplied):
+        assert torch.equal(a, b)
+
+
+def test_grad_scale_matches_torch(backend):
+    """grad.mul_(clip_coef) then torch AdamW: bit-identical on the fallback (torch's fused
+    kernel), within the fused / foreach=False bound on the native kernel."""
+    n, c = 1023, 0.37
+    p0, grads = _param0(n), _grads(n, F32, 20)
+    ours = _run_ours(p0, grads, True, 0.01, grad_scale=c)
+    scaled = [g.mul(c) for g in grads]
+    fused = _run_torch("fused", p0, scaled, True, 0.01)
+    single = _run_torch("single", p0, scaled, True, 0.01)
+    for o, f, s in zip(ours, fused, single):
+        if backend == "torch":
+            assert torch.equal(o, f)
+        else:
+            assert _maxdiff(o, s) <= _bound(s, f, s)
+
+
+def _all_combos():
+    for g in (F32, BF16, F16):
+        for s in (F32, BF16):
+            for c in (None, BF16, F16):
+                yield g, s, c
+
+
+def test_isa_variants_bit_identical(native):
+    """Every SIMD variant and thread count gives the scalar C kernel's bits, for every dtype
+    combination, odd sizes, unaligned views, both lerp branches, and denormal moments."""
+    best = _native.ISA_NAMES[native.offload_adam_best_isa()]
+    isas = [name for code, name in sorted(_native.ISA_NAMES.items()) if code <= native.offload_adam_best_isa()]
+    assert best in isas
+    for g_dtype, s_dtype, c_dtype in _all_combos():
+        for n, offset, adamw, betas in [(1, 0, True, (0.9, 0.999)), (15, 1, False, (0.9, 0.999)),
+                                        (33, 1, True, (0.3, 0.99)), (70001, 1, False, (0.9, 0.999))]:
+            grads = _grads(n, F32, 3)
+            for g in grads:  # every 5th element's moments in the denormal range
+                g[::5] *= 1e-37
+            grads = [g.to(g_dtype) for g in grads]
+            results = []
+            for isa in isas:
+                _native.adam_set_isa(native, isa)
+                results.append(_run_ours(_param0(n), grads, adamw, 0.01, state_dtype=s_dtype,
+                                         copy_dtype=c_dtype, offset=offset, betas=betas))
+            for isa, r in zip(isas[1:], results[1:]):
+                for a, b in zip(r, results[0]):
+                    if a is not None:
+                        assert torch.equal(a, b), (isa, g_dtype, s_dtype, c_dtype, n)
+    _native.adam_set_isa(native, None)
+
+
+def test_thread_count_does_not_change_bits(native):
+    n = LARGE
+    grads = _grads(n, BF16, 3)
+    saved = get_num_threads()
+    try:
+        out = []
+        for threads in (1, 2, 3):
+            set_num_threads(threads)
+            assert get_num_threads() == threads
+            out.append(_run_ours(_param0(n), grads, True, 0.01, copy_dtype=BF16, offset=1))
+        for r in out[1:]:
+            for a, b in zip(r, out[0]):
+                assert torch.equal(a, b)
+    finally:
+        set_num_threads(saved)
+
+
+def test_concurrent_with_torch(backend):
+    """adam_step on a Python thread while the main thread runs torch ops: both results are
+    right, nothing deadlocks, and (native) the GIL is released during the kernel."""
+    n, steps = 1 << 22, 8
+    p0, grads = _param0(n), _grads(n, F32, steps)
+    expected = _run_ours(p0, grads, True, 0.01, copy_dtype=BF16)
+    out = {}
+
+    def worker():
+        out["result"] = _run_ours(p0, grads, True, 0.01, copy_dtype=BF16)
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    ab = a @ b
+    t = threading.Thread(target=worker)
+    t.start()
+    matmuls = 0
+    while t.is_alive() or matmuls < 20:
+        torch.testing.assert_close(a @ b, ab)
+        matmuls += 1
+    t.join(timeout=120)
+    assert not t.is_alive(), "adam_step did not finish: deadlock?"
+    for x, y in zip(out["result"], expected):
+        assert torch.equal(x, y)
+
+
+def test_gil_released(native):
+    n = 1 << 24
+    p, g, m, v = torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n)
+    started = threading.Event()
+
+    def worker():
+        started.set()
+        for step in range(1, 4):
+            adam_step(p, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait()
+    ticks = 0
+    while t.is_alive():
+        ticks += 1
+    t.join()
+    assert ticks > 1000, f"the main thread ran only {ticks} loop iterations during the kernel"
+
+
+def test_concurrent_callers(backend):
+    """Several Python threads calling at once (the native pool serializes them)."""
+    n = 300001
+    jobs = [(_param0(n, seed), _grads(n, F32, 4, seed)) for seed in range(3)]
+    expected = [_run_ours(p0, grads, True, 0.01) for p0, grads in jobs]
+    results = [None] * len(jobs)
+
+    def worker(i):
+        results[i] = _run_ours(*jobs[i], True, 0.01)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    for r, e in zip(results, expected):
+        for a, b in zip(r[:3], e[:3]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pool_after_fork(native):
+    n = 1 << 20
+    p0, grads = _param0(n), _grads(n, F32, 2)
+    expected = _run_ours(p0, grads, True, 0.0)[0]  # the parent's workers are running now
+    pid = os.fork()
+    if pid == 0:  # child: the pool must start fresh workers, not wait for the parent's
+        torch.set_num_threads(1)  # keep torch's own (OpenMP) pool out of the forked child
+        ok = torch.equal(_run_ours(p0, grads, True, 0.0)[0], expected)
+        os._exit(0 if ok else 1)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("adam_step hung in a forked child")
+
+
+# ---- CPUAdam: the torch.optim.Optimizer ------------------------------------------------
+
+def _model_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(8, 5), (5,), (), (3, 4, 2)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _train(opt, params, steps, sched=None, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_cpuadam_matches_torch_with_groups_and_scheduler(backend, adamw):
+    ours_p, ref_p = _model_params(), _model_params()
+
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
+
+    ours = CPUAdam(groups(ours_p), lr=1e-2, weight_decay=0.05, adamw_mode=adamw)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref = cls(groups(ref_p), lr=1e-2, weight_decay=0.05, foreach=False)
+    s1 = torch.optim.lr_scheduler.StepLR(ours, step_size=5, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=5, gamma=0.5)
+    _train(ours, ours_p, 20, s1)
+    _train(ref, ref_p, 20, s2)
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[a][key], ref.state[b][key], rtol=1e-6, atol=1e-9)
+        assert ours.state[a]["step"].item() == ref.state[b]["step"].item() == 20
+
+
+def test_state_dict_round_trip_with_torch_adamw(backend):
+    # CPUAdam -> torch.optim.AdamW
+    ours_p, ref_p = _model_params(), _model_params()
+    ours = CPUAdam(ours_p, lr=1e-2, weight_decay=0.01)
+    _train(ours, ours_p, 5)
+    sd = copy.deepcopy(ours.state_dict())  # load_state_dict would alias our live tensors
+    st = sd["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+    assert st["step"].dtype == F32 and st["step"].dim() == 0 and st["step"].item() == 5
+    with torch.no_grad():
+        for a, b in zip(ref_p, ours_p):
+            a.copy_(b)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.01, foreach=False)
+    ref.load_state_dict(sd)
+    _train(ours, ours_p, 5, seed=4)
+    _train(ref, ref_p, 5, seed=4)
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+    # torch.optim.AdamW -> CPUAdam
+    back = CPUAdam(ours_p, lr=1.0)
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert back.param_groups[0]["adamw_mode"] is True and back.param_groups[0]["lr"] == 1e-2
+    _train(back, ours_p, 5, seed=5)
+    _train(ref, ref_p, 5, seed=5)
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_cpuadam_rejects_non_contiguous_param(backend):
+    p = torch.nn.Parameter(torch.randn(4, 6).t())
+    opt = CPUAdam([p])
+    p.grad = torch.randn(4, 6).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+
+
+# ---- argument checking -----------------------------------------------------------------
+
+def _args(n=8, **over):
+    a = dict(param=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+    a.update(over)
+    return a
+
+
+KW = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("over,extra,exc,match", [
+    (dict(param=torch.zeros(8, dtype=BF16)), {}, TypeError, "param has dtype"),
+    (dict(grad=torch.zeros(8, dtype=torch.int32)), {}, TypeError, "grad has dtype"),
+    (dict(exp_avg=torch.zeros(8, dtype=F16)), {}, TypeError, "exp_avg has dtype"),
+    (dict(exp_avg=torch.zeros(8, dtype=BF16)), {}, TypeError, "same dtype"),
+    (dict(param=torch.zeros(2, 4)), {}, ValueError, r"view\(-1\)"),
+    (dict(grad=torch.zeros(16)[::2]), {}, ValueError, "not contiguous"),
+    (dict(exp_avg_sq=torch.zeros(9)), {}, ValueError, "9 elements"),
+    (dict(param=torch.zeros(8, device="meta")), {}, ValueError, "CPU"),
+    (dict(grad=[0.0] * 8), {}, TypeError, "torch.Tensor"),
+    ({}, dict(param_copy=torch.zeros(8)), TypeError, "param_copy has dtype"),
+    ({}, dict(param_copy=torch.zeros(7, dtype=BF16)), ValueError, "param_copy has 7"),
+    ({}, dict(step=0), ValueError, "step"),
+    ({}, dict(step=1.5), ValueError, "step"),
+    ({}, dict(betas=(1.0, 0.999)), ValueError, "betas"),
+    ({}, dict(lr=float("nan")), ValueError, "lr"),
+    ({}, dict(grad_scale=float("inf")), ValueError, "grad_scale"),
+])
+def test_argument_errors(backend, over, extra, exc, match):
+    args = _args(**over)
+    before = args["param"].clone() if args["param"].device.type == "cpu" else None
+    with pytest.raises(exc, match=match):
+        adam_step(**args, **{**KW, **extra})
+    if before is not None:
+        assert torch.equal(args["param"], before)  # nothing written before the error
+
+
+def test_native_info_and_threads(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_NATIVE", "off")
+    assert offload.native_info()["backend"] == "torch"
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+    try:
+        L = _native.lib()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    info = offload.native_info()
+    assert info["backend"] == "native"
+    assert info["isa"] in _native.ISA_NAMES.values()
+    assert info["isa"] == _native.ISA_NAMES[L.offload_adam_best_isa()]
+    saved = get_num_threads()
+    try:
+        set_num_threads(1)
+        assert offload.native_info()["threads"] == 1 == get_num_threads()
+    finally:
+        set_num_threads(saved)
+    with pytest.raises(ValueError):
+        set_num_threads(0)
+    monkeypatch.setenv("OFFLOAD_NATIVE", "bogus")
+    with pytest.raises(ValueError, match="OFFLOAD_NATIVE"):
+        adam_step(**_args(), **KW)
+
+
+def test_profiler_range(backend):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        adam_step(**_args(), **KW)
+    assert any(e.name == "offload::cpu_adam" for e in prof.events())
