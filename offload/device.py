@@ -106,3 +106,30 @@ def copy_to_host_async(dst: torch.Tensor, src: torch.Tensor, stream):
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
         return record_event(stream)
+
+
+_heap_tuned = False
+
+
+def return_freed_host_memory() -> None:
+    """On a CPU compute device, "device" memory is the process heap: activations, gradients
+    and fetched parameter blocks are large, short-lived host allocations. glibc raises its
+    mmap threshold after such a block is freed and then serves the next ones from the heap,
+    which keeps freed memory resident, so peak RSS grows with model size. Fixing the
+    threshold (``OFFLOAD_MMAP_THRESHOLD`` bytes, default 4 MiB; 0 leaves malloc alone) keeps
+    large allocations mmapped and returned on free. Process-wide, once, glibc only."""
+    global _heap_tuned
+    if _heap_tuned or torch.cuda.is_available():
+        return
+    _heap_tuned = True
+    import ctypes
+    import os
+    threshold = int(os.environ.get("OFFLOAD_MMAP_THRESHOLD", 4 << 20))
+    if threshold <= 0:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune

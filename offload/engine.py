@@ -68,6 +68,7 @@ class Engine:
         self.config = config
         self.module = model
         self.device = dev.compute_device()
+        dev.return_freed_host_memory()
         self.dtype = _DTYPES[config.precision]
         self.telemetry = Telemetry()
         self.optimizer = self._make_optimizer(model, param_groups)
