@@ -144,6 +144,16 @@ static void adam_scalar(const struct adam_job *j, int64_t begin, int64_t end) {
 #define COMBO(g, s, c) (((g) * 2 + (s)) * 4 + (c) + 1)
 
 #ifdef HAVE_X86
+/* The param copy is write-only and leaves by DMA: non-temporal stores put it in memory
+ * without first reading each line in (2 of 30 bytes/element) and without evicting the
+ * state from cache. They need aligned addresses (a head loop aligns the copy; a copy at an
+ * odd byte address, or a short range, uses plain stores) and an sfence before the chunk
+ * is reported done, since they are not ordered by the pool's mutex. */
+#define STREAM_MIN 4096
+static inline int stream_copy(const struct adam_job *j, int64_t begin, int64_t end) {
+    return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN && ((uintptr_t)j->param_copy & 1) == 0;
+}
+
 /* ---- AVX2 + FMA + F16C: 8 lanes, scalar tail ------------------------------------------- */
 #define T256 __attribute__((target("avx2,fma,f16c")))
 #define I256 static inline __attribute__((always_inline)) T256
@@ -165,11 +175,13 @@ I256 __m128i bf16_round256(__m256 x) { /* f32_to_bf16 on 8 lanes */
     return _mm256_castsi256_si128(r);
 }
 
-I256 void st256(void *base, int dtype, int64_t i, __m256 x) {
+I256 void st256(void *base, int dtype, int64_t i, __m256 x, int stream) {
     if (dtype == OFFLOAD_F32) { _mm256_storeu_ps((float *)base + i, x); return; }
     __m128i h = dtype == OFFLOAD_F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                      : bf16_round256(x);
-    _mm_storeu_si128((__m128i *)((uint16_t *)base + i), h);
+    __m128i *q = (__m128i *)((uint16_t *)base + i);
+    if (stream) _mm_stream_si128(q, h); /* q is 16-byte aligned */
+    else _mm_storeu_si128(q, h);
 }
 
 I256 void adam256_range(const struct adam_job *j, int64_t begin, int64_t end, int gdt, int sdt, int cdt) {
@@ -181,6 +193,10 @@ I256 void adam256_range(const struct adam_job *j, int64_t begin, int64_t end, in
     const int l2_on = h->l2 != 0.0f, small = fabsf(h->lerp_weight) < 0.5f;
     const __m256 coeff = _mm256_set1_ps(small ? h->lerp_weight : h->lerp_weight - 1.0f);
     int64_t i = begin;
+    const int stream = stream_copy(j, begin, end);
+    if (stream) /* a scalar head brings the copy to 16-byte alignment */
+        for (int64_t stop = i + (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 15) / 2; i < stop; i++)
+            adam_elem(j, i);
     for (; i + 8 <= end; i += 8) {
         __m256 g = _mm256_mul_ps(ld256(j->grad, gdt, i), gs);
         __m256 p = _mm256_loadu_ps(j->param + i);
@@ -193,11 +209,12 @@ I256 void adam256_range(const struct adam_job *j, int64_t begin, int64_t end, in
         __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
         _mm256_storeu_ps(j->param + i, p);
-        st256(j->exp_avg, sdt, i, m);
-        st256(j->exp_avg_sq, sdt, i, v);
-        if (cdt != OFFLOAD_DTYPE_NONE) st256(j->param_copy, cdt, i, p);
+        st256(j->exp_avg, sdt, i, m, 0);
+        st256(j->exp_avg_sq, sdt, i, v, 0);
+        if (cdt != OFFLOAD_DTYPE_NONE) st256(j->param_copy, cdt, i, p, stream);
     }
     for (; i < end; i++) adam_elem(j, i);
+    if (stream) _mm_sfence(); /* order the streamed copy before the pool reports this chunk done */
 }
 
 T256 static void adam_avx2(const struct adam_job *j, int64_t begin, int64_t end) {
@@ -241,7 +258,7 @@ I512 __m256i bf16_round512(__m512 x, int native_bf16) {
     return r;
 }
 
-I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int full, int native_bf16) {
+I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int full, int native_bf16, int stream) {
     if (dtype == OFFLOAD_F32) {
         if (full) _mm512_storeu_ps((float *)base + i, x);
         else _mm512_mask_storeu_ps((float *)base + i, k, x);
@@ -250,7 +267,8 @@ I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int ful
     __m256i h = dtype == OFFLOAD_F16 ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                      : bf16_round512(x, native_bf16);
     uint16_t *q = (uint16_t *)base + i;
-    if (full) _mm256_storeu_si256((__m256i *)q, h);
+    if (full && stream) _mm256_stream_si256((__m256i *)q, h); /* q is 32-byte aligned */
+    else if (full) _mm256_storeu_si256((__m256i *)q, h);
     else _mm256_mask_storeu_epi16(q, k, h);
 }
 
@@ -258,7 +276,7 @@ struct c512 { __m512 gs, l2, decay, coeff, b2, omb2, bc2, eps, nss; int l2_on, s
 
 /* 16 elements from i (the first `k` lanes when not `full`). */
 I512 void adam512_block(const struct adam_job *j, const struct c512 *c, int64_t i, __mmask16 k,
-                        int full, int gdt, int sdt, int cdt) {
+                        int full, int gdt, int sdt, int cdt, int stream) {
     __m512 g = _mm512_mul_ps(ld512(j->grad, gdt, i, k, full), c->gs);
     __m512 p = ld512(j->param, OFFLOAD_F32, i, k, full);
     if (c->l2_on) g = _mm512_fmadd_ps(c->l2, p, g);
@@ -269,17 +287,24 @@ I512 void adam512_block(const struct adam_job *j, const struct c512 *c, int64_t 
     v = _mm512_fmadd_ps(_mm512_mul_ps(c->omb2, g), g, v);
     __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
-    st512(j->param, OFFLOAD_F32, i, p, k, full, 0);
-    st512(j->exp_avg, sdt, i, m, k, full, c->native_bf16);
-    st512(j->exp_avg_sq, sdt, i, v, k, full, c->native_bf16);
-    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, c->native_bf16);
+    st512(j->param, OFFLOAD_F32, i, p, k, full, 0, 0);
+    st512(j->exp_avg, sdt, i, m, k, full, c->native_bf16, 0);
+    st512(j->exp_avg_sq, sdt, i, v, k, full, c->native_bf16, 0);
+    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, c->native_bf16, stream);
 }
 
 I512 void adam512_range(const struct adam_job *j, const struct c512 *c, int64_t begin, int64_t end,
                         int gdt, int sdt, int cdt) {
     int64_t i = begin;
-    for (; i + 16 <= end; i += 16) adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt, cdt);
-    if (i < end) adam512_block(j, c, i, (__mmask16)((1u << (end - i)) - 1u), 0, gdt, sdt, cdt);
+    const int stream = stream_copy(j, begin, end);
+    if (stream) { /* a masked head brings the copy to 32-byte alignment */
+        int64_t head = (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 31) / 2;
+        if (head) adam512_block(j, c, i, (__mmask16)((1u << head) - 1u), 0, gdt, sdt, cdt, 0);
+        i += head;
+    }
+    for (; i + 16 <= end; i += 16) adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt, cdt, stream);
+    if (i < end) adam512_block(j, c, i, (__mmask16)((1u << (end - i)) - 1u), 0, gdt, sdt, cdt, 0);
+    if (stream) _mm_sfence(); /* order the streamed copy before the pool reports this chunk done */
 }
 
 T512 static void adam_avx512(const struct adam_job *j, int64_t begin, int64_t end, int native_bf16) {

@@ -209,14 +209,14 @@ def test_lerp_weight_above_half(backend):
 
 
 def test_bf16_state_accuracy_cost(backend):
-    """The memory-saving mode's documented cost (reference.py): steps stay within 25 % of fp32
-    Adam's on this run. A gross error (wrong rounding, state not written back) breaks it."""
+    """The memory-saving mode's documented cost (reference.py: 0.4 % of the distance moved
+    after 100 steps); a gross error (wrong rounding, state not written back) breaks 2 %."""
     n = 4096
     p0, grads = _param0(n), _grads(n, F32, STEPS)
     p32 = _run_ours(p0, grads, True, 0.0)[0]
     p16 = _run_ours(p0, grads, True, 0.0, state_dtype=BF16)[0]
     moved = (p32 - p0).norm()
-    assert ((p16 - p32).norm() / moved).item() < 0.25
+    assert ((p16 - p32).norm() / moved).item() < 0.02
 
 
 @pytest.mark.parametrize("grad_dtype", [F32, BF16, F16])

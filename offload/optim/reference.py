@@ -1,5 +1,5 @@
 """The readable reference for offload's CPU Adam / AdamW: the oracle the native kernel is
-tested against, and the torch fallback for dtype combinations torch's fused kernel lacks.
+tested against, and the torch fallback for bf16 state (which torch's fused kernel lacks).
 
 It is torch.optim.Adam/AdamW(foreach=False)'s single-tensor update, written out for one
 flat shard, with three additions the engine needs: a gradient scale, low-precision grads
@@ -24,13 +24,16 @@ Operation order, per element (native/adam.c performs the same IEEE fp32 operatio
 Every scalar (1 - beta1, -lr / bias_correction1, ...) is computed in double from the
 Python floats, then rounded to fp32 where it meets a tensor, as torch does.
 
-Accuracy of bf16 state (the memory-saving mode, 2 bytes instead of 4 per moment): bf16
-keeps 8 significant bits, so a moment moves only when the update changes it by more than
-about 2**-9 of its value. With beta2 = 0.999, exp_avg_sq's per-step change is
-0.001 * (g*g/v - 1) of v: it grows when g*g > ~3 v but cannot decay (0.999 * v rounds back
-to v), so it tracks a running maximum more than a mean and steps come out smaller than
-with fp32 state. exp_avg (beta1 = 0.9, 10 % per step) is affected much less. Use it
-when the memory matters more than matching fp32 Adam exactly.
+Accuracy of bf16 state (the memory-saving mode: 2 bytes instead of 4 per moment, 8
+significant bits): a moment moves only when a step changes it by more than about 2**-9 of
+its value. exp_avg (beta1 = 0.9, ~10 % per step) barely notices. exp_avg_sq with
+beta2 = 0.999 changes by 0.001 * (g*g/v - 1) of v per step: early on (v still building up,
+relative change ~ 1/step) it is fine, but past a few hundred steps it stops decaying
+(0.999 * v rounds back to v) and only rises when g*g > ~3 v, so it drifts above the fp32
+value and steps come out smaller. Measured with N(0, 1) gradients, lr 1e-2: after 100 steps
+the params differ from fp32-state Adam by 0.4 % of the distance they moved, exp_avg_sq by
+0.9 %; after 1000 steps 1.6 % and 6 % (exp_avg_sq biased high). Use it when the memory
+matters more than matching fp32 Adam exactly.
 """
 from __future__ import annotations
 
