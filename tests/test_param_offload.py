@@ -67,31 +67,27 @@ def test_bit_exact_against_no_param_offload(param, clip, tmp_path):
     assert stats["prefetch"]["hits"] > stats["prefetch"]["misses"]
 
 
-@pytest.mark.parametrize("param", ["cpu", "nvme"])
-def test_resume_with_param_offload_is_bit_exact(param, tmp_path):
+def test_resume_with_param_offload_is_bit_exact(tmp_path):
+    """Parameters and optimizer state on NVMe: N steps + save + load in a new process + M
+    steps equals N + M steps, bit for bit."""
     script = tmp_path / "run.py"
     body = RESUME_SCRIPT.format(tests=os.path.dirname(__file__)).replace(
-        '"gradient_clipping": 0.5,',
-        f'"gradient_clipping": 0.5, "offload_param": {{"device": "{param}", "nvme_path": nvme}},')
+        '"gradient_clipping": 0.5,', '"gradient_clipping": 0.5, "offload_param": {"device": "nvme", "nvme_path": nvme},')
+    assert body != RESUME_SCRIPT.format(tests=os.path.dirname(__file__))
     script.write_text(body)
     nv = tmp_path / "nvme"
     nv.mkdir()
     ck = str(tmp_path / "ckpt")
 
     def run(*args):
-        subprocess.run([sys.executable, str(script), "cpu", str(nv), ck, *args], check=True)
+        subprocess.run([sys.executable, str(script), "nvme", str(nv), ck, *args], check=True)
     run(str(tmp_path / "full.pt"), "0", "6", "2")
     run(str(tmp_path / "first.pt"), "0", "4", "0")
     run(str(tmp_path / "resumed.pt"), "4", "6", "1")
     full, resumed = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    assert list(full) == list(resumed)
     assert all(torch.equal(full[k], resumed[k]) for k in full)
-    # and the offloaded run equals the run without parameter offload
-    plain = tmp_path / "plain.py"
-    plain.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(__file__)))
-    subprocess.run([sys.executable, str(plain), "cpu", str(nv), ck + "2", str(tmp_path / "plain.pt"), "0", "6", "2"],
-                   check=True)
-    ref = torch.load(tmp_path / "plain.pt")
-    assert all(torch.equal(full[k], ref[k]) for k in full)
+    assert not torch.equal(torch.load(tmp_path / "first.pt")["tok.weight"], full["tok.weight"])
 
 
 class Wide(nn.Module):
