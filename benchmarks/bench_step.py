@@ -12,7 +12,7 @@ Measured in the same run, interleaved, medians over rounds:
 Exposed time = time the forward spends waiting for updates (``offload::wait_update``) plus
 the ``step()`` call itself. ``exposed_step_fraction`` = exposed / serial optimizer time.
 
-    python benchmarks/bench_step.py            # default: 12 layers x 1M params, ~30 s
+    python benchmarks/bench_step.py            # default: 16 layers x 1M params, ~30 s
     python benchmarks/bench_step.py --large    # 24 layers x 4M params
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def run(mode, args, nvme_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=16)
     p.add_argument("--numel", type=int, default=1 << 20, help="parameters per layer")
     p.add_argument("--fwd-ms", type=float, default=3.0, help="simulated forward compute per layer")
     p.add_argument("--bwd-ms", type=float, default=6.0, help="simulated backward compute per layer")

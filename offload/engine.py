@@ -109,6 +109,7 @@ class Engine:
         self._boundary = False    # the current backward closes an accumulation window
         self._window_submitted = False
         self._completion: List[int] = []       # block completion order in the last backward
+        self._norms: list = []                  # futures of per-block gradient norms (clipping, fp16)
         self._last_order: Optional[List[int]] = None
 
     # ---- construction ---------------------------------------------------------------------
@@ -357,6 +358,8 @@ class Engine:
         self._boundary = (self.micro_step + 1) % gas == 0
         self._window_submitted = False
         self._completion = []
+        if self._boundary:
+            self._norms = []
         for b in self.blocks:
             b.grad.begin_backward()
             if b.pending is not None:     # the grads of this window go into buffers the
@@ -382,6 +385,10 @@ class Engine:
             self.param_offload.on_grads_complete(block.index)
         if self._boundary and self._overlap:
             self._submit(block, grad_scale=1.0)
+        elif self._boundary and self._needs_norm():
+            # the global norm needs every block: compute this block's share now, on a worker,
+            # while backward goes on
+            self._norms.append(self.pipeline.run(self._block_norms, block))
 
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
         if not block.grad.close_window(block.layout.segments):
@@ -404,7 +411,7 @@ class Engine:
         self._boundary = False
         if not self._overlap:
             coef, overflow = 1.0, False
-            if self.config.gradient_clipping > 0 or self.scaler.enabled:
+            if self._needs_norm():
                 with self.telemetry.span("offload::grad_norm"):
                     coef, overflow = self._unscale_clip_coef()
             if overflow:
@@ -424,18 +431,29 @@ class Engine:
             self.param_offload.after_step()
         return True
 
+    def _needs_norm(self) -> bool:
+        return self.config.gradient_clipping > 0 or self.scaler.enabled
+
+    def _block_norms(self, block: BlockShard):
+        """(parameter order, norm) of each parameter of ``block`` that got a gradient in
+        this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
+        block.grad.wait_landed()
+        items = [(self._param_order.get(id(s.param), 0), block.grad.tensor[s.offset - block.shard[0]:][:s.numel])
+                 for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
+        if not items:
+            return []
+        norms = torch._foreach_norm([g for _, g in items], 2.0)
+        return [(o, n) for (o, _), n in zip(items, norms)]
+
     def _unscale_clip_coef(self):
-        """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
-        torch.nn.utils.clip_grad_norm_ does: per-parameter norms, then the norm of those."""
-        per_param = []
-        for b in self.blocks:
-            b.grad.wait_landed()
-            for s in b.layout.segments:
-                a = s.offset - b.shard[0]
-                per_param.append((self._param_order.get(id(s.param), 0), b.grad.tensor[a:a + s.numel]))
+        """(grad_scale for the kernel, overflow) from the global gradient norm: the norm of
+        the per-parameter norms, stacked in model.parameters() order as torch does."""
+        per_param = [item for fut in self._norms for item in fut.result()]
+        self._norms = []
+        if not per_param:
+            return 1.0 / self.scaler.scale, False
         per_param.sort(key=lambda t: t[0])
-        norms = torch._foreach_norm([g for _, g in per_param], 2.0)
-        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for _, n in per_param]), 2.0)
         inv_scale = 1.0 / self.scaler.scale
         if not math.isfinite(total.item()):
             return 1.0, True

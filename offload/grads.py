@@ -88,6 +88,10 @@ class GradBuffer:
         self._loan = loan
         self.tensor = loan.view(self._dtype, self._numel)
 
+    def seen(self, index: int) -> bool:
+        """Whether parameter ``index`` got a gradient in the current window."""
+        return self._seen[index]
+
     def wait_landed(self) -> None:
         for ev in self.events:
             dev.sync_event(ev)

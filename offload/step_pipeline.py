@@ -100,6 +100,10 @@ class StepPipeline:
                 time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
 
     # ---- jobs ------------------------------------------------------------------------------
+    def run(self, fn, *args) -> Future:
+        """Run other per-block work (gradient norms) on the optimizer workers, in order."""
+        return self._pool.submit(fn, *args)
+
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
         fut = self._pool.submit(self._run, block, args)
