@@ -84,6 +84,23 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, stream=None):
         return record_event(stream)
 
 
+def empty_on(stream, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A device buffer allocated from ``stream``'s share of the caching allocator, so memory
+    that the compute stream freed (and may still be reading) is never handed to a copy on
+    ``stream``. Whoever reads it on another stream marks it with ``mark_used``."""
+    if stream is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    with torch.cuda.stream(stream):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def mark_used(tensor: torch.Tensor, stream) -> None:
+    """``tensor`` is read by work queued on ``stream``: its memory is not reused before
+    that work completes."""
+    if stream is not None and tensor.is_cuda:
+        tensor.record_stream(stream)
+
+
 def synchronize(device: torch.device) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(device)

@@ -397,7 +397,7 @@ class Engine:
         groups = tuple((g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
                        for g in self.optimizer.param_groups)
         args = StepArgs(step=block.stepped + 1, groups=groups, adamw=self.config.optimizer.type == "AdamW",
-                        grad_scale=grad_scale)
+                        grad_scale=grad_scale, compute_done=dev.record_event(dev.current_stream(self.device)))
         self.pipeline.submit(block, args)
 
     def step(self) -> bool:

@@ -129,7 +129,7 @@ class BlockParams:
             if self.device.type == "cpu":
                 self.device_buf = src          # host memory is device memory: no copy
             else:
-                self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                self.device_buf = dev.empty_on(h2d_stream, self.numel, self.dtype, self.device)
                 self._event = dev.copy_(self.device_buf, src, h2d_stream)
             self.state = ParamState.FETCHING
 
@@ -143,7 +143,9 @@ class BlockParams:
             if self.state is ParamState.FETCHING:
                 ev, self._event = self._event, None
                 if ev is not None:
-                    dev.wait_event(dev.current_stream(self.device), ev)
+                    compute = dev.current_stream(self.device)
+                    dev.wait_event(compute, ev)
+                    dev.mark_used(self.device_buf, compute)
                     if self.on_nvme:           # the host buffer may go back once the copy is done
                         dev.sync_event(ev)
                         self._drop_host()

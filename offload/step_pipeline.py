@@ -35,6 +35,9 @@ class StepArgs:
     groups: tuple                  # per param group: (lr, beta1, beta2, eps, weight_decay)
     adamw: bool
     grad_scale: float = 1.0        # 1 / loss_scale * clip_coef, applied in the kernel
+    compute_done: object = None    # CUDA event: the compute stream's work queued before the
+                                   # submission (the block's backward) ends here; the new
+                                   # parameters are not written to the device before it fires
 
 
 class StepPipeline:
@@ -137,7 +140,7 @@ class StepPipeline:
                 adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=args.step, lr=lr,
                           betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=args.adamw,
                           param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale)
-        self._write_params(block, master, out)
+        self._write_params(block, master, out, args.compute_done)
         block.stepped = args.step
         if st.tier is Tier.NVME:
             with self.telemetry.span("offload::state_write", "nvme_write", st.nbytes):
@@ -154,8 +157,8 @@ class StepPipeline:
         s0, s1 = block.shard
         if block.params is not None:
             return None if self._copy_param else self._home_target(block)[s0:s1]
-        if self._copy_param:
-            return None
+        if self._copy_param or block.state.tier is Tier.DEVICE:
+            return None   # copied (and cast) from the master afterwards
         if not block.param_flat.is_cuda:
             return block.param_flat[s0:s1]
         buf = getattr(self._staging, "buf", None)
@@ -176,7 +179,8 @@ class StepPipeline:
             loan = self._staging.loan = self._param_write_pool.acquire(bp.nbytes)
         return loan.view(bp.dtype, bp.numel)
 
-    def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor],
+                      compute_done=None) -> None:
         s0, s1 = block.shard
         if block.params is not None:
             bp = block.params
@@ -195,7 +199,13 @@ class StepPipeline:
         src = master if out is None else out
         if src.data_ptr() == dst.data_ptr():
             return
+        if src.device == dst.device:      # tier none: the master is on the device already
+            with torch.no_grad():
+                dst.copy_(src)
+            return
         with self.telemetry.span("offload::param_h2d", "h2d", dst.numel() * dst.element_size()):
+            # kernels of the block's backward may still be queued: they read these parameters
+            dev.wait_event(self._h2d, compute_done)
             ev = dev.copy_(dst, src, self._h2d)
             # The staging buffer is reused by this worker's next job: wait for the copy here,
             # on the worker thread; the compute stream waits on update_event, not the host.
