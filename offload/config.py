@@ -531,6 +531,12 @@ def _plain(m: Mapping) -> dict:
     return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in m.items()}
 
 
+def build_config(d: Mapping[str, Any]) -> Config:
+    """Validate a dict already in this engine's layout (as ``flags_to_dict`` returns it),
+    without DeepSpeed detection."""
+    return _build(Config, d, "")
+
+
 def from_flags(argv) -> Config:
     """A Config from command-line flags, e.g. ``["--offload-optimizer", "nvme", "--nvme-path", d]``."""
     import argparse
@@ -544,7 +550,7 @@ def from_flags(argv) -> Config:
     ns, extra = parser.parse_known_args(list(argv))
     if extra:
         raise ConfigError(unknown_flag_message(parser, extra[0]))
-    return _build(Config, flags_to_dict(ns), "")
+    return build_config(flags_to_dict(ns))
 
 
 def unknown_flag_message(parser, arg: str) -> str:

@@ -1,0 +1,304 @@
+"""Memory estimator: bytes per tier for every placement of optimizer state and parameters.
+
+A model is described by a ``ModelSpec`` (parameter count, largest layer, largest block), made
+from plain numbers, a Hugging Face ``config.json`` (GPT-2 and Llama-style families counted
+from the config's fields, no ``transformers`` needed) or a ``module:callable`` built on the
+meta device. ``estimate()`` gives, for each placement (offload_optimizer x offload_param, each
+none | cpu | nvme), the bytes needed on each tier, per the formulas below, and ``check_fit()``
+compares them with this machine's free memory and disk.
+
+Formulas (model states only; activations come on top, on the device). P parameters, W ranks,
+p bytes per parameter at the compute precision (4 fp32, 2 bf16/fp16), B the largest block
+(the engine's unit of residency and I/O: a transformer layer, the embedding), P' = P / W:
+
+  optimizer state: fp32 master (only when p < 4: in fp32 the parameter is the master) + Adam's
+  two fp32 moments -> S = 8 or 12 bytes/param on the device; offloaded, the host keeps its own
+  fp32 master, so 12 bytes/param, plus a 4 byte/param fp32 gradient accumulation buffer.
+
+  device   params: p*P on the device, or a window of 2 blocks (in use + prefetched) when offloaded
+           grads : p*P (no offload), p*P' (params offloaded, optimizer on device: ZeRO-3
+                   reduce-scatter), or a window of 2 blocks (streamed out to the host)
+           state : S*P' when the optimizer stays on the device (ZeRO-1/2 sharding)
+  pinned   2 blocks at p bytes per link direction (H2D params, D2H grads) whenever something is
+           offloaded; p*P' for parameters offloaded to the CPU (their home is pinned for H2D);
+           ``buffer_count`` swap slots of one block's shard for each NVMe tier (12 bytes/param
+           for optimizer state, p for parameters)
+  host     12*P' state when the optimizer is on the CPU; 4*P' fp32 gradient buffer whenever
+           the optimizer is offloaded (to cpu or nvme)
+  nvme     12*P' optimizer state (offload_optimizer nvme) + p*P' parameters (offload_param nvme)
+
+Host and NVMe figures are per node (all W ranks on this node), device figures per rank. These
+are DeepSpeed's ``estimate_zero2/zero3_model_states_mem_needs`` accountings made specific to
+this engine (pinned buffers, swap slots and NVMe space added; no 1.5x "buffer factor": the
+engine's buffers are counted one by one); ``deepspeed_reference()`` gives DeepSpeed's own figures.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import psutil
+
+TIERS = ("none", "cpu", "nvme")
+BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class EstimateError(ValueError):
+    """A model description that cannot be used; the message says what to give instead."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    params: int                 # unique parameters (tied weights counted once)
+    largest_layer: int          # most parameters held directly by one module (DeepSpeed's term)
+    largest_block: int          # most parameters in one block (a transformer layer or the embedding)
+    name: str = "model"
+    n_blocks: int = 1           # blocks the engine would build (pipeline depth of the step)
+    exact: bool = True          # False when the counts are approximations
+
+    def describe(self) -> str:
+        approx = "" if self.exact else " (approximate)"
+        return (f"{self.name}: {human_count(self.params)} parameters{approx}, largest layer "
+                f"{human_count(self.largest_layer)}, largest block {human_count(self.largest_block)}, "
+                f"{self.n_blocks} blocks")
+
+
+def human_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+# ---- model descriptions -----------------------------------------------------------------------
+def spec_from_counts(params: float, largest_layer: Optional[float] = None,
+                     n_blocks: Optional[int] = None) -> ModelSpec:
+    """From numbers. Without ``largest_layer`` a transformer-like 1/12 of the model is assumed."""
+    if params is None or params <= 0:
+        raise EstimateError(f"--params={params!r} must be > 0, e.g. --params 7e9")
+    exact = largest_layer is not None
+    if largest_layer is None:
+        largest_layer = params / 12
+    if largest_layer <= 0 or largest_layer > params:
+        raise EstimateError(f"--largest-layer={largest_layer!r} must be > 0 and <= --params")
+    blocks = n_blocks or max(1, int(round(params / largest_layer)))
+    return ModelSpec(int(params), int(largest_layer), int(largest_layer), "model", blocks, exact)
+
+
+def spec_from_module(model, name: str = "model") -> ModelSpec:
+    """From a built module (the meta device is fine), blocked the way the engine blocks it
+    (``offload.blocks.auto_block_roots``); a tied parameter is counted once, in its first block."""
+    from offload.blocks import auto_block_roots
+    modules = dict(model.named_modules())
+    claimed = set()
+    blocks = []
+    for root in auto_block_roots(model):
+        n = 0
+        for p in modules[root].parameters():
+            if id(p) not in claimed:
+                claimed.add(id(p))
+                n += p.numel()
+        blocks.append(n)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
+    if rest:
+        blocks.append(rest)
+    blocks = [b for b in blocks if b]
+    if not blocks:
+        raise EstimateError(f"{name} has no parameters")
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True)
+
+
+def spec_from_callable(target: str) -> ModelSpec:
+    """``pkg.mod:fn`` -> fn() built on the meta device (no memory, no weights)."""
+    import torch
+    mod_name, sep, fn_name = target.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise EstimateError(f"--model {target!r} must be module:callable, e.g. offload.gpt:gpt2_small")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise EstimateError(f"--model {target!r}: cannot import {mod_name!r} ({exc})") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise EstimateError(f"--model {target!r}: {mod_name} has no callable {fn_name!r}")
+    with torch.device("meta"):
+        model = fn()
+    if not isinstance(model, torch.nn.Module):
+        raise EstimateError(f"--model {target!r} returned {type(model).__name__}, not an nn.Module")
+    return spec_from_module(model, target)
+
+
+def spec_from_hf_config(path: str) -> ModelSpec:
+    """Parameter counts from a Hugging Face config.json: GPT-2 style (n_embd, n_layer) and
+    Llama style (hidden_size, intermediate_size, num_hidden_layers, ...: Llama, Mistral,
+    Mixtral, Qwen2, Gemma ...). Other families are approximated as 12*d^2 per layer."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise EstimateError(f"--hf-config {path!r} does not exist: give a config.json or its directory")
+    with open(path) as f:
+        try:
+            c = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise EstimateError(f"--hf-config {path!r} is not valid JSON: {exc}") from None
+    if isinstance(c.get("text_config"), dict):      # multimodal wrappers: count the language model
+        c = {**c["text_config"], "model_type": c["text_config"].get("model_type", c.get("model_type"))}
+    name = str(c.get("_name_or_path") or c.get("model_type") or os.path.basename(os.path.dirname(os.path.abspath(path))))
+    if "n_embd" in c and "n_layer" in c:
+        return _gpt2_counts(c, name)
+    if "hidden_size" in c and "num_hidden_layers" in c:
+        return _llama_counts(c, name)
+    raise EstimateError(f"--hf-config {path!r}: no n_embd/n_layer or hidden_size/num_hidden_layers "
+                        "fields; give --params and --largest-layer instead")
+
+
+def _gpt2_counts(c: dict, name: str) -> ModelSpec:
+    d, L, V = int(c["n_embd"]), int(c["n_layer"]), int(c.get("vocab_size", 50257))
+    pos = int(c.get("n_positions", c.get("n_ctx", 1024)))
+    inner = int(c.get("n_inner") or 4 * d)
+    per_layer = (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (2 * d) + (d * inner + inner) + (inner * d + d)
+    embed = V * d
+    tied = c.get("tie_word_embeddings", True)
+    total = embed + pos * d + L * per_layer + 2 * d + (0 if tied else embed)
+    largest_layer = max(embed, d * inner, 3 * d * d)
+    return ModelSpec(total, largest_layer, max(per_layer, embed), name, L + 2, True)
+
+
+def _llama_counts(c: dict, name: str) -> ModelSpec:
+    d, L, V = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c.get("vocab_size", 32000))
+    heads = int(c.get("num_attention_heads", max(d // 128, 1)))
+    kv = int(c.get("num_key_value_heads") or heads)
+    hd = int(c.get("head_dim") or d // heads)
+    exact = "intermediate_size" in c
+    inter = int(c.get("intermediate_size") or 4 * d)
+    bias = bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))
+    attn = d * heads * hd + 2 * d * kv * hd + heads * hd * d
+    if bias:
+        attn += heads * hd + 2 * kv * hd
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 1)
+    mlp = 3 * d * inter * experts + (d * experts if experts > 1 else 0)
+    per_layer = attn + mlp + 2 * d
+    embed = V * d
+    tied = bool(c.get("tie_word_embeddings", False))
+    total = embed + L * per_layer + d + (0 if tied else embed)
+    largest_layer = max(embed, d * inter, d * heads * hd)
+    return ModelSpec(total, largest_layer, max(per_layer, embed), name, L + (2 if tied else 3), exact)
+
+
+# ---- the estimate ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    optimizer: str              # offload_optimizer.device
+    param: str                  # offload_param.device
+    device: int                 # bytes per rank
+    pinned: int                 # bytes per node (page-locked host memory)
+    host: int                   # bytes per node (pageable host memory)
+    nvme: int                   # bytes per node
+
+    @property
+    def host_total(self) -> int:
+        return self.pinned + self.host
+
+    @property
+    def label(self) -> str:
+        return f"optimizer={self.optimizer} param={self.param}"
+
+
+def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str = "bf16",
+                    world_size: int = 1, buffer_count: int = 4) -> Placement:
+    """Bytes per tier for one placement (see the module docstring for the formulas)."""
+    if optimizer not in TIERS or param not in TIERS:
+        raise EstimateError(f"placement optimizer={optimizer!r} param={param!r}: use none, cpu or nvme")
+    if precision not in BYTES_PER_PARAM:
+        raise EstimateError(f"--precision={precision!r} is not valid: use fp32, bf16 or fp16")
+    if world_size < 1:
+        raise EstimateError(f"--world-size={world_size!r} must be >= 1")
+    p = BYTES_PER_PARAM[precision]
+    P, B, W = spec.params, spec.largest_block, world_size
+    shard = -(-P // W)                      # P' = ceil(P / W)
+    block_shard = -(-B // W)
+    state = 12 if p < 4 else 8              # on-device optimizer: (master) + exp_avg + exp_avg_sq
+    window = 2 * B * p                      # two blocks in flight on the device
+
+    params_dev = P * p if param == "none" else window
+    if optimizer == "none":
+        grads_dev = P * p if param == "none" else shard * p
+        state_dev = state * shard
+    else:
+        grads_dev, state_dev = window, 0
+    device = params_dev + grads_dev + state_dev
+
+    offloaded = optimizer != "none" or param != "none"
+    pinned = 2 * window if offloaded else 0
+    pinned += shard * p if param == "cpu" else 0
+    pinned += buffer_count * block_shard * 12 if optimizer == "nvme" else 0
+    pinned += buffer_count * block_shard * p if param == "nvme" else 0
+    host = (12 * shard if optimizer == "cpu" else 0) + (4 * shard if optimizer != "none" else 0)
+    nvme = (12 * shard if optimizer == "nvme" else 0) + (p * shard if param == "nvme" else 0)
+    return Placement(optimizer, param, device, pinned * W, host * W, nvme * W)
+
+
+def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1,
+             buffer_count: int = 4) -> List[Placement]:
+    """All nine placements, least offload first."""
+    return [placement_bytes(spec, o, p, precision, world_size, buffer_count) for o in TIERS for p in TIERS]
+
+
+def deepspeed_reference(spec: ModelSpec, world_size: int = 1) -> Dict[str, Dict[str, int]]:
+    """DeepSpeed's own figures (fp16/bf16 mixed precision, one node, zero_init, buffer factor 1.5):
+    ``estimate_zero2_model_states_mem_needs`` and ``estimate_zero3_model_states_mem_needs``."""
+    P, LL, W, f = spec.params, spec.largest_layer, world_size, 1.5
+    return {
+        "zero2 optimizer=cpu": {"device": 2 * P, "host": int(P * max(4 * W, 16) * f)},
+        "zero2 optimizer=none": {"device": 4 * P + int(16 * P / W), "host": int(P * 4 * W * f)},
+        "zero3 optimizer=cpu param=cpu": {"device": 4 * LL, "host": int(P * 18 * f)},
+        "zero3 optimizer=cpu param=none": {"device": 4 * LL + int(2 * P / W), "host": int(P * 16 * f)},
+        "zero3 optimizer=none param=none": {"device": 4 * LL + int(18 * P / W), "host": int(LL * 4 * W * f)},
+    }
+
+
+# ---- this machine ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    device_bytes: Optional[int]     # free accelerator memory per rank; None: unknown
+    device_name: str
+    host_available: int             # psutil available
+    nvme_free: int                  # free bytes at nvme_path
+    nvme_path: str
+
+
+def this_machine(nvme_path: Optional[str] = None, device_memory: Optional[int] = None) -> Machine:
+    import torch
+    name = "cpu (no accelerator)"
+    if device_memory is None and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        device_memory, name = free, torch.cuda.get_device_name()
+    elif device_memory is not None:
+        name = "given (--device-memory)"
+    path = nvme_path or tempfile.gettempdir()
+    if not os.path.isdir(path):
+        raise EstimateError(f"--nvme-path {path!r} does not exist: give an existing directory")
+    return Machine(device_memory, name, psutil.virtual_memory().available, shutil.disk_usage(path).free, path)
+
+
+# Margins: a tier "fits" when the need stays under this share of what is free.
+DEVICE_MARGIN, HOST_MARGIN, NVME_MARGIN = 0.9, 0.8, 0.95
+
+
+def check_fit(pl: Placement, m: Machine) -> Dict[str, Optional[bool]]:
+    """Per tier: True / False, or None where the free amount is unknown (no accelerator)."""
+    dev = None if m.device_bytes is None else pl.device <= DEVICE_MARGIN * m.device_bytes
+    return {"device": dev,
+            "host": pl.host_total <= HOST_MARGIN * m.host_available,
+            "nvme": pl.nvme <= NVME_MARGIN * m.nvme_free}
+
+
+def fits(pl: Placement, m: Machine) -> bool:
+    """Fits on every tier whose capacity is known."""
+    return all(v is not False for v in check_fit(pl, m).values())

@@ -1,0 +1,571 @@
+"""Tier planner: measure this machine, predict the step time of each placement, rank them.
+
+Profile. ``measure_profile()`` measures (or ``Profile.load`` reads back) the rates the step
+depends on: the CPU Adam rate (``offload.optim.adam_step``, the engine's kernel; torch's fused
+AdamW when that is missing), the device's Adam rate (torch AdamW on the device, for placements
+that keep the optimizer there), host<->device copy bandwidth (pinned ``torch`` copies; on a
+CPU-only machine the "link" is a host memcpy), NVMe write and read bandwidth and per-request
+latency (through ``offload.storage.NvmeStore``, O_DIRECT, one block-sized request at a time as
+the engine's optimizer pipeline issues them; else plain file I/O with fsync and
+``posix_fadvise(DONTNEED)`` so the page cache does not flatter the numbers) and the device's
+matmul rate.
+
+Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). Terms, seconds:
+
+    compute   F + Bw: forward and backward, measured for the model on the device with no
+              offload (``measure_compute``); for a model known only by its size,
+              6 * params * tokens / matmul rate, split 1:2
+    adam      params / (CPU Adam rate) when the optimizer is offloaded, else
+              params / (device Adam rate), run on the device (on a CPU-only machine the
+              engine's device optimizer is the CPU kernel on the CPU: the CPU Adam rate)
+    d2h       gradient bytes leaving the device, every micro-step (grad dtype as the engine's)
+    h2d       updated parameters going back (optimizer offloaded), and offloaded parameters
+              fetched for forward and backward (2 x p x params per micro-step)
+    nvme      state read + write (12 bytes/param each way) and parameter reads/writes, one
+              request per block: requests x latency + bytes / bandwidth, per direction (one
+              disk: reads and writes add up)
+
+Terms are grouped by the resource that executes them: the device (compute, device Adam),
+the CPU (CPU Adam), each link, the disk. On a CPU-only machine the device IS the CPU: compute,
+both Adams and the "link" copies share one group. The step is a pipeline over ``n`` blocks:
+
+    overlapped (overlap_step, no clipping, not fp16): the CPU step of a block starts when its
+      gradients land, during backward, and the next forward of a block waits only for that
+      block:       step = max(groups) + (sum(groups) - max(groups)) / n
+    global (clipping or fp16): the step waits for the whole backward (the global norm), then
+      overlaps only the next forward:
+                   step = Bw + max(F, rest) + (F + rest - max(F, rest)) / n
+      where rest is the largest non-device group;
+    serial (overlap_step false): every term adds up.
+
+The ``(sum - max) / n`` is the exposed part: the first block's fetch and the last block's
+update cannot hide behind anything. Activation memory is not modelled (see estimate.py for the
+memory side). When the model fits on the device without offload, that placement has no
+transfers at all and wins: offloading a model that fits only slows it down, and the planner
+says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from offload.estimate import TIERS, Machine, ModelSpec, Placement, check_fit, placement_bytes
+
+BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Profile:
+    """Measured rates of one machine (JSON round-trips with ``save``/``load``)."""
+    device: str                         # "cpu" or the CUDA device name
+    cpu_threads: int
+    adam_params_per_s: float            # CPU Adam
+    adam_backend: str
+    device_adam_params_per_s: float     # torch AdamW on the compute device
+    h2d_gbps: float
+    d2h_gbps: float
+    host_memcpy_gbps: float
+    nvme_read_gbps: float               # bandwidth of one request at a time, large requests
+    nvme_write_gbps: float
+    nvme_read_latency_s: float          # fixed cost per request (t = latency + bytes / bandwidth)
+    nvme_write_latency_s: float
+    io_backend: str
+    nvme_path: str
+    matmul_tflops: float
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    def save(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"profile {path!r} does not exist: measure one with --save-profile {path}")
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"profile {path!r} is not valid JSON: {exc}") from None
+        names = set(cls.__dataclass_fields__)
+        missing = names - set(d) - {"created"}
+        if missing:
+            raise ValueError(f"profile {path!r} lacks {sorted(missing)}: measure it again with --save-profile")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---- measurements -------------------------------------------------------------------------------
+def _best_rate(fn: Callable[[], None], work: float, repeat: int = 3) -> float:
+    """work / best time of ``repeat`` runs after one warm-up (best: other load only slows runs)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return work / max(best, 1e-9)
+
+
+def measure_cpu_adam(numel: int = 4 << 20) -> Tuple[float, str]:
+    """(parameters per second, backend) of the CPU Adam the engine uses."""
+    p = torch.randn(numel)
+    g = torch.randn(numel) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    try:
+        from offload.optim import adam_step
+        from offload import native_info
+        backend = f"offload.optim ({native_info().get('backend', '?')})"
+
+        def run():
+            adam_step(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    except ImportError:
+        backend = "torch fused AdamW"
+        step = torch.tensor(1.0)
+
+        def run():
+            torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    return _best_rate(run, numel), backend
+
+
+def measure_device_adam(device: torch.device, numel: int = 4 << 20) -> float:
+    p = torch.nn.Parameter(torch.randn(numel, device=device))
+    p.grad = torch.randn(numel, device=device) * 1e-3
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+
+    def run():
+        opt.step()
+        _sync(device)
+    return _best_rate(run, numel)
+
+
+def measure_links(device: torch.device, nbytes: int = 64 << 20) -> Tuple[float, float, float]:
+    """(h2d, d2h, host memcpy) in GB/s. Without CUDA, h2d = d2h = host memcpy."""
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    b = torch.empty(nbytes, dtype=torch.uint8)
+    a.fill_(1)
+    memcpy = _best_rate(lambda: b.copy_(a), nbytes / 1e9)
+    if device.type != "cuda":
+        return memcpy, memcpy, memcpy
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def d2h():
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+    return _best_rate(h2d, nbytes / 1e9), _best_rate(d2h, nbytes / 1e9), memcpy
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)     # O_DIRECT wants 4096-aligned buffers
+    start = (-raw.data_ptr()) % 4096
+    buf = raw[start:start + nbytes]
+    buf.fill_(7)
+    return buf
+
+
+def measure_nvme(path: Optional[str] = None, sizes: Tuple[int, int] = (2 << 20, 16 << 20),
+                 total: int = 64 << 20) -> Tuple[Tuple[float, float], Tuple[float, float], str]:
+    """((read GB/s, read latency s), (write GB/s, write latency s), backend) of swap-file I/O
+    under ``path``, the way the engine moves optimizer state and parameters: one request per
+    block, one at a time, on files written once before (the first write of a fresh extent
+    costs more than the steady state). Requests of two sizes give t = latency + bytes / bw."""
+    path = path or tempfile.gettempdir()
+    try:
+        from offload.storage import NvmeStore
+    except ImportError:
+        return (*_measure_file_io(path, total, sizes), "file I/O (fsync, fadvise DONTNEED)")
+    per = {"read": [], "write": []}
+    with NvmeStore(path, name="plan-probe") as store:
+        for size in sizes:
+            keys = [f"s{size}-{i}" for i in range(max(2, total // size // 2))]
+            store.reserve({k: size for k in keys})
+            buf = _aligned(size)
+            for k in keys:
+                store.write(k, buf).wait()
+
+            def one_at_a_time(op):
+                ts = []
+                for k in keys:
+                    t = time.perf_counter()
+                    op(k, buf).wait()
+                    ts.append(time.perf_counter() - t)
+                return statistics.median(ts)
+            per["write"].append(min(one_at_a_time(store.write) for _ in range(2)))
+            per["read"].append(min(one_at_a_time(store.read) for _ in range(2)))
+        backend = f"NvmeStore ({store.backend}{', O_DIRECT' if store.direct else ', buffered'})"
+    return _fit(sizes, per["read"]), _fit(sizes, per["write"]), backend
+
+
+def _fit(sizes: Tuple[int, int], times: List[float]) -> Tuple[float, float]:
+    """(GB/s, latency s) of t = latency + bytes / bandwidth through two (size, time) points."""
+    (s1, s2), (t1, t2) = sizes, times
+    if t2 > t1:
+        bw = (s2 - s1) / (t2 - t1)
+        lat = t1 - s1 / bw
+        if lat >= 0:
+            return bw / 1e9, lat
+    return s2 / t2 / 1e9, 0.0     # noise made the points inconsistent: bandwidth alone
+
+
+def _measure_file_io(path: str, total: int, sizes: Tuple[int, int]):
+    """Without NvmeStore: plain file writes (fsync'd) and reads (after fadvise DONTNEED, so the
+    page cache does not flatter them), one request at a time, fitted like measure_nvme."""
+    fd, name = tempfile.mkstemp(dir=path, prefix=".offload-plan-")
+    try:
+        per = {"read": [], "write": []}
+        for size in sizes:
+            data = memoryview(os.urandom(size))
+            n = max(2, total // size // 2)
+
+            def write():
+                os.lseek(fd, 0, os.SEEK_SET)
+                t = time.perf_counter()
+                for _ in range(n):
+                    os.write(fd, data)
+                    os.fsync(fd)
+                return (time.perf_counter() - t) / n
+
+            def read():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.lseek(fd, 0, os.SEEK_SET)
+                t = time.perf_counter()
+                for _ in range(n):
+                    os.read(fd, size)
+                return (time.perf_counter() - t) / n
+            write()
+            per["write"].append(min(write() for _ in range(2)))
+            per["read"].append(min(read() for _ in range(2)))
+        return _fit(sizes, per["read"]), _fit(sizes, per["write"])
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Dense matmul TFLOP/s on the device."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def run():
+        for _ in range(4):
+            a @ b
+        _sync(device)
+    return _best_rate(run, 4 * 2 * n ** 3 / 1e12)
+
+
+def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
+                    device: Optional[torch.device] = None) -> Profile:
+    """Measure this machine (a few seconds)."""
+    device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    adam, adam_backend = measure_cpu_adam()
+    h2d, d2h, memcpy = measure_links(device)
+    (read, read_lat), (write, write_lat), io_backend = measure_nvme(nvme_path, total=io_bytes)
+    return Profile(device="cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
+                   cpu_threads=torch.get_num_threads(), adam_params_per_s=adam, adam_backend=adam_backend,
+                   # on a CPU device the engine's "device" optimizer is the same CPU kernel
+                   device_adam_params_per_s=measure_device_adam(device) if device.type == "cuda" else adam,
+                   h2d_gbps=h2d, d2h_gbps=d2h,
+                   host_memcpy_gbps=memcpy, nvme_read_gbps=read, nvme_write_gbps=write,
+                   nvme_read_latency_s=read_lat, nvme_write_latency_s=write_lat, io_backend=io_backend,
+                   nvme_path=os.path.abspath(nvme_path or tempfile.gettempdir()),
+                   matmul_tflops=measure_matmul(device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Forward and backward seconds of one micro-step, measured or derived from FLOPs."""
+    forward_s: float
+    backward_s: float
+    measured: bool
+    shares_cpu: bool            # the compute runs on the CPU cores the CPU optimizer uses
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def measure_compute(model: torch.nn.Module, make_batch: Callable[[], tuple], device: torch.device,
+                    dtype: torch.dtype = torch.float32, iters: int = 5) -> Compute:
+    """Median forward and backward time of ``model(*batch)`` on ``device``, no offload, no
+    optimizer (the model must return a scalar loss)."""
+    model = model.to(device=device, dtype=dtype)
+    fwd, bwd = [], []
+    for i in range(iters + 2):
+        batch = make_batch()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = model(*batch)
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return Compute(statistics.median(fwd), statistics.median(bwd), True, device.type == "cpu")
+
+
+def flops_compute(spec: ModelSpec, tokens: int, profile: Profile) -> Compute:
+    """6 * params * tokens at the measured matmul rate (an upper bound on speed), split 1:2."""
+    total = 6.0 * spec.params * tokens / (profile.matmul_tflops * 1e12)
+    return Compute(total / 3, 2 * total / 3, False, not profile.cuda)
+
+
+# ---- prediction -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    optimizer: str
+    param: str
+    step_s: float
+    terms: Dict[str, float]           # seconds per term (module docstring)
+    groups: Dict[str, float]          # seconds per resource
+    bottleneck: str
+    mode: str                         # overlapped | global | serial
+
+    @property
+    def label(self) -> str:
+        return f"optimizer={self.optimizer} param={self.param}"
+
+
+def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compute: Compute,
+            precision: str = "fp32", gradient_accumulation_steps: int = 1, clipping: bool = False,
+            overlap_step: bool = True) -> Prediction:
+    """Predicted seconds per optimizer step for one placement (module docstring)."""
+    p = BYTES_PER_PARAM[precision]
+    P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
+    grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
+    gb = 1e9
+    t = {"forward": compute.forward_s * gas, "backward": compute.backward_s * gas}
+    offload_opt = optimizer != "none"
+    t["adam"] = P / (profile.adam_params_per_s if offload_opt else profile.device_adam_params_per_s)
+    d2h = P * grad_bytes * gas if offload_opt else 0
+    h2d = P * p if offload_opt else 0
+    if param != "none":
+        h2d += 2 * P * p * gas
+    t["d2h"] = d2h / (profile.d2h_gbps * gb)
+    t["h2d"] = h2d / (profile.h2d_gbps * gb)
+    # One request per block and direction: optimizer state read + written once per step,
+    # offloaded parameters read for forward and backward of every micro-step, written once.
+    opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
+    nvme_read = (12 * P if opt_nvme else 0) + (2 * P * p * gas if prm_nvme else 0)
+    nvme_write = (12 * P if opt_nvme else 0) + (P * p if prm_nvme else 0)
+    reads = n * ((1 if opt_nvme else 0) + (2 * gas if prm_nvme else 0))
+    writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0))
+    t["nvme"] = (nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s
+                 + nvme_write / (profile.nvme_write_gbps * gb) + writes * profile.nvme_write_latency_s)
+
+    # Where the Adam runs: the CPU when offloaded, and also with no offload on a CPU-only
+    # machine (the engine's "device" optimizer is then the same CPU kernel, on its workers).
+    adam_on_cpu = offload_opt or not profile.cuda
+    device_work = t["forward"] + t["backward"] + (0.0 if adam_on_cpu else t["adam"])
+    if compute.shares_cpu:           # CPU-only: compute, Adam and copies share the cores
+        groups = {"cpu": device_work + (t["adam"] if adam_on_cpu else 0.0) + t["d2h"] + t["h2d"],
+                  "nvme": t["nvme"]}
+        dev_key = "cpu"
+    else:
+        groups = {"device": device_work, "cpu": t["adam"] if adam_on_cpu else 0.0,
+                  "d2h": t["d2h"], "h2d": t["h2d"], "nvme": t["nvme"]}
+        dev_key = "device"
+    groups = {k: v for k, v in groups.items() if v > 0}
+    total = sum(groups.values())
+    top = max(groups, key=groups.get)
+    if not overlap_step:
+        mode, step = "serial", sum(t.values())
+    elif (clipping or precision == "fp16") and offload_opt and not compute.shares_cpu:
+        # The CPU step waits for the global norm after backward; it overlaps the next forward.
+        mode = "global"
+        r = max((v for k, v in groups.items() if k != dev_key), default=0.0)
+        fwd = groups[dev_key] - t["backward"]
+        step = t["backward"] + max(fwd, r) + min(fwd, r) / n
+    else:
+        # (On a CPU-only machine a global step changes nothing: the cores do all the work anyway.)
+        mode = "overlapped"
+        step = groups[top] + (total - groups[top]) / n
+    return Prediction(optimizer, param, step, t, groups, top, mode)
+
+
+@dataclass(frozen=True)
+class RankedPlacement:
+    prediction: Prediction
+    memory: Placement
+    fit: Dict[str, Optional[bool]]
+
+    @property
+    def fits(self) -> bool:
+        return all(v is not False for v in self.fit.values())
+
+
+def rank(spec: ModelSpec, profile: Profile, compute: Compute, machine: Machine, precision: str = "fp32",
+         gradient_accumulation_steps: int = 1, clipping: bool = False, world_size: int = 1,
+         buffer_count: int = 4, placements: Optional[Sequence[Tuple[str, str]]] = None) -> List[RankedPlacement]:
+    """All placements, fitting ones first, each group fastest first."""
+    out = []
+    for o, prm in placements or [(o, prm) for o in TIERS for prm in TIERS]:
+        pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping)
+        mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count)
+        out.append(RankedPlacement(pred, mem, check_fit(mem, machine)))
+    out.sort(key=lambda r: (not r.fits, r.prediction.step_s))
+    return out
+
+
+def fits_without_offload(ranked: Sequence[RankedPlacement]) -> Optional[RankedPlacement]:
+    """The no-offload placement when it fits on every known tier (device capacity known)."""
+    for r in ranked:
+        if r.memory.optimizer == "none" and r.memory.param == "none":
+            return r if r.fit["device"] is True and r.fits else None
+    return None
+
+
+def error(predicted: float, measured: float) -> float:
+    """Relative error of a prediction, |predicted - measured| / measured."""
+    return abs(predicted - measured) / measured if measured > 0 else float("inf")
+
+
+# ---- checking predictions against measured runs -------------------------------------------------
+@dataclass(frozen=True)
+class CheckCase:
+    """A model to run through the engine: how to build it, feed it, and its compute term."""
+    name: str
+    build: Callable[[], torch.nn.Module]
+    make_batch: Callable[[], tuple]
+    spec: ModelSpec
+    # Only ``shares_cpu`` is used: the compute itself is always measured (no offload). None:
+    # the compute runs on the profile's device (on a CPU-only machine, the CPU's cores).
+    compute: Optional[Compute] = None
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    case: str
+    optimizer: str
+    param: str
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def error(self) -> float:
+        return error(self.predicted_s, self.measured_s)
+
+
+def _fwd_bwd(model, batch, device) -> Tuple[float, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = model(*batch)
+    _sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
+
+
+class _LiveAdam:
+    """A small probe of the CPU Adam, run beside each measured engine window, so the prediction
+    uses the rate the CPU has *now* (other processes share the machine). The disk is not probed
+    live: short probes of a shared virtual disk swing tenfold and mislead more than they help."""
+
+    def __init__(self, numel: int = 4 << 20):
+        self.rates: List[float] = []
+        self._p, self._g = torch.randn(numel), torch.randn(numel) * 1e-3
+        self._m, self._v = torch.zeros(numel), torch.zeros(numel)
+
+    def sample(self) -> None:
+        from offload.optim import adam_step
+        t = time.perf_counter()
+        adam_step(self._p, self._g, self._m, self._v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.0)
+        self.rates.append(self._p.numel() / (time.perf_counter() - t))
+
+    def apply(self, profile: Profile) -> Profile:
+        rate = statistics.median(self.rates)
+        changes = {"adam_params_per_s": rate}
+        if not profile.cuda:
+            changes["device_adam_params_per_s"] = rate
+        return dataclasses.replace(profile, **changes)
+
+
+def measure_case(case: CheckCase, config: dict, device: torch.device, rounds: int = 5, window: int = 3,
+                 warmup: int = 4) -> Tuple[Compute, float, _LiveAdam]:
+    """(compute, seconds per engine step, live rates) for ``case`` at ``config``, measured
+    interleaved so that all see the same machine load. Each round: a forward+backward of a
+    plain copy of the model (no offload, no optimizer), a probe of the CPU Adam, ``window`` engine steps from a drained pipeline to a drained
+    pipeline (no queued work left uncounted), and another plain forward+backward. Medians."""
+    import offload
+    plain = case.build().to(device)
+    torch.manual_seed(0)
+    engine = offload.initialize(case.build(), config)
+    live = _LiveAdam()
+    fwd, bwd, steps = [], [], []
+    try:
+        for _ in range(warmup):          # first steps record orders, touch memory, first-write files
+            loss = engine(*case.make_batch())
+            engine.backward(loss)
+            engine.step()
+        _fwd_bwd(plain, case.make_batch(), device)
+        for _ in range(rounds):
+            f0, b0 = _fwd_bwd(plain, case.make_batch(), device)
+            engine.synchronize()
+            live.sample()
+            t0 = time.perf_counter()
+            for _ in range(window):
+                loss = engine(*case.make_batch())
+                engine.backward(loss)
+                engine.step()
+            engine.synchronize()
+            steps.append((time.perf_counter() - t0) / window)
+            f1, b1 = _fwd_bwd(plain, case.make_batch(), device)
+            fwd.append((f0 + f1) / 2)
+            bwd.append((b0 + b1) / 2)
+    finally:
+        engine.close()
+    shares = device.type == "cpu" if case.compute is None else case.compute.shares_cpu
+    return Compute(statistics.median(fwd), statistics.median(bwd), True, shares), statistics.median(steps), live
+
+
+def check(cases: Sequence[CheckCase], profile: Profile, placements: Sequence[Tuple[str, str]],
+          nvme_path: str, rounds: int = 5, log: Callable[[str], None] = lambda s: None) -> List[CheckResult]:
+    """Predicted vs measured step time for each case at each placement (fp32, no clipping)."""
+    results = []
+    device = torch.device("cuda") if profile.cuda else torch.device("cpu")
+    for case in cases:
+        log(case.spec.describe())
+        for o, prm in placements:
+            cfg = {"optimizer": {"lr": 1e-4},
+                   "offload_optimizer": {"device": o, "nvme_path": nvme_path if o == "nvme" else None},
+                   "offload_param": {"device": prm, "nvme_path": nvme_path if prm == "nvme" else None}}
+            try:
+                compute, measured, live = measure_case(case, cfg, device, rounds=rounds)
+            except NotImplementedError as exc:
+                log(f"  optimizer={o} param={prm}: skipped ({exc})")
+                continue
+            pred = predict(case.spec, o, prm, live.apply(profile), compute)
+            results.append(CheckResult(case.name, o, prm, pred.step_s, measured))
+            log(f"  optimizer={o:<5} param={prm:<5} compute {compute.total_s * 1e3:7.1f} ms, predicted "
+                f"{pred.step_s * 1e3:7.1f} ms, measured {measured * 1e3:7.1f} ms, error {results[-1].error:4.0%}")
+    return results

@@ -1,0 +1,264 @@
+"""Every bad config fails with one line that names the key and the fix; good ones round-trip."""
+import json
+import os
+import subprocess
+import warnings
+
+import pytest
+
+from offload.config import Config, ConfigError, from_flags, parse_bytes
+
+
+def err(cfg) -> str:
+    with pytest.raises(ConfigError) as e:
+        Config.from_any(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def flag_err(argv) -> str:
+    with pytest.raises(ConfigError) as e:
+        from_flags(argv)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ---- a genuinely read-only directory ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def readonly_dir(tmp_path_factory):
+    """A read-only bind mount (root ignores mode bits, so chmod would not do); where mount is not
+    permitted, /sys, which refuses new files even to root."""
+    src = tmp_path_factory.mktemp("ro-src")
+    dst = tmp_path_factory.mktemp("ro-dst")
+    mounted = False
+    try:
+        subprocess.run(["mount", "--bind", str(src), str(dst)], check=True, capture_output=True)
+        mounted = True
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], check=True, capture_output=True)
+        yield str(dst)
+    except (OSError, subprocess.CalledProcessError):
+        yield "/sys"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(dst)], capture_output=True)
+
+
+def test_readonly_dir_is_really_readonly(readonly_dir):
+    with pytest.raises(OSError):
+        open(os.path.join(readonly_dir, "probe"), "w").close()
+
+
+# ---- unknown and misspelled keys ------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, names, nearest", [
+    ({"offload_optimzer": {"device": "cpu"}}, "'offload_optimzer'", "'offload_optimizer'"),
+    ({"offload_optimizer": {"devce": "cpu"}}, "'offload_optimizer.devce'", "'offload_optimizer.device'"),
+    ({"optimizer": {"lrr": 1e-3}}, "'optimizer.lrr'", "'optimizer.lr'"),
+    ({"aio": {"queue_dept": 8}}, "'aio.queue_dept'", "'aio.queue_depth'"),
+    ({"precison": "bf16"}, "'precison'", "'precision'"),
+    ({"gradient_acumulation_steps": 2}, "'gradient_acumulation_steps'", "'gradient_accumulation_steps'"),
+])
+def test_unknown_key_names_nearest(cfg, names, nearest):
+    msg = err(cfg)
+    assert names in msg and f"did you mean {nearest}" in msg
+
+
+def test_unknown_key_without_near_match_lists_valid_keys():
+    msg = err({"zzz": 1})
+    assert "'zzz'" in msg and "valid keys:" in msg and "offload_optimizer" in msg
+
+
+@pytest.mark.parametrize("cfg, names, nearest", [
+    ({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae", "'zero_optimization.stage'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+     "zero_optimization.offload_optimizer.pin_memroy", "'zero_optimization.offload_optimizer.pin_memory'"),
+    ({"train_batch_size": 8, "gradient_clippin": 1.0}, "gradient_clippin", "'gradient_clipping'"),
+    ({"fp16": {"enabled": True, "loss_scale_windw": 100}}, "fp16.loss_scale_windw", "'fp16.loss_scale_window'"),
+])
+def test_deepspeed_misspelled_key_fails(cfg, names, nearest):
+    msg = err(cfg)
+    assert names in msg and f"did you mean {nearest}" in msg
+
+
+def test_deepspeed_ignored_keys_named_in_one_warning(tmp_path):
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "gradient_clipping": 1.0, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                    "weight_decay": 0.1}},
+          "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
+                                                      "pin_memory": True, "buffer_count": 5,
+                                                      "fast_init": False}},
+          "aio": {"block_size": 1048576, "queue_depth": 16, "thread_count": 2, "single_submit": False}}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = Config.from_any(ds)
+    assert len(w) == 1
+    text = str(w[0].message)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization.contiguous_gradients",
+                "zero_optimization.overlap_comm", "zero_optimization.offload_optimizer.fast_init",
+                "aio.single_submit"):
+        assert key in text
+    assert cfg.precision == "bf16" and cfg.gradient_accumulation_steps == 2 and cfg.gradient_clipping == 1.0
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.weight_decay == 0.1
+    assert cfg.offload_optimizer.device == "nvme" and cfg.offload_optimizer.buffer_count == 5
+    assert cfg.zero_optimization.stage == 2 and cfg.aio.queue_depth == 16 and cfg.aio.thread_count == 2
+
+
+def test_deepspeed_fp16_loss_scaler_translated():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = Config.from_any({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 200,
+                                        "min_loss_scale": 2, "hysteresis": 2}})
+    assert cfg.precision == "fp16"
+    assert cfg.loss_scaler.initial_scale == 4096.0 and cfg.loss_scaler.growth_interval == 200
+    assert cfg.loss_scaler.min_scale == 2
+
+
+# ---- invalid values ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, key, fix", [
+    ({"offload_param": {"device_budget_bytes": -1}}, "offload_param.device_budget_bytes", "> 0"),
+    ({"aio": {"block_size": -4096}}, "aio.block_size", "> 0"),
+    ({"aio": {"block_size": 1000}}, "aio.block_size", "multiple of 4096"),
+    ({"aio": {"queue_depth": 0}}, "aio.queue_depth", "> 0"),
+    ({"offload_optimizer": {"buffer_count": 0}}, "offload_optimizer.buffer_count", "> 0"),
+    ({"prefetch": {"host_lookahead_bytes": -5}}, "prefetch.host_lookahead_bytes", ">= 0"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps", ">= 1"),
+    ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps", "integer"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping", ">= 0"),
+    ({"optimizer": {"lr": -1e-3}}, "optimizer.lr", ">= 0"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr", "number"),
+    ({"optimizer": {"eps": 0}}, "optimizer.eps", "> 0"),
+    ({"optimizer": {"betas": 0.9}}, "optimizer.betas", "two numbers"),
+    ({"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas", "[0, 1)"),
+    ({"optimizer": {"type": "SGD"}}, "optimizer.type", "'AdamW'"),
+    ({"precision": "fp8"}, "precision", "'bf16'"),
+    ({"offload_optimizer": {"device": "disk"}}, "offload_optimizer.device", "'nvme'"),
+    ({"offload_param": {"device": "gpu"}}, "offload_param.device", "'cpu'"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "3"),
+    ({"aio": {"backend": "uring"}}, "aio.backend", "'native'"),
+    ({"loss_scaler": {"growth_factor": 0.5}}, "growth_factor", "> 1"),
+    ({"optimizer_workers": 0}, "optimizer_workers", "> 0"),
+    ({"offload_optimizer": "nvme"}, "offload_optimizer", "mapping"),
+])
+def test_invalid_value_names_key_and_fix(cfg, key, fix):
+    msg = err(cfg)
+    assert key in msg and fix in msg, msg
+
+
+@pytest.mark.parametrize("tier", ["offload_optimizer", "offload_param"])
+def test_nvme_without_path(tier):
+    msg = err({tier: {"device": "nvme"}})
+    assert f"{tier}.nvme_path is required" in msg and "set it to a directory" in msg
+
+
+@pytest.mark.parametrize("tier", ["offload_optimizer", "offload_param"])
+def test_nvme_path_missing(tier, tmp_path):
+    msg = err({tier: {"device": "nvme", "nvme_path": str(tmp_path / "nope")}})
+    assert f"{tier}.nvme_path" in msg and "does not exist" in msg and "create it" in msg
+
+
+def test_nvme_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    msg = err({"offload_optimizer": {"device": "nvme", "nvme_path": str(f)}})
+    assert "not a directory" in msg
+
+
+@pytest.mark.parametrize("tier", ["offload_optimizer", "offload_param"])
+def test_nvme_path_not_writable(tier, readonly_dir):
+    msg = err({tier: {"device": "nvme", "nvme_path": readonly_dir}})
+    assert f"{tier}.nvme_path" in msg and "not writable" in msg and "choose a writable directory" in msg
+
+
+def test_path_is_checked_only_for_nvme(tmp_path):
+    cfg = Config.from_any({"offload_optimizer": {"device": "cpu", "nvme_path": str(tmp_path / "nope")}})
+    assert cfg.offload_optimizer.device == "cpu"
+
+
+def test_json_file_errors(tmp_path):
+    assert "does not exist" in err(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "not valid JSON" in err(str(bad))
+
+
+def test_not_a_config():
+    assert "must be a dict" in err(42)
+
+
+# ---- good configs ---------------------------------------------------------------------------------
+def test_round_trip_stays_native(tmp_path):
+    cfg = Config.from_any({"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                           "zero_optimization": {"stage": 0}, "precision": "bf16"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")     # a native dict must not be taken for DeepSpeed
+        again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+
+
+def test_json_file(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"optimizer": {"lr": 5e-4}, "gradient_accumulation_steps": 4}))
+    cfg = Config.from_any(str(p))
+    assert cfg.optimizer.lr == 5e-4 and cfg.gradient_accumulation_steps == 4
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+def test_flags_to_config(tmp_path):
+    cfg = Config.from_flags(["--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path", str(tmp_path),
+                             "--lr", "3e-4", "--betas", "0.9,0.95", "--precision", "bf16",
+                             "--gradient-accumulation-steps", "2", "--device-budget", "1GiB",
+                             "--aio-block-size", "2MiB", "--no-pin-memory", "--no-overlap-step",
+                             "--set", "prefetch.host_lookahead_bytes=1000000", "--set", "blocks=[\"a\", \"b\"]"])
+    assert cfg.offload_optimizer.device == cfg.offload_param.device == "nvme"
+    assert cfg.offload_optimizer.nvme_path == cfg.offload_param.nvme_path == str(tmp_path)
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.betas == (0.9, 0.95) and cfg.precision == "bf16"
+    assert cfg.gradient_accumulation_steps == 2 and cfg.offload_param.device_budget_bytes == 1 << 30
+    assert cfg.aio.block_size == 2 << 20 and not cfg.offload_optimizer.pin_memory and not cfg.overlap_step
+    assert cfg.prefetch.host_lookahead_bytes == 1000000 and cfg.blocks == ("a", "b")
+
+
+def test_flags_override_config_file(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme"}},
+                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
+    # the file alone would fail (nvme without a path); the flag completes it
+    cfg = Config.from_flags(["--config", str(p), "--nvme-path", str(tmp_path), "--lr", "2e-4"])
+    assert cfg.offload_optimizer.device == "nvme" and cfg.offload_optimizer.nvme_path == str(tmp_path)
+    assert cfg.optimizer.lr == 2e-4
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--offload-optimzer", "nvme"], "unknown flag --offload-optimzer: did you mean --offload-optimizer?"),
+    (["--set", "optimizer.lrr=1"], "did you mean 'optimizer.lr'"),
+    (["--set", "lr"], "must be KEY=VALUE"),
+    (["--device-budget=-1GiB"], "--device-budget='-1GiB' must be >= 0"),
+    (["--device-budget", "12XB"], "is not a size"),
+    (["--lr", "abc"], "--lr='abc' must be a number"),
+    (["--buffer-count", "2.5"], "--buffer-count='2.5' must be an integer"),
+    (["--betas", "0.9"], "optimizer.betas"),
+    (["--offload-optimizer", "nvme"], "offload_optimizer.nvme_path is required"),
+    (["--offload-param", "disk"], "offload_param.device='disk' is not valid"),
+    (["--config", "/nonexistent/c.json"], "--config '/nonexistent/c.json' does not exist"),
+])
+def test_bad_flags(argv, expect):
+    assert expect in flag_err(argv)
+
+
+def test_flag_nvme_path_not_writable(readonly_dir):
+    msg = flag_err(["--offload-optimizer", "nvme", "--nvme-path", readonly_dir])
+    assert "offload_optimizer.nvme_path" in msg and "not writable" in msg
+
+
+@pytest.mark.parametrize("text, n", [("4096", 4096), (4096, 4096), ("7e9", 7_000_000_000), ("1.5GB", 1_500_000_000),
+                                     ("24GiB", 24 << 30), ("512MiB", 512 << 20), ("2k", 2000), ("0", 0)])
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text", ["-1", "abc", "1.5XB", ""])
+def test_parse_bytes_bad(text):
+    with pytest.raises(ConfigError):
+        parse_bytes(text)

@@ -1,0 +1,152 @@
+"""The planner's overlap model, profile round-trip, ranking, and a small measured check."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from offload import estimate as est
+from offload import plan
+
+
+def profile(**kw):
+    base = dict(device="NVIDIA test", cpu_threads=2, adam_params_per_s=1e9, adam_backend="test",
+                device_adam_params_per_s=50e9, h2d_gbps=20.0, d2h_gbps=20.0, host_memcpy_gbps=10.0,
+                nvme_read_gbps=4.0, nvme_write_gbps=2.0, nvme_read_latency_s=0.0, nvme_write_latency_s=0.0,
+                io_backend="test", nvme_path="/tmp", matmul_tflops=100.0)
+    base.update(kw)
+    return plan.Profile(**base)
+
+
+SPEC = est.ModelSpec(params=1_000_000_000, largest_layer=50_000_000, largest_block=100_000_000, n_blocks=10)
+GPU = plan.Compute(forward_s=1.0, backward_s=2.0, measured=True, shares_cpu=False)
+
+
+def test_no_offload_is_compute_plus_device_adam():
+    p = plan.predict(SPEC, "none", "none", profile(), GPU, "bf16")
+    assert p.groups == {"device": pytest.approx(3.0 + 1e9 / 50e9)}
+    assert p.step_s == pytest.approx(3.02)
+
+
+def test_overlapped_step_is_max_plus_exposed_share():
+    p = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16")
+    # cpu adam 1.0 s, d2h 2 GB / 20 GB/s = 0.1 s, h2d 0.1 s, device 3.0 s
+    assert p.terms["adam"] == pytest.approx(1.0)
+    assert p.terms["d2h"] == pytest.approx(0.1) and p.terms["h2d"] == pytest.approx(0.1)
+    assert p.bottleneck == "device" and p.mode == "overlapped"
+    assert p.step_s == pytest.approx(3.0 + (1.0 + 0.1 + 0.1) / 10)
+
+
+def test_nvme_terms_and_bottleneck():
+    p = plan.predict(SPEC, "nvme", "nvme", profile(), GPU, "bf16")
+    read = 12e9 + 2 * 2e9
+    write = 12e9 + 2e9
+    assert p.terms["nvme"] == pytest.approx(read / 4e9 + write / 2e9)
+    # one request per block and direction: 10 blocks x (1 state + 2 param) reads, x 2 writes
+    lat = plan.predict(SPEC, "nvme", "nvme", profile(nvme_read_latency_s=0.01, nvme_write_latency_s=0.02), GPU, "bf16")
+    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 30 * 0.01 + 20 * 0.02)
+    assert p.bottleneck == "nvme"
+    assert p.step_s > plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16").step_s
+
+
+def test_clipping_waits_for_backward():
+    over = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16")
+    glob = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16", clipping=True)
+    assert glob.mode == "global"
+    # adam 4 s: overlapped hides it behind 3 s of compute; global only behind the 1 s forward
+    assert over.step_s == pytest.approx(4.0 + 3.2 / 10)
+    assert glob.step_s == pytest.approx(2.0 + 4.0 + 1.0 / 10)
+
+
+def test_serial_adds_everything():
+    p = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16", overlap_step=False)
+    assert p.mode == "serial" and p.step_s == pytest.approx(3.0 + 1.0 + 0.1 + 0.1)
+
+
+def test_cpu_only_compute_shares_the_cores():
+    cpu = plan.Compute(1.0, 2.0, True, shares_cpu=True)
+    p = plan.predict(SPEC, "cpu", "none", profile(device="cpu"), cpu, "fp32")
+    assert set(p.groups) == {"cpu"}
+    assert p.step_s == pytest.approx(3.0 + p.terms["adam"] + p.terms["d2h"] + p.terms["h2d"])
+
+
+def test_accumulation_repeats_compute_not_the_optimizer():
+    one = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16", gradient_accumulation_steps=1)
+    four = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16", gradient_accumulation_steps=4)
+    assert four.terms["forward"] == 4 * one.terms["forward"] and four.terms["adam"] == one.terms["adam"]
+    assert four.terms["d2h"] > one.terms["d2h"]   # fp32 grads, every micro-step
+
+
+def test_rank_fits_first_and_says_when_no_offload_is_needed(tmp_path):
+    small = est.ModelSpec(params=10_000_000, largest_layer=1_000_000, largest_block=2_000_000, n_blocks=6)
+    roomy = est.Machine(80 << 30, "test", 64 << 30, 1 << 40, str(tmp_path))
+    ranked = plan.rank(small, profile(), GPU, roomy, "bf16")
+    assert len(ranked) == 9
+    assert (ranked[0].memory.optimizer, ranked[0].memory.param) == ("none", "none")
+    assert plan.fits_without_offload(ranked) is not None
+    tiny_device = est.Machine(24 << 20, "test", 64 << 30, 1 << 40, str(tmp_path))
+    ranked = plan.rank(small, profile(), GPU, tiny_device, "bf16")
+    assert plan.fits_without_offload(ranked) is None
+    assert ranked[0].fits and ranked[0].memory.param != "none"
+    assert all(not r.fits for r in ranked if r.memory.param == "none")
+
+
+def test_profile_round_trip(tmp_path):
+    p = profile()
+    path = p.save(str(tmp_path / "p.json"))
+    assert plan.Profile.load(path) == p
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "cpu"}))
+    with pytest.raises(ValueError, match="lacks"):
+        plan.Profile.load(str(bad))
+    with pytest.raises(FileNotFoundError, match="--save-profile"):
+        plan.Profile.load(str(tmp_path / "missing.json"))
+
+
+def test_fit_latency_and_bandwidth():
+    bw, lat = plan._fit((1 << 20, 9 << 20), [0.002 + (1 << 20) / 1e9, 0.002 + (9 << 20) / 1e9])
+    assert bw == pytest.approx(1.0) and lat == pytest.approx(0.002)
+    bw, lat = plan._fit((1 << 20, 9 << 20), [0.01, 0.005])       # inconsistent (noise)
+    assert lat == 0.0 and bw == pytest.approx((9 << 20) / 0.005 / 1e9)
+
+
+def test_flops_compute():
+    c = plan.flops_compute(SPEC, 1000, profile())
+    assert c.total_s == pytest.approx(6 * 1e9 * 1000 / 100e12)
+    assert c.backward_s == pytest.approx(2 * c.forward_s) and not c.measured
+
+
+def test_measurements_are_positive(tmp_path):
+    rate, backend = plan.measure_cpu_adam(1 << 16)
+    assert rate > 0 and backend
+    h2d, d2h, memcpy = plan.measure_links(torch.device("cpu"), 1 << 20)
+    assert h2d == d2h == memcpy > 0
+    (read, rlat), (write, wlat), io = plan.measure_nvme(str(tmp_path), (1 << 20, 2 << 20), 8 << 20)
+    assert read > 0 and write > 0 and rlat >= 0 and wlat >= 0 and io
+    (r, _), (w, _) = plan._measure_file_io(str(tmp_path), 4 << 20, (1 << 20, 2 << 20))
+    assert r > 0 and w > 0
+    assert plan.measure_matmul(torch.device("cpu"), n=128) > 0
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.lin(x).sum()
+    c = plan.measure_compute(Loss(), lambda: (torch.randn(4, 8),), torch.device("cpu"), iters=2)
+    assert c.measured and c.shares_cpu and c.forward_s > 0 and c.backward_s > 0
+
+
+def test_check_runs_the_engine(tmp_path):
+    """A tiny measured run per placement: the machinery, not the accuracy (that is `offload plan
+    --check` on a quiet machine)."""
+    from offload.gpt import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    spec = est.spec_from_module(GPT(cfg))
+    x = torch.randint(0, 256, (2, 16))
+    case = plan.CheckCase("tiny", lambda: GPT(cfg), lambda: (x, x), spec)
+    logs = []
+    res = plan.check([case], profile(device="cpu"), [("cpu", "none")], str(tmp_path), rounds=1, log=logs.append)
+    assert len(res) == 1 and res[0].measured_s > 0 and res[0].predicted_s > 0
+    assert any("predicted" in line for line in logs)
