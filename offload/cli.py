@@ -675,6 +675,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("offload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:          # `offload estimate ... | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def _user_errors():
