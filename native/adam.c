@@ -65,9 +65,8 @@ static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f;
 static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN -> quiet NaN */
-    if (f != f) return 0x7FC0;
     uint32_t u = f32_bits(f);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* IEEE half <-> single without F16C (the FP16 library's method, as in c10/util/Half.h). */
@@ -107,27 +106,29 @@ static inline void store_elem(void *base, int dtype, int64_t i, float x) {
 
 /* ---- scalar reference: one element at a time, the order in the header comment --------- */
 
-static inline void adam_elem(const struct adam_job *j, int64_t i) {
-    const offload_adam_hparams *h = &j->hp;
-    float g = load_elem(j->grad, j->grad_dtype, i) * h->grad_scale;
+/* Element i; the dtypes are arguments so that callers passing constants get a loop per
+ * combination that the compiler can vectorize (e.g. NEON on aarch64). */
+static inline __attribute__((always_inline)) void adam_elem_t(const struct adam_job *j, const offload_adam_hparams *h,
+                                                              int64_t i, int gdt, int sdt, int cdt) {
+    float g = load_elem(j->grad, gdt, i) * h->grad_scale;
     float p = j->param[i];
     if (h->l2 != 0.0f) g = fmaf(h->l2, p, g);
     p = p * h->decay;
-    float m = load_elem(j->exp_avg, j->state_dtype, i);
+    float m = load_elem(j->exp_avg, sdt, i);
     const float w = h->lerp_weight;
     m = fabsf(w) < 0.5f ? fmaf(w, g - m, m) : fmaf(w - 1.0f, g - m, g);
-    float v = load_elem(j->exp_avg_sq, j->state_dtype, i) * h->beta2;
+    float v = load_elem(j->exp_avg_sq, sdt, i) * h->beta2;
     v = fmaf(h->one_minus_beta2 * g, g, v);
     const float d = sqrtf(v) / h->bias_correction2_sqrt + h->eps;
     p = p + (h->neg_step_size * m) / d;
     j->param[i] = p;
-    store_elem(j->exp_avg, j->state_dtype, i, m);
-    store_elem(j->exp_avg_sq, j->state_dtype, i, v);
-    if (j->copy_dtype != OFFLOAD_DTYPE_NONE) store_elem(j->param_copy, j->copy_dtype, i, p);
+    store_elem(j->exp_avg, sdt, i, m);
+    store_elem(j->exp_avg_sq, sdt, i, v);
+    if (cdt != OFFLOAD_DTYPE_NONE) store_elem(j->param_copy, cdt, i, p);
 }
 
-static void adam_scalar(const struct adam_job *j, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) adam_elem(j, i);
+static inline void adam_elem(const struct adam_job *j, int64_t i) {
+    adam_elem_t(j, &j->hp, i, j->grad_dtype, j->state_dtype, j->copy_dtype);
 }
 
 /* Every (grad, state, copy) dtype combination, for the SIMD variants to specialise on. */
@@ -142,6 +143,15 @@ static void adam_scalar(const struct adam_job *j, int64_t begin, int64_t end) {
     X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)  \
     X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_F16)
 #define COMBO(g, s, c) (((g) * 2 + (s)) * 4 + (c) + 1)
+
+static void adam_scalar(const struct adam_job *j, int64_t begin, int64_t end) {
+    const offload_adam_hparams h = j->hp; /* a local copy: the stores below cannot alias it */
+    switch (COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {
+#define X(g, s, c) case COMBO(g, s, c): for (int64_t i = begin; i < end; i++) adam_elem_t(j, &h, i, g, s, c); return;
+        ADAM_COMBOS(X)
+#undef X
+    }
+}
 
 #ifdef HAVE_X86
 /* The param copy is write-only and leaves by DMA: non-temporal stores put it in memory
@@ -432,11 +442,12 @@ static void probe_range(float *restrict a, float *restrict b, float *restrict c,
 T512 static void probe_range_avx512(float *restrict a, float *restrict b, float *restrict c,
                                     const float *restrict d, int64_t begin, int64_t end) {
     int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 x = _mm512_loadu_ps(d + i);
-        _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i), x));
-        _mm512_storeu_ps(b + i, _mm512_add_ps(_mm512_loadu_ps(b + i), x));
-        _mm512_storeu_ps(c + i, _mm512_add_ps(_mm512_loadu_ps(c + i), x));
+    for (; i + 16 <= end; i += 16) { /* all loads before the stores, as in the Adam kernel */
+        __m512 x = _mm512_loadu_ps(d + i), xa = _mm512_loadu_ps(a + i);
+        __m512 xb = _mm512_loadu_ps(b + i), xc = _mm512_loadu_ps(c + i);
+        _mm512_storeu_ps(a + i, _mm512_add_ps(xa, x));
+        _mm512_storeu_ps(b + i, _mm512_add_ps(xb, x));
+        _mm512_storeu_ps(c + i, _mm512_add_ps(xc, x));
     }
     probe_range(a, b, c, d, i, end);
 }

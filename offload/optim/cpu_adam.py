@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 
 import torch
 
@@ -141,6 +142,11 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     nothing is ever converted or copied. Releases the GIL while the native kernel runs.
     """
     lr, eps, weight_decay, grad_scale = float(lr), float(eps), float(weight_decay), float(grad_scale)
+    if not isinstance(step, (bool, int)):
+        try:
+            step = operator.index(step)  # numpy / torch integers
+        except TypeError:
+            pass  # _check_args says what is wrong
     beta1, beta2 = (float(b) for b in betas)
     _check_args(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, (beta1, beta2), eps,
                 weight_decay, grad_scale)
