@@ -67,6 +67,82 @@ OFFLOAD_API int offload_adam_bandwidth_probe(float *a, float *b, float *c, const
 
 /* ---- I/O engine and checksums (native/aio.c, native/crc32c.c) ---------------------------- */
 /* BEGIN AIO SECTION */
+/* One read or write of a key's bytes between a caller's buffer and a swap file.
+ *
+ * On-disk layout of a key of N bytes at file offset `offset` (4096-aligned):
+ *   body  = N rounded down to 4096, stored as extents of block_size bytes (the last may be
+ *           shorter); extent i covers [offset + i*block_size, ...). Moved directly between
+ *           the file and `buf` (no copy).
+ *   tail  = the last N % 4096 bytes, stored in one 4096-byte page right after the body, zero
+ *           padded; it is the last extent. It moves through `tail_page`, a 4096-aligned
+ *           bounce page owned by the caller: the bytes after the caller's tensor may belong
+ *           to a neighbouring tensor, so they are never read into or written from.
+ * Extents are the checksum unit: crcs[i] is the crc32c of extent i as stored on disk.
+ *
+ * Lifetime: the caller fills the inputs and keeps the struct, buf, tail_user, tail_page and
+ * crcs alive and unmodified (buf: not written, for a write; not read, for a read) until
+ * offload_aio_done() returns 1 or offload_aio_wait() returns 0. The engine never frees it. */
+#define OFFLOAD_IO_READ 0
+#define OFFLOAD_IO_WRITE 1
+#define OFFLOAD_IO_PAGE 4096
+
+typedef struct offload_io_req {
+    /* inputs, read-only to the engine once submitted */
+    void *buf;              /* body bytes; 4096-aligned when fd has O_DIRECT */
+    uint64_t nbytes;        /* body bytes, a multiple of 4096 (may be 0) */
+    uint64_t offset;        /* file offset of the body, 4096-aligned */
+    void *tail_user;        /* tail_len bytes in the caller's buffer, right after the body */
+    void *tail_page;        /* OFFLOAD_IO_PAGE-byte aligned bounce page for the tail */
+    uint32_t *crcs;         /* NULL, or one crc32c per extent: filled by a write, checked by a read */
+    int32_t fd;             /* long-lived descriptor owned by the caller */
+    int32_t op;             /* OFFLOAD_IO_READ or OFFLOAD_IO_WRITE */
+    uint32_t tail_len;      /* 0..4095 */
+    /* results, valid once done */
+    int32_t status;         /* 0; -errno; -ENODATA short transfer; -EBADMSG checksum mismatch */
+    int64_t error_extent;   /* extent of the first error (lowest index), or -1 */
+    int64_t short_got;      /* for -ENODATA: bytes moved of short_want in that extent */
+    int64_t short_want;
+    int64_t submit_ns, done_ns; /* CLOCK_MONOTONIC */
+    /* engine-private */
+    int32_t done;           /* set (release) once every extent has finished */
+    uint32_t next_extent, nextents, remaining;
+    struct offload_io_req *next;
+} offload_io_req;
+
+typedef struct offload_aio_config {
+    uint64_t block_size;    /* extent / request size in bytes, a multiple of 4096 */
+    int32_t queue_depth;    /* extents in flight across all workers (io_uring) */
+    int32_t threads;        /* worker threads; without io_uring also the extents in flight */
+    int32_t use_uring;      /* -1 when available, 0 never (pread/pwrite pool), 1 required */
+    int32_t uring_active;   /* out: 1 when io_uring rings are in use */
+    int32_t uring_error;    /* out: errno of the failed io_uring_setup, or 0 */
+    int32_t ring_depth;     /* out: extents in flight per worker */
+} offload_aio_config;
+
+typedef struct offload_aio_stats {
+    uint64_t bytes[2];      /* [OFFLOAD_IO_READ], [OFFLOAD_IO_WRITE]: body + tail pages moved */
+    uint64_t busy_ns[2];    /* wall time with at least one request of that kind in flight */
+    uint64_t requests[2];
+} offload_aio_stats;
+
+typedef struct offload_aio offload_aio;
+
+/* sizeof the structs above (0: req, 1: config, 2: stats): checked by _native.py */
+OFFLOAD_API int64_t offload_aio_sizeof(int which);
+OFFLOAD_API int offload_aio_create(offload_aio_config *cfg, offload_aio **out);
+/* Queue a request; returns at once. 0 or -EINVAL. */
+OFFLOAD_API int offload_aio_submit(offload_aio *e, offload_io_req *req);
+/* 0 once req is done, -ETIMEDOUT after timeout_ns (< 0: no limit). */
+OFFLOAD_API int offload_aio_wait(offload_aio *e, offload_io_req *req, int64_t timeout_ns);
+OFFLOAD_API int offload_aio_done(const offload_io_req *req);
+OFFLOAD_API int offload_aio_stats_get(offload_aio *e, offload_aio_stats *out);
+/* Finishes every queued request, then stops the workers and frees the engine. */
+OFFLOAD_API void offload_aio_destroy(offload_aio *e);
+
+/* crc32c (Castagnoli), standard: crc32c("123456789") == 0xE3069283; continue with crc. */
+OFFLOAD_API uint32_t offload_crc32c(uint32_t crc, const void *buf, size_t n);
+OFFLOAD_API uint32_t offload_crc32c_table(uint32_t crc, const void *buf, size_t n);  /* portable path */
+OFFLOAD_API int offload_crc32c_hw(void);  /* 1 when offload_crc32c uses the SSE4.2 instruction */
 /* END AIO SECTION */
 
 #ifdef __cplusplus

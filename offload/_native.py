@@ -147,8 +147,110 @@ def _adam_info(lib: ctypes.CDLL) -> dict:
 
 # ---- I/O engine and checksums -------------------------------------------------------------
 # BEGIN AIO SECTION
+IO_READ, IO_WRITE, IO_PAGE = 0, 1, 4096
+
+
+class IoReq(ctypes.Structure):
+    """Mirror of offload_io_req (native/offload_native.h). One per read or write.
+
+    Lifetime: the struct, and the memory its pointers name, must stay alive until the
+    request is done; the engine links it into its queue and writes the results into it."""
+    _fields_ = [
+        ("buf", ctypes.c_void_p), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_uint64),
+        ("tail_user", ctypes.c_void_p), ("tail_page", ctypes.c_void_p),
+        ("crcs", ctypes.c_void_p), ("fd", ctypes.c_int32), ("op", ctypes.c_int32),
+        ("tail_len", ctypes.c_uint32),
+        ("status", ctypes.c_int32), ("error_extent", ctypes.c_int64),
+        ("short_got", ctypes.c_int64), ("short_want", ctypes.c_int64),
+        ("submit_ns", ctypes.c_int64), ("done_ns", ctypes.c_int64),
+        ("done", ctypes.c_int32), ("next_extent", ctypes.c_uint32), ("nextents", ctypes.c_uint32),
+        ("remaining", ctypes.c_uint32), ("next", ctypes.c_void_p),
+    ]
+
+
+class AioConfig(ctypes.Structure):
+    _fields_ = [("block_size", ctypes.c_uint64), ("queue_depth", ctypes.c_int32),
+                ("threads", ctypes.c_int32), ("use_uring", ctypes.c_int32),
+                ("uring_active", ctypes.c_int32), ("uring_error", ctypes.c_int32),
+                ("ring_depth", ctypes.c_int32)]
+
+
+class AioStats(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint64 * 2), ("busy_ns", ctypes.c_uint64 * 2),
+                ("requests", ctypes.c_uint64 * 2)]
+
+
 def _declare_aio(lib: ctypes.CDLL) -> None:
-    pass
+    vp, i32, i64, u32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_size_t
+    lib.offload_aio_sizeof.argtypes, lib.offload_aio_sizeof.restype = [i32], i64
+    for which, cls in enumerate((IoReq, AioConfig, AioStats)):
+        if lib.offload_aio_sizeof(which) != ctypes.sizeof(cls):
+            raise OSError(f"struct {cls.__name__} is {ctypes.sizeof(cls)} bytes here but "
+                          f"{lib.offload_aio_sizeof(which)} in the library: rebuild with `make native`")
+    lib.offload_aio_create.argtypes, lib.offload_aio_create.restype = [ctypes.POINTER(AioConfig), ctypes.POINTER(vp)], i32
+    lib.offload_aio_submit.argtypes, lib.offload_aio_submit.restype = [vp, ctypes.POINTER(IoReq)], i32
+    lib.offload_aio_wait.argtypes, lib.offload_aio_wait.restype = [vp, ctypes.POINTER(IoReq), i64], i32
+    lib.offload_aio_done.argtypes, lib.offload_aio_done.restype = [ctypes.POINTER(IoReq)], i32
+    lib.offload_aio_stats_get.argtypes, lib.offload_aio_stats_get.restype = [vp, ctypes.POINTER(AioStats)], i32
+    lib.offload_aio_destroy.argtypes, lib.offload_aio_destroy.restype = [vp], None
+    for name in ("offload_crc32c", "offload_crc32c_table"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [u32, vp, sz], u32
+    lib.offload_crc32c_hw.argtypes, lib.offload_crc32c_hw.restype = [], i32
+
+
+def _check_errno(rc: int, what: str) -> None:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+def aio_create(block_size: int, queue_depth: int, threads: int, use_uring: int) -> tuple[int, AioConfig]:
+    """Start an I/O engine; returns (handle, config with the out fields filled in)."""
+    if block_size <= 0 or block_size % IO_PAGE:
+        raise ValueError(f"block_size={block_size} must be a positive multiple of {IO_PAGE}")
+    if queue_depth < 1 or threads < 1:
+        raise ValueError(f"queue_depth={queue_depth} and threads={threads} must be >= 1")
+    cfg = AioConfig(block_size=block_size, queue_depth=queue_depth, threads=threads, use_uring=use_uring)
+    handle = ctypes.c_void_p()
+    _check_errno(lib().offload_aio_create(ctypes.byref(cfg), ctypes.byref(handle)), "offload_aio_create")
+    return handle.value, cfg
+
+
+def aio_submit(engine: int, req: IoReq) -> None:
+    if req.op not in (IO_READ, IO_WRITE) or not 0 <= req.tail_len < IO_PAGE:
+        raise ValueError("bad I/O request")
+    _check_errno(lib().offload_aio_submit(engine, ctypes.byref(req)), "offload_aio_submit")
+
+
+def aio_wait(engine: int, req: IoReq, timeout_ns: int) -> bool:
+    """True once req is done; False on timeout. Releases the GIL while it waits."""
+    return lib().offload_aio_wait(engine, ctypes.byref(req), timeout_ns) == 0
+
+
+def aio_done(req: IoReq) -> bool:
+    return bool(lib().offload_aio_done(ctypes.byref(req)))
+
+
+def aio_stats(engine: int) -> AioStats:
+    out = AioStats()
+    _check_errno(lib().offload_aio_stats_get(engine, ctypes.byref(out)), "offload_aio_stats_get")
+    return out
+
+
+def aio_destroy(engine: int) -> None:
+    """Finishes every queued request, then frees the engine."""
+    lib().offload_aio_destroy(engine)
+
+
+def crc32c(address: int, nbytes: int, crc: int = 0, *, table: bool = False) -> int:
+    """crc32c of nbytes at address (continuing from crc). Releases the GIL."""
+    if nbytes < 0 or (nbytes and not address):
+        raise ValueError(f"bad buffer: address={address:#x} nbytes={nbytes}")
+    f = lib().offload_crc32c_table if table else lib().offload_crc32c
+    return f(crc, address, nbytes)
+
+
+def _aio_info(lib: ctypes.CDLL) -> dict:
+    return {"crc32c": "sse4.2" if lib.offload_crc32c_hw() else "table"}
 # END AIO SECTION
 
 
