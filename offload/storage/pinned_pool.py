@@ -1,0 +1,242 @@
+"""The host tier: a fixed budget of host memory, allocated once, lent out slot by slot.
+
+Every slot is allocated at construction in its exact size rounded up only to the 4096-byte
+page (never to a power of two), page-aligned so the NVMe store can move it with O_DIRECT,
+and page-locked when CUDA is present so host<->device copies are asynchronous. After
+construction nothing is allocated: ``acquire`` hands out a free slot, ``release`` takes it
+back.
+
+Pinning registers the pages of an anonymous mapping with ``cudaHostRegister`` rather than
+using ``torch.empty(..., pin_memory=True)``, whose caching host allocator rounds every
+request up to a power of two (up to 2x the memory for an unlucky size).
+"""
+from __future__ import annotations
+
+import bisect
+import mmap
+import threading
+import time
+from typing import Sequence
+
+import torch
+from torch.profiler import record_function
+
+PAGE = 4096
+
+
+class PoolBudgetError(ValueError):
+    """The pool cannot hold what was asked of it."""
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**30:.3f} GiB)"
+
+
+class _HostMemory:
+    """One page-aligned anonymous mapping of exactly ``nbytes`` (a multiple of 4096),
+    optionally registered with CUDA as page-locked. ``data`` is a 1-D uint8 tensor over it;
+    the mapping lives as long as any tensor derived from ``data``."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)  # 1D uint8, page-aligned
+        self.pinned = False
+        if pin:
+            err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {_fmt(nbytes)} failed with CUDA error {int(err)}; "
+                                   "the pinned-memory limit (ulimit -l) may be too low, or pass pin=False")
+            self.pinned = True
+
+    def free(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.pinned = False
+        # The mapping itself goes when the last tensor over it is collected.
+        self.data = None
+        self._map = None
+
+
+class HostBuffer:
+    """A slot on loan from a HostPool. ``nbytes`` is its capacity.
+
+    Views alias the slot: they must not be used after ``release()``, when the slot may be
+    handed to someone else. Any I/O or copy into or out of the slot must have completed
+    before it is released."""
+
+    __slots__ = ("nbytes", "_pool", "_index", "_data")
+
+    def __init__(self, pool: "HostPool", index: int, data: torch.Tensor):
+        self.nbytes = data.numel()
+        self._pool = pool
+        self._index = index
+        self._data = data
+
+    @property
+    def data_ptr(self) -> int:
+        self._check()
+        return self._data.data_ptr()
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        """A 1-D CPU tensor of ``numel`` ``dtype`` elements at ``offset_bytes`` in the slot."""
+        self._check()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if numel < 0 or offset_bytes < 0 or offset_bytes % itemsize:
+            raise ValueError(f"offset_bytes={offset_bytes} must be >= 0 and a multiple of {itemsize} "
+                             f"(the size of {dtype}); numel={numel} must be >= 0")
+        end = offset_bytes + numel * itemsize
+        if end > self.nbytes:
+            raise ValueError(f"a view of {numel} x {dtype} at offset {offset_bytes} needs {end} bytes, "
+                             f"the slot holds {self.nbytes}")
+        return self._data[offset_bytes:end].view(dtype)
+
+    def release(self) -> None:
+        """Give the slot back to the pool."""
+        self._check()
+        data, self._data = self._data, None
+        self._pool._give_back(self._index, data)
+
+    def _check(self) -> None:
+        if self._data is None:
+            raise RuntimeError(f"this buffer of pool {self._pool.name!r} was already released")
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._data is not None:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._data is None else "on loan"
+        return f"HostBuffer(pool={self._pool.name!r}, slot={self._index}, nbytes={self.nbytes}, {state})"
+
+
+class HostPool:
+    """Fixed host buffers, one per entry of ``slot_bytes``, allocated up front."""
+
+    def __init__(self, slot_bytes: Sequence[int], *, budget_bytes: int | None = None,
+                 pin: bool | None = None, name: str = "host"):
+        """Allocate one buffer per entry of ``slot_bytes``, each rounded up only to 4096.
+
+        ``pin=None`` pins iff CUDA is available. Raises PoolBudgetError naming the budget, the
+        bytes asked and the fix when the slots do not fit in ``budget_bytes``."""
+        self.name = name
+        sizes = [int(s) for s in slot_bytes]
+        if not sizes or any(s <= 0 for s in sizes):
+            raise ValueError(f"HostPool {name!r}: slot_bytes must be a non-empty list of positive sizes, got {sizes}")
+        caps = [_round_up(s) for s in sizes]
+        total = sum(caps)
+        if budget_bytes is not None and total > budget_bytes:
+            raise PoolBudgetError(
+                f"HostPool {name!r}: {len(caps)} slots need {_fmt(total)} (each rounded up to 4096 bytes) but "
+                f"budget_bytes is {_fmt(budget_bytes)}; raise the host memory budget to at least {total} bytes, "
+                f"or ask for fewer or smaller slots (e.g. keep fewer blocks in flight)")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            raise ValueError(f"HostPool {name!r}: pin=True needs CUDA, which is not available; pass pin=None or False")
+        self.pinned = bool(pin)
+        self._memory: list[_HostMemory] = []
+        try:
+            for cap in caps:
+                self._memory.append(_HostMemory(cap, self.pinned))
+        except BaseException:
+            self.close()
+            raise
+        self._caps = caps
+        self._cond = threading.Condition()
+        # Free slots as (capacity, index), sorted: the smallest that fits is one bisect away.
+        self._free = sorted((cap, i) for i, cap in enumerate(caps))
+        self._in_use = 0
+        self._peak = 0
+        self._closed = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(self._caps)
+
+    def try_acquire(self, nbytes: int) -> HostBuffer | None:
+        """The smallest free slot of at least ``nbytes``, or None when none is free now."""
+        self._check_size(nbytes)
+        with self._cond:
+            return self._take(nbytes)
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+        """The smallest free slot of at least ``nbytes``; blocks until one is released.
+
+        Raises PoolBudgetError when no slot could ever hold ``nbytes``, TimeoutError when
+        ``timeout`` seconds pass first."""
+        self._check_size(nbytes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            buf = self._take(nbytes)
+            if buf is not None:
+                return buf
+            with record_function("offload::pool_wait"):
+                return self._wait_for_slot(nbytes, deadline, timeout)
+
+    def _wait_for_slot(self, nbytes: int, deadline: float | None, timeout: float | None) -> HostBuffer:
+        while True:  # lock held
+            buf = self._take(nbytes)
+            if buf is not None:
+                return buf
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"HostPool {self.name!r}: no free slot of >= {nbytes} bytes after {timeout} s "
+                    f"({len(self._free)} of {len(self._caps)} slots free, {self._in_use} bytes in use); "
+                    "a buffer is probably held too long, or the pool is too small for the lookahead")
+            self._cond.wait(remaining)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"capacity_bytes": self.capacity_bytes, "in_use_bytes": self._in_use,
+                    "peak_bytes": self._peak, "slots": len(self._caps), "free_slots": len(self._free),
+                    "pinned": self.pinned}
+
+    def close(self) -> None:
+        """Free the memory. Buffers still on loan must not be used afterwards."""
+        self._closed = True
+        for m in getattr(self, "_memory", []):
+            m.free()
+        self._memory = []
+        self._free = []
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_size(self, nbytes: int) -> None:
+        if self._closed:
+            raise RuntimeError(f"HostPool {self.name!r} is closed")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes > max(self._caps):
+            raise PoolBudgetError(f"HostPool {self.name!r}: no slot can hold {nbytes} bytes (the largest "
+                                  f"holds {max(self._caps)}); size the pool's slots for the largest block")
+
+    def _take(self, nbytes: int) -> HostBuffer | None:  # lock held
+        if self._closed:
+            raise RuntimeError(f"HostPool {self.name!r} is closed")
+        k = bisect.bisect_left(self._free, (nbytes, -1))
+        if k == len(self._free):
+            return None
+        cap, index = self._free.pop(k)
+        self._in_use += cap
+        self._peak = max(self._peak, self._in_use)
+        return HostBuffer(self, index, self._memory[index].data)
+
+    def _give_back(self, index: int, data: torch.Tensor) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            bisect.insort(self._free, (self._caps[index], index))
+            self._in_use -= self._caps[index]
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return (f"HostPool({self.name!r}, {len(self._caps)} slots, {_fmt(self.capacity_bytes)}, "
+                f"pinned={self.pinned})")
