@@ -1,0 +1,160 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from offload.storage import HostPool, PoolBudgetError
+
+
+def test_slots_exact_sizes_page_aligned():
+    sizes = [5000, 4096, (1 << 20) + 1, 3 * (1 << 20) + 12345]
+    pool = HostPool(sizes, pin=False)
+    try:
+        st = pool.stats()
+        # each slot rounded up to 4096 only, never to a power of two
+        assert st["capacity_bytes"] == 8192 + 4096 + (1 << 20) + 4096 + 3 * (1 << 20) + 16384
+        assert st["slots"] == 4 and st["free_slots"] == 4 and st["in_use_bytes"] == 0
+        bufs = [pool.acquire(n) for n in sizes]
+        assert sorted(b.nbytes for b in bufs) == sorted([8192, 4096, (1 << 20) + 4096, 3 * (1 << 20) + 16384])
+        for b in bufs:
+            assert b.data_ptr % 4096 == 0
+            b.release()
+    finally:
+        pool.close()
+
+
+def test_budget_error_names_budget_asked_and_fix():
+    with pytest.raises(PoolBudgetError) as exc:
+        HostPool([3 << 20, 3 << 20], budget_bytes=5 << 20, pin=False, name="grads")
+    msg = str(exc.value)
+    assert "grads" in msg and str(6 << 20) in msg and str(5 << 20) in msg and "raise" in msg
+    assert isinstance(exc.value, ValueError)
+    HostPool([3 << 20], budget_bytes=3 << 20, pin=False).close()  # exactly at budget is fine
+
+
+def test_acquire_smallest_fit_and_no_allocation_on_reuse():
+    pool = HostPool([1 << 20, 4096, 64 << 10], pin=False)
+    try:
+        b = pool.acquire(5000)
+        assert b.nbytes == 64 << 10  # smallest slot that holds 5000 bytes
+        ptr = b.data_ptr
+        b.release()
+        again = pool.acquire(5000)
+        assert again.data_ptr == ptr  # the same memory comes back: nothing allocated
+        small = pool.acquire(1)
+        assert small.nbytes == 4096
+        big = pool.acquire(60 << 10)  # the 64 KiB slot is taken: next is 1 MiB
+        assert big.nbytes == 1 << 20
+        assert pool.try_acquire(1) is None
+        for x in (again, small, big):
+            x.release()
+    finally:
+        pool.close()
+
+
+def test_counters_in_use_and_peak():
+    pool = HostPool([8192, 8192, 4096], pin=False)
+    try:
+        a, b = pool.acquire(8192), pool.acquire(100)
+        assert pool.stats()["in_use_bytes"] == 8192 + 4096
+        a.release()
+        c = pool.acquire(8000)
+        st = pool.stats()
+        assert st["in_use_bytes"] == 8192 + 4096 and st["peak_bytes"] == 8192 + 4096 and st["free_slots"] == 1
+        b.release()
+        c.release()
+        st = pool.stats()
+        assert st["in_use_bytes"] == 0 and st["peak_bytes"] == 8192 + 4096 and st["free_slots"] == 3
+    finally:
+        pool.close()
+
+
+def test_acquire_blocks_until_release_and_times_out():
+    pool = HostPool([4096], pin=False)
+    try:
+        held = pool.acquire(4096)
+        with pytest.raises(TimeoutError, match="no free slot"):
+            pool.acquire(10, timeout=0.05)
+        got = []
+        t = threading.Thread(target=lambda: got.append(pool.acquire(10, timeout=10)))
+        t.start()
+        time.sleep(0.05)
+        assert not got  # still waiting
+        held.release()
+        t.join(5)
+        assert got and got[0].nbytes == 4096
+        got[0].release()
+    finally:
+        pool.close()
+
+
+def test_request_no_slot_can_hold_raises_at_once():
+    pool = HostPool([4096, 8192], pin=False)
+    try:
+        with pytest.raises(PoolBudgetError, match="largest holds 8192"):
+            pool.acquire(8193)
+        with pytest.raises(PoolBudgetError):
+            pool.try_acquire(1 << 20)
+    finally:
+        pool.close()
+
+
+def test_views_alias_the_slot_and_check_bounds():
+    pool = HostPool([3 * 4096], pin=False)
+    try:
+        with pool.acquire(10) as buf:
+            f = buf.view(torch.float32, 100, offset_bytes=4096)
+            u = buf.view(torch.uint8, 3 * 4096)
+            f.fill_(1.5)
+            assert torch.equal(u[4096:4100], torch.tensor([0, 0, 0xC0, 0x3F], dtype=torch.uint8))
+            assert f.data_ptr() == buf.data_ptr + 4096 and f.is_contiguous() and f.dim() == 1
+            h = buf.view(torch.bfloat16, 5, offset_bytes=2)
+            assert h.numel() == 5
+            with pytest.raises(ValueError, match="needs"):
+                buf.view(torch.float32, 3 * 1024 + 1)
+            with pytest.raises(ValueError, match="multiple of 4"):
+                buf.view(torch.float32, 1, offset_bytes=2)
+        assert pool.stats()["free_slots"] == 1  # the context manager released it
+        with pytest.raises(RuntimeError, match="already released"):
+            buf.release()
+        with pytest.raises(RuntimeError, match="already released"):
+            buf.view(torch.uint8, 1)
+    finally:
+        pool.close()
+
+
+def test_pin_none_follows_cuda_and_pin_true_needs_cuda():
+    pool = HostPool([4096])
+    try:
+        assert pool.pinned == torch.cuda.is_available()
+    finally:
+        pool.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            HostPool([4096], pin=True)
+
+
+@pytest.mark.cuda
+def test_pinned_slots_are_page_locked():
+    pool = HostPool([(1 << 20) + 5], pin=True)
+    try:
+        with pool.acquire(1) as buf:
+            t = buf.view(torch.uint8, buf.nbytes)
+            assert t.is_pinned() and buf.nbytes == (1 << 20) + 4096
+            d = t.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            assert d.numel() == t.numel()
+    finally:
+        pool.close()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        HostPool([], pin=False)
+    with pytest.raises(ValueError):
+        HostPool([0], pin=False)
+    pool = HostPool([4096], pin=False)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(1)
