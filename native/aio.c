@@ -281,31 +281,35 @@ typedef struct uring_worker {
     int pending;    /* SQEs pushed but not yet taken by the kernel */
 } uring_worker_t;
 
-/* io_uring_enter: submit the pending SQEs and optionally wait for one completion. If the
- * ring itself fails, the SQEs the kernel did not take are failed with its errno. */
-static void uw_enter(uring_worker_t *w, int wait) {
-    ring_t *r = w->r;
+/* io_uring_enter: submit the pending SQEs and optionally wait for one completion.
+ * Returns 0, or the errno of a ring that failed (see uw_fail_pending). */
+static int uw_enter(uring_worker_t *w, int wait) {
     for (;;) {
-        int ret = (int)syscall(__NR_io_uring_enter, r->fd, w->pending, wait ? 1 : 0,
+        int ret = (int)syscall(__NR_io_uring_enter, w->r->fd, w->pending, wait ? 1 : 0,
                                wait ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
         if (ret >= 0) {
             w->pending -= ret;
-            return;
+            return 0;
         }
         if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EBUSY) return; /* retried on the next call */
-        int err = -errno;
-        unsigned tail = *r->sq_tail;
-        for (int k = 0; k < w->pending; k++) {
-            int s = (int)r->sqes[(tail - 1 - k) & *r->sq_mask].user_data;
-            extent_end(w->e, &w->slots[s], err);
-            w->free_slots[w->nfree++] = s;
-            w->inflight--;
-        }
-        __atomic_store_n(r->sq_tail, tail - w->pending, __ATOMIC_RELEASE);
-        w->pending = 0;
-        return;
+        if (errno == EAGAIN || errno == EBUSY) return 0; /* retried on the next call */
+        return -errno;
     }
+}
+
+/* The ring refused to take SQEs: fail the extents the kernel never saw (the last
+ * `pending` pushed) with its errno; what it did take still completes through the CQ. */
+static void uw_fail_pending(uring_worker_t *w, int err) {
+    ring_t *r = w->r;
+    unsigned tail = *r->sq_tail;
+    for (int k = 0; k < w->pending; k++) {
+        int s = (int)r->sqes[(tail - 1 - k) & *r->sq_mask].user_data;
+        extent_end(w->e, &w->slots[s], err);
+        w->free_slots[w->nfree++] = s;
+        w->inflight--;
+    }
+    __atomic_store_n(r->sq_tail, tail - w->pending, __ATOMIC_RELEASE);
+    w->pending = 0;
 }
 
 static void uw_push(uring_worker_t *w, int s) {
@@ -328,12 +332,14 @@ static void uw_fill(uring_worker_t *w, extent_t *fresh) {
         extent_begin(&w->slots[s]);
         uw_push(w, s);
     }
-    if (w->pending) uw_enter(w, 0);
+    int err = w->pending ? uw_enter(w, 0) : 0;
+    /* Checksums before any extent can be ended: ending the last one releases the request. */
     for (int i = 0; i < n; i++) extent_checksum_write(&fresh[i]);
+    if (err) uw_fail_pending(w, err);
 }
 
-/* Move finished extents from the CQ to `done` (with their status in done[i].got's
- * companion array), re-issue partial transfers. Returns how many finished. */
+/* Move finished extents from the CQ to done[] (their results to status[]) and re-issue
+ * partial transfers. Returns how many finished. */
 static int uw_reap(uring_worker_t *w, extent_t *done, int *status) {
     ring_t *r = w->r;
     int n = 0;
@@ -355,7 +361,8 @@ static int uw_reap(uring_worker_t *w, extent_t *done, int *status) {
         w->inflight--;
     }
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
-    if (w->pending) uw_enter(w, 0);
+    int err = w->pending ? uw_enter(w, 0) : 0;
+    if (err) uw_fail_pending(w, err);
     return n;
 }
 
@@ -377,7 +384,8 @@ static void *worker_uring(void *arg) {
         if (w.inflight == 0) continue;
         int n = uw_reap(&w, done, status);
         if (n == 0) {
-            uw_enter(&w, 1);
+            int err = uw_enter(&w, 1);
+            if (err) uw_fail_pending(&w, err);
             n = uw_reap(&w, done, status);
         }
         /* Refill the ring before checksumming what finished, so the disk stays busy. */
