@@ -237,7 +237,8 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
 
 
 def live_state_dict(engine) -> Dict[str, torch.Tensor]:
-    """The same consolidated fp32 state_dict from a live engine (streams block by block)."""
+    """The same consolidated fp32 state_dict from a live engine (streams block by block).
+    With ZeRO stages >= 1 across ranks this is a collective: every rank must call it."""
     where = {id(s.param): (b, s) for b in engine.blocks for s in b.layout.segments}
     out = {}
     by_block: Dict[int, list] = {}
@@ -254,9 +255,13 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
             continue
         state = b.state.acquire()
         try:
+            master, base = state[0], b.shard[0]
+            if engine.comm.active and engine.stage >= 1:   # a collective: every rank calls it
+                master, base = torch.empty(b.layout.padded_numel), 0
+                engine.comm.all_gather(master, state[0].to("cpu").contiguous(), f"full_state_dict of block {b.index}")
             for k, s in items:
-                a = s.offset - b.shard[0]
-                out[k] = state[0, a:a + s.numel].to("cpu", copy=True).view(s.shape)
+                a = s.offset - base
+                out[k] = master[a:a + s.numel].to("cpu", copy=True).view(s.shape)
         finally:
             b.state.drop()
     sd_order = list(engine.module.state_dict().keys())

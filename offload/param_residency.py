@@ -44,8 +44,10 @@ class BlockParams:
         self.layout = layout
         self.dtype = dtype
         self.device = device
-        self.numel = layout.padded_numel
+        self.numel = layout.padded_numel  # the device copy: the full flat
         self.nbytes = self.numel * torch.empty((), dtype=dtype).element_size()
+        self.home_numel = self.numel      # the home copy: the full flat, or this rank's shard (ZeRO-3)
+        self.home_nbytes = self.nbytes
         self.home_buf = home_buf          # 1-D host tensor (HOST home), else None
         self._store, self._pool, self.key = store, pool, key
         self._write_pool = write_pool     # host buffers for writing an unaligned source
