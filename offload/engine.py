@@ -119,6 +119,7 @@ class Engine:
         self._boundary = False    # the current backward closes an accumulation window
         self._window_submitted = False
         self._completion: List[int] = []       # block completion order in the last backward
+        self._arrival: List[int] = []
         self._last_order: Optional[List[int]] = None
 
     # ---- construction ---------------------------------------------------------------------
@@ -193,15 +194,31 @@ class Engine:
 
     # ---- parameter offload ------------------------------------------------------------------
     def _param_bytes(self, lay: blk.BlockLayout) -> int:
+        """Bytes of a block's parameters on the device: the full flat."""
         return lay.padded_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _home_numel(self, lay: blk.BlockLayout) -> int:
+        """Elements of a block's parameter home: the shard with ZeRO-3, else the full flat."""
+        s0, s1 = self._shard(lay)
+        return s1 - s0 if self.stage == 3 else lay.padded_numel
+
+    def _home_bytes(self, lay: blk.BlockLayout) -> int:
+        return self._home_numel(lay) * torch.empty((), dtype=self.dtype).element_size()
+
+    def _param_home_device(self) -> str:
+        """ZeRO-3 keeps parameters as shards even without offload_param: at home on the host."""
+        pc = self.config.offload_param
+        return "cpu" if pc.device == "none" and self.stage == 3 else pc.device
 
     def _build_param_homes(self) -> None:
         """Host or NVMe homes for the parameter copies when offload_param asks for them."""
         from offload.storage.pinned_pool import HostPool
         pc = self.config.offload_param
-        if pc.device == "none":
+        home_device = self._param_home_device()
+        if home_device == "none":
             return
         sizes = [self._param_bytes(lay) for lay in self.layouts]
+        homes = [self._home_bytes(lay) for lay in self.layouts]
         largest = max(sizes)
         budget = pc.device_budget_bytes or 2 * largest
         if budget < largest:
@@ -216,42 +233,51 @@ class Engine:
         self._host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None \
             else 2 * budget
         pin = pc.pin_memory and dev.can_pin()
-        if pc.device == "cpu":
-            self._param_home_pool = HostPool(sizes, pin=pin, name="offload-param-home")
+        if home_device == "cpu":
+            self._param_home_pool = HostPool(homes, pin=pin, name="offload-param-home")
             return
         from offload.storage.nvme import NvmeStore
         a = self.config.aio
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, sizes)})
+        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, homes)})
         # Staging buffers: the blocks that fit in the device budget and the host lookahead
         # (on a CPU device a staged buffer is the device copy), largest first, plus one spare.
-        slots, total = [], 0
-        for n in sorted(sizes, reverse=True):
+        # (ZeRO-3: a staged buffer holds the shard; the all-gather output is the device copy.)
+        slots, total, largest_home = [], 0, max(homes)
+        for n, h in sorted(zip(sizes, homes), reverse=True):
             if total >= budget + self._host_lookahead + largest:
                 break
-            slots.append(n)
+            slots.append(h)
             total += n
-        self._param_stage_pool = HostPool(slots + [largest], pin=pin, name="offload-param-stage")
-        self._param_write_pool = HostPool([largest] * self.config.optimizer_workers, pin=pin,
+        self._param_stage_pool = HostPool(slots + [largest_home], pin=pin, name="offload-param-stage")
+        self._param_write_pool = HostPool([largest_home] * self.config.optimizer_workers, pin=pin,
                                           name="offload-param-write")
 
     def _param_home(self, lay: blk.BlockLayout):
         from offload.param_residency import BlockParams
-        pc = self.config.offload_param
-        if pc.device == "none":
+        home_device = self._param_home_device()
+        if home_device == "none":
             return None
-        n = lay.padded_numel
-        if pc.device == "cpu":
-            home = self._param_home_pool.acquire(self._param_bytes(lay)).view(self.dtype, n)
-            return BlockParams(lay, self.dtype, self.device, home_buf=home)
+        n = self._home_numel(lay)
+        gather = None
+        if self.stage == 3 and self.comm.active:
+            what = f"param allgather of block {lay.index} ({lay.name or '<root>'})"
+
+            def gather(full, shard, what=what):
+                with self.telemetry.span("offload::param_allgather"):
+                    return self.comm.all_gather(full, shard, what, async_op=True)
+        kw = {"home_numel": n, "gather": gather}
+        if home_device == "cpu":
+            home = self._param_home_pool.acquire(self._home_bytes(lay)).view(self.dtype, n)
+            return BlockParams(lay, self.dtype, self.device, home_buf=home, **kw)
         return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
-                           write_pool=self._param_write_pool, key=f"b{lay.index}.param")
+                           write_pool=self._param_write_pool, key=f"b{lay.index}.param", **kw)
 
     def _start_param_offload(self) -> None:
         from offload.param_offload import ParamOffload
-        if self.config.offload_param.device == "none":
+        if self._param_home_device() == "none":
             return
         self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
                                           device_lookahead=self._device_lookahead,
@@ -397,7 +423,8 @@ class Engine:
         gas = self.config.gradient_accumulation_steps
         self._boundary = (self.micro_step + 1) % gas == 0
         self._window_submitted = False
-        self._completion = []
+        self._completion = []             # blocks in the order their collectives were issued
+        self._arrival = []                # ... in the order their gradients completed
         self.grad_sync.begin(self._boundary)
         for b in self.blocks:
             (b.landing or b.grad).begin_backward()
@@ -422,6 +449,7 @@ class Engine:
             self.grad_sync.wait_all()     # accumulated in place before the next backward lands
 
     def _on_block_complete(self, block: BlockShard) -> None:
+        self._arrival.append(block.index)
         if self.param_offload is not None:
             self.param_offload.on_grads_complete(block.index)
         for b in self.grad_sync.ready(block):    # collectives issued in the fixed block order
@@ -462,7 +490,7 @@ class Engine:
         self._boundary = False
         self.comm.step = self.global_step + 1
         if self.comm.active:              # the ranks took the same path through the model
-            self.comm.check_same("block order of backward", self._completion)
+            self.comm.check_same("block order of backward", self._arrival)
         if not self._overlap:
             self.grad_sync.wait_all()
             coef, overflow = 1.0, False

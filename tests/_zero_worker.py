@@ -37,6 +37,22 @@ def config(job, nvme_dir):
 
 
 def run_job(job, rank, world, outdir):
+    """Train ``job``; with ``expect_error`` an exception is the result (the engine is closed)."""
+    held = []
+    try:
+        return train(job, rank, world, outdir, held)
+    except Exception as exc:
+        if not job.get("expect_error"):
+            raise
+        for eng in held:
+            try:
+                eng.close()
+            except Exception:
+                pass
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def train(job, rank, world, outdir, held):
     nvme_dir = os.path.join(outdir, f"nvme_{job['name']}_r{rank}")
     os.makedirs(nvme_dir, exist_ok=True)
     model_kw = dict(job.get("model_kw", {}))
@@ -46,6 +62,7 @@ def run_job(job, rank, world, outdir):
         job = dict(job, clip=1.0)
     model = make_model(**model_kw)
     eng = offload.initialize(model, config(job, nvme_dir))
+    held.append(eng)
     if job.get("load"):
         eng.load_checkpoint(job["load"])
     data = batches(job.get("start", 0) + job["steps"], batch=job.get("batch", 4))[job.get("start", 0):]
