@@ -13,6 +13,15 @@ complete. With no global dependency (no clipping, not fp16) the block's update i
 once, so the CPU step overlaps the rest of backward; otherwise ``step()`` computes the global
 norm / overflow and queues every block in forward order. Either way ``step()`` returns
 without waiting: a forward pre-hook makes each block wait only for its own update.
+
+Across ranks (``torch.distributed``, ``zero_optimization.stage``; one rank is the same path
+with no collectives): each block's flat is split into world_size shards and rank r owns
+shard r of the optimizer state (stage >= 1), of the gradients (>= 2, reduce-scattered per
+block in backward) and of the parameters (3, all-gathered before use). Gradient
+collectives are issued in one fixed block order (grad_sync.py); stages 1 and 2 all-gather
+the updated parameter shards on one thread in submission order; comm.py owns the groups,
+timeouts, errors and byte accounting. The global norm is all-reduced from local shards,
+so clipping and fp16 overflow decisions agree on every rank.
 """
 from __future__ import annotations
 
