@@ -20,13 +20,14 @@ from offload.residency import OptimState
 
 class BlockShard:
     def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state: OptimState,
-                 grad: GradBuffer, shard: tuple, params=None):
+                 grad: GradBuffer, shard: tuple, params=None, landing: Optional[GradBuffer] = None):
         self.layout = layout
         self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
         self.params = params              # BlockParams when the parameters are offloaded (then
                                           # param_flat is None: they visit the device per use)
         self.state = state                # [master | exp_avg | exp_avg_sq] of this rank's shard
-        self.grad = grad                  # accumulated gradients of the shard
+        self.grad = grad                  # accumulated gradients: the full flat (stages 0, 1) or the shard
+        self.landing = landing            # stages 2, 3: full-size, transient, reduce-scattered into grad
         self.shard = shard                # [start, end) of this rank's shard in the padded flat
         self.pending: Optional[Future] = None
         self.update_event = None          # H2D copy of the new parameters (CUDA)
@@ -50,6 +51,18 @@ class BlockShard:
         ev, self.update_event = self.update_event, None
         if ev is not None:
             dev.wait_event(dev.current_stream(self.param_flat.device), ev)
+
+    def grad_shard(self) -> torch.Tensor:
+        """The gradients of this rank's shard (a view into the gradient buffer)."""
+        t = self.grad.tensor
+        s0, s1 = self.shard
+        return t if t.numel() == s1 - s0 else t[s0:s1]
+
+    def home_shard(self, full_or_shard: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a parameter home buffer, which holds either the full flat
+        (parameter offload without ZeRO-3) or only the shard (ZeRO-3)."""
+        s0, s1 = self.shard
+        return full_or_shard if full_or_shard.numel() == s1 - s0 else full_or_shard[s0:s1]
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -2,14 +2,23 @@
 
 Layout of a checkpoint directory::
 
-    meta.json          step counters, loss scaler, config, param groups, block table, key map
-    block_00000.bin    fp32 rows [master | exp_avg | exp_avg_sq] of block 0, each numel long
-    ...                (unpadded, so the files do not depend on world_size)
-    extra.pt           frozen parameters, buffers, RNG states
+    meta.json               step counters, loss scaler, config, param groups, key map, and the
+                            block table: per block its shards (rank, [start, end), file, CRC32)
+    block_00000.rank0.bin   fp32 rows [master | exp_avg | exp_avg_sq] of rank 0's shard of
+    block_00000.rank1.bin   block 0, each (end - start) long: the shard without the padding,
+    ...                     so a tail shard is shorter and an all-padding shard has no file
+    extra.pt                frozen parameters, buffers, rank 0's RNG states
+    rng.rank1.pt ...        the other ranks' RNG states
+
+Every rank writes the shards it owns, in parallel (stage 0: rank 0 writes whole blocks).
+Loading reads, for each block, the range the loading rank owns now from whichever files
+hold it, so a checkpoint loads at any world size (re-sharded) and bit-exactly at the same
+one. Checkpoints of version 1 with one ``block_XXXXX.bin`` per block load as one shard.
 
 Saving streams block by block from wherever the state lives (an NVMe-resident block visits
 one pool buffer), so the model is never materialized whole in RAM. The directory is written
-beside the target (``<dir>.tmp-<pid>``), every file fsynced, then swapped in by renames:
+beside the target (``<dir>.tmp-<token>``), every file fsynced by its writer; after a barrier
+rank 0 writes meta.json and swaps the directory in by renames:
 ``<dir>`` -> ``<dir>.prev``, tmp -> ``<dir>``, then ``<dir>.prev`` is removed. A crash at any
 point leaves a loadable checkpoint: ``<dir>`` itself, or ``<dir>.prev`` which ``load`` falls
 back to. Every block file carries a CRC32 in meta.json, checked on load.
@@ -28,8 +37,10 @@ from typing import Dict
 import numpy as np
 import torch
 
+from offload.sharding import clip_range
+
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -38,16 +49,25 @@ class CheckpointError(RuntimeError):
 
 # ---- saving -----------------------------------------------------------------------------
 def save(engine, path: str) -> str:
+    """Every rank calls this with the same ``path`` (a directory all ranks can reach)."""
+    comm = engine.comm
     path = os.path.abspath(path.rstrip("/"))
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save
-    tmp = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    tmp = f"{path}.tmp-{comm.gather_objects(os.getpid(), 'checkpoint save: rendezvous')[0]}"
+    if comm.rank == 0:
+        os.makedirs(parent, exist_ok=True)
+        for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save
+        os.makedirs(tmp)
+    comm.barrier("checkpoint save: directory created")
     try:
         with engine.telemetry.span("offload::checkpoint_save"):
-            meta = _write_all(engine, tmp)
+            mine = _write_shards(engine, tmp)
+            shards = comm.gather_objects(mine, "checkpoint save: shard table")   # after every fsync
+            if comm.rank != 0:
+                comm.barrier("checkpoint save: renamed")
+                return path
+            meta = _meta(engine, tmp, shards)
             _write_json(os.path.join(tmp, "meta.json"), meta)
             _fsync_dir(tmp)
         prev = path + ".prev"
@@ -59,44 +79,76 @@ def save(engine, path: str) -> str:
         _fsync_dir(parent)
         shutil.rmtree(prev, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    comm.barrier("checkpoint save: renamed")
     return path
 
 
-def _write_all(engine, tmp: str) -> dict:
-    blocks = []
+def _owned(engine, b) -> tuple:
+    """The unpadded range of block ``b`` this rank saves (empty: nothing)."""
+    if engine.stage == 0:
+        return (0, b.layout.numel) if engine.comm.rank == 0 else (0, 0)
+    s0, s1 = b.shard
+    return s0, max(s0, min(s1, b.layout.numel))
+
+
+def _write_shards(engine, tmp: str) -> list:
+    """This rank's shard files, fsynced; returns their table rows."""
+    rank = engine.comm.rank
+    rows = []
     for b in engine.blocks:
-        fname = f"block_{b.index:05d}.bin"
-        crc = _write_block(os.path.join(tmp, fname), b)
-        lay = b.layout
-        blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "stepped": b.stepped,
-                       "file": fname, "crc32": crc,
-                       "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
-                                     "shape": list(s.shape)} for s in lay.segments]})
-    keys, extra = _key_map(engine)
-    extra_state = {"tensors": extra, "rng": _rng_state()}
-    with open(os.path.join(tmp, "extra.pt"), "wb") as f:
-        torch.save(extra_state, f)
+        a, e = _owned(engine, b)
+        if e <= a:
+            continue
+        fname = f"block_{b.index:05d}.rank{rank}.bin"
+        crc = _write_block(os.path.join(tmp, fname), b, a - b.shard[0], e - b.shard[0])
+        rows.append({"block": b.index, "rank": rank, "start": a, "end": e, "file": fname, "crc32": crc})
+    if rank == 0:
+        keys, extra = _key_map(engine)
+        _save_pt(os.path.join(tmp, "extra.pt"), {"tensors": extra, "rng": _rng_state()})
+    else:
+        _save_pt(os.path.join(tmp, f"rng.rank{rank}.pt"), {"rng": _rng_state()})
+    return rows
+
+
+def _save_pt(fname: str, obj) -> None:
+    with open(fname, "wb") as f:
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _meta(engine, tmp: str, shards: list) -> dict:
+    by_block: Dict[int, list] = {}
+    for rows in shards:
+        for r in rows:
+            by_block.setdefault(r.pop("block"), []).append(r)
+    blocks = []
+    for b in engine.blocks:
+        lay = b.layout
+        blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "stepped": b.stepped,
+                       "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
+                       "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
+                                     "shape": list(s.shape)} for s in lay.segments]})
+    keys, _ = _key_map(engine, tensors=False)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     return {"format": FORMAT, "version": VERSION, "global_step": engine.global_step,
             "micro_step": engine.micro_step, "scaler": engine.scaler.state_dict(),
             "config": engine.config.to_dict(), "param_groups": groups, "blocks": blocks, "keys": keys,
-            "world_size": 1}
+            "world_size": engine.comm.world, "zero_stage": engine.stage}
 
 
-def _write_block(fname: str, block) -> int:
-    """Stream one block's state rows to ``fname``; returns their CRC32."""
+def _write_block(fname: str, block, a: int, e: int) -> int:
+    """Stream columns [a, e) of one block shard's state rows to ``fname``; returns their CRC32."""
     st = block.state
-    n = block.layout.numel
     crc = 0
     state = st.acquire()
     try:
         with open(fname, "wb") as f:
             for row in range(3):
-                data = state[row, :n].numpy().tobytes() if n else b""
+                data = state[row, a:e].cpu().numpy().tobytes()
                 crc = zlib.crc32(data, crc)
                 f.write(data)
             f.flush()
@@ -106,7 +158,7 @@ def _write_block(fname: str, block) -> int:
     return crc
 
 
-def _key_map(engine):
+def _key_map(engine, tensors: bool = True):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
     where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
     keys, extra = {}, {}
@@ -116,7 +168,8 @@ def _key_map(engine):
             keys[k] = {"block": bi, "offset": seg.offset, "shape": list(seg.shape)}
         else:
             keys[k] = {"extra": True}
-            extra[k] = v.detach().to("cpu", copy=True)
+            if tensors:
+                extra[k] = v.detach().to("cpu", copy=True)
     return keys, extra
 
 
@@ -142,22 +195,47 @@ def resolve(path: str) -> str:
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
         raise CheckpointError(f"{path} is not an offload checkpoint of version {VERSION}")
     return meta
 
 
-def _read_rows(path: str, binfo: dict) -> np.ndarray:
-    """The [3, numel] fp32 rows of one block file, CRC-checked."""
-    n = binfo["numel"]
-    fname = os.path.join(path, binfo["file"])
+def _shards(binfo: dict) -> list:
+    if "file" in binfo:        # version 1: one file per block
+        return [{"start": 0, "end": binfo["numel"], "file": binfo["file"], "crc32": binfo["crc32"]}]
+    return binfo["shards"]
+
+
+def _read_shard(path: str, sh: dict) -> np.ndarray:
+    """The [3, end - start] fp32 rows of one shard file, CRC-checked."""
+    n = sh["end"] - sh["start"]
+    fname = os.path.join(path, sh["file"])
     with open(fname, "rb") as f:
         data = f.read()
     if len(data) != 3 * n * 4:
         raise CheckpointError(f"{fname} holds {len(data)} bytes, expected {3 * n * 4}: the checkpoint is damaged")
-    if zlib.crc32(data) != binfo["crc32"]:
+    if zlib.crc32(data) != sh["crc32"]:
         raise CheckpointError(f"{fname} fails its CRC32 check: the checkpoint is damaged")
     return np.frombuffer(data, dtype=np.float32).reshape(3, n)
+
+
+def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
+    """Rows [3, e - a] of a block's unpadded range [a, e), from whichever shard files hold it
+    (the world size it was saved at does not matter)."""
+    e = binfo["numel"] if e is None else e
+    out = np.zeros((3, max(e - a, 0)), dtype=np.float32)
+    covered = 0
+    for sh in _shards(binfo):
+        r = clip_range(sh["start"], sh["end"], a, e)
+        if r is None:
+            continue
+        rows = _read_shard(path, sh)
+        out[:, r[0] - a:r[1] - a] = rows[:, r[0] - sh["start"]:r[1] - sh["start"]]
+        covered += r[1] - r[0]
+    if covered != max(e - a, 0):
+        raise CheckpointError(f"{path}: the shard files of block {binfo['name'] or '<root>'!r} do not cover "
+                              f"[{a}, {e}): the checkpoint is incomplete")
+    return out
 
 
 def load(engine, path: str) -> None:
@@ -175,21 +253,29 @@ def load(engine, path: str) -> None:
             if binfo["numel"] != lay.numel or [s["name"] for s in binfo["segments"]] != names:
                 raise CheckpointError(f"block {binfo['name'] or '<root>'!r} in {path} does not match the "
                                       f"model's block {lay.name or '<root>'!r}: different model or grouping")
-            rows = torch.from_numpy(_read_rows(path, binfo).copy())
+            s0, s1 = b.shard
+            e = max(s0, min(s1, lay.numel))                  # this rank's unpadded range [s0, e)
+            rows = torch.from_numpy(_read_rows(path, binfo, s0, e))
 
-            def fill(t, rows=rows, n=lay.numel):
-                t[:, :n].copy_(rows)
-                t[:, n:].zero_()
+            def fill(t, rows=rows, m=e - s0):
+                t[:, :m].copy_(rows)
+                t[:, m:].zero_()
             b.state.overwrite(fill)
             b.state.reclaim(block=True)
-            s0, s1 = b.shard
             with torch.no_grad():
-                if b.params is not None:      # offloaded: the home copy, in the compute dtype
-                    home = torch.zeros(b.params.numel, dtype=b.params.dtype)
-                    home[:lay.numel].copy_(rows[0])
+                if b.params is not None and b.params.home_numel == s1 - s0:   # the home holds the shard
+                    home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
+                    home[:e - s0].copy_(rows[0])
                     b.params.write_home(home)
                 else:
-                    b.param_flat[s0:s0 + lay.numel].copy_(rows[0])
+                    master = rows[0] if (s0, e) == (0, lay.numel) else \
+                        torch.from_numpy(_read_rows(path, binfo)[0])
+                    if b.params is not None:  # offloaded: the home copy, in the compute dtype
+                        home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
+                        home[:lay.numel].copy_(master)
+                        b.params.write_home(home)
+                    else:
+                        b.param_flat[:lay.numel].copy_(master)
             b.stepped = binfo["stepped"]
             b.grad.reset_window()
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
@@ -204,7 +290,11 @@ def load(engine, path: str) -> None:
         engine.global_step = meta["global_step"]
         engine.micro_step = meta["micro_step"]
         engine.scaler.load_state_dict(meta["scaler"])
-        _set_rng_state(extra["rng"])
+        rng = os.path.join(path, f"rng.rank{engine.comm.rank}.pt")
+        if engine.comm.rank and os.path.exists(rng):
+            _set_rng_state(torch.load(rng, map_location="cpu", weights_only=False)["rng"])
+        else:
+            _set_rng_state(extra["rng"])
 
 
 def _set_rng_state(state: dict) -> None:
@@ -237,7 +327,8 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
 
 
 def live_state_dict(engine) -> Dict[str, torch.Tensor]:
-    """The same consolidated fp32 state_dict from a live engine (streams block by block)."""
+    """The same consolidated fp32 state_dict from a live engine (streams block by block).
+    With ZeRO stages >= 1 across ranks this is a collective: every rank must call it."""
     where = {id(s.param): (b, s) for b in engine.blocks for s in b.layout.segments}
     out = {}
     by_block: Dict[int, list] = {}
@@ -254,9 +345,13 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
             continue
         state = b.state.acquire()
         try:
+            master, base = state[0], b.shard[0]
+            if engine.comm.active and engine.stage >= 1:   # a collective: every rank calls it
+                master, base = torch.empty(b.layout.padded_numel), 0
+                engine.comm.all_gather(master, state[0].to("cpu").contiguous(), f"full_state_dict of block {b.index}")
             for k, s in items:
-                a = s.offset - b.shard[0]
-                out[k] = state[0, a:a + s.numel].to("cpu", copy=True).view(s.shape)
+                a = s.offset - base
+                out[k] = master[a:a + s.numel].to("cpu", copy=True).view(s.shape)
         finally:
             b.state.drop()
     sd_order = list(engine.module.state_dict().keys())

@@ -159,9 +159,12 @@ class LossScalerConfig:
 class ZeroConfig:
     """ZeRO stage across data-parallel ranks (0 = plain data parallel)."""
     stage: int = 0
+    # Seconds a collective may wait for the other ranks before failing with a clear error.
+    timeout_s: float = 300.0
 
     def __post_init__(self):
         _check_choice("zero_optimization.stage", self.stage, (0, 1, 2, 3))
+        _check_positive("zero_optimization.timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,21 @@ complete. With no global dependency (no clipping, not fp16) the block's update i
 once, so the CPU step overlaps the rest of backward; otherwise ``step()`` computes the global
 norm / overflow and queues every block in forward order. Either way ``step()`` returns
 without waiting: a forward pre-hook makes each block wait only for its own update.
+
+Across ranks (``torch.distributed``, ``zero_optimization.stage``; one rank is the same path
+with no collectives): each block's flat is split into world_size shards and rank r owns
+shard r of the optimizer state (stage >= 1), of the gradients (>= 2, reduce-scattered per
+block in backward) and of the parameters (3, all-gathered before use). Gradient
+collectives are issued in one fixed block order (grad_sync.py); stages 1 and 2 all-gather
+the updated parameter shards on one thread in submission order; comm.py owns the groups,
+timeouts, errors and byte accounting. The global norm is all-reduced from local shards,
+so clipping and fp16 overflow decisions agree on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -24,7 +35,10 @@ from torch import nn
 
 from offload import blocks as blk
 from offload import device as dev
+from offload import sharding
 from offload.block_shard import BlockShard
+from offload.comm import Comm
+from offload.grad_sync import GradSync
 from offload.config import Config
 from offload.grads import GradBuffer
 from offload.loss_scaler import LossScaler
@@ -63,9 +77,9 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, param_groups=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
-        if config.zero_optimization.stage != 0:
-            raise NotImplementedError("zero_optimization.stage > 0 (partitioning across ranks) is not available yet")
         self.config = config
+        self.comm = Comm(config.zero_optimization.timeout_s)
+        self.stage = config.zero_optimization.stage
         self.module = model
         self.device = dev.compute_device()
         dev.return_freed_host_memory()
@@ -73,7 +87,8 @@ class Engine:
         self.telemetry = Telemetry()
         self.optimizer = self._make_optimizer(model, param_groups)
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        self.layouts = blk.build_layouts(model, config.blocks, group_of)
+        self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
+        self.comm.check_same("model and config", self._signature())
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
@@ -99,20 +114,45 @@ class Engine:
             raise
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self._overlap = self._overlap_possible()
+        self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
+        self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
+        if self.comm.active and self.stage in (1, 2):
+            self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-gather")
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
                                      compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                     param_write_pool=self._param_write_pool)
+                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync)
         self._d2h = dev.new_stream(self.device)
         self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
         self.micro_step = 0       # backward calls
         self._boundary = False    # the current backward closes an accumulation window
         self._window_submitted = False
         self._completion: List[int] = []       # block completion order in the last backward
+        self._arrival: List[int] = []
         self._norms: list = []                  # futures of per-block gradient norms (clipping, fp16)
         self._last_order: Optional[List[int]] = None
 
     # ---- construction ---------------------------------------------------------------------
+    def _signature(self) -> dict:
+        """What must be equal on every rank: the blocks and the config's essentials."""
+        c = self.config
+        return {"blocks": [(lay.name, lay.numel, [s.name for s in lay.segments]) for lay in self.layouts],
+                "stage": c.zero_optimization.stage, "precision": c.precision,
+                "gradient_accumulation_steps": c.gradient_accumulation_steps,
+                "gradient_clipping": c.gradient_clipping, "optimizer": dataclasses.asdict(c.optimizer),
+                "overlap_step": c.overlap_step, "offload_param": c.offload_param.device != "none"}
+
+    def _shard(self, lay: blk.BlockLayout) -> tuple:
+        """This rank's [start, end) of the block's padded flat: its optimizer state (stage >= 1)."""
+        if self.stage == 0:
+            return 0, lay.padded_numel
+        return sharding.shard_range(lay.numel, self.comm.world, self.comm.rank)
+
+    def _grad_numel(self, lay: blk.BlockLayout) -> int:
+        """The persistent gradient buffer: the shard from stage 2 on, else the full flat."""
+        s0, s1 = self._shard(lay)
+        return s1 - s0 if self.stage >= 2 else lay.padded_numel
+
     def _make_optimizer(self, model, param_groups) -> _ParamGroups:
         o = self.config.optimizer
         defaults = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
@@ -133,9 +173,10 @@ class Engine:
         from offload.storage.pinned_pool import HostPool
         cfg = self.config
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
-        state_bytes = [3 * lay.padded_numel * 4 for lay in self.layouts]
+        state_bytes = [3 * (self._shard(lay)[1] - self._shard(lay)[0]) * 4 for lay in self.layouts]
         grad_dtype = self._grad_dtype()
-        grad_bytes = [lay.padded_numel * torch.empty((), dtype=grad_dtype).element_size() for lay in self.layouts]
+        grad_bytes = [self._grad_numel(lay) * torch.empty((), dtype=grad_dtype).element_size()
+                      for lay in self.layouts]
         host_slots = []
         self._grad_pool = None
         # Without a global dependency and without accumulation a block's gradients are
@@ -163,15 +204,31 @@ class Engine:
 
     # ---- parameter offload ------------------------------------------------------------------
     def _param_bytes(self, lay: blk.BlockLayout) -> int:
+        """Bytes of a block's parameters on the device: the full flat."""
         return lay.padded_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _home_numel(self, lay: blk.BlockLayout) -> int:
+        """Elements of a block's parameter home: the shard with ZeRO-3, else the full flat."""
+        s0, s1 = self._shard(lay)
+        return s1 - s0 if self.stage == 3 else lay.padded_numel
+
+    def _home_bytes(self, lay: blk.BlockLayout) -> int:
+        return self._home_numel(lay) * torch.empty((), dtype=self.dtype).element_size()
+
+    def _param_home_device(self) -> str:
+        """ZeRO-3 keeps parameters as shards even without offload_param: at home on the host."""
+        pc = self.config.offload_param
+        return "cpu" if pc.device == "none" and self.stage == 3 else pc.device
 
     def _build_param_homes(self) -> None:
         """Host or NVMe homes for the parameter copies when offload_param asks for them."""
         from offload.storage.pinned_pool import HostPool
         pc = self.config.offload_param
-        if pc.device == "none":
+        home_device = self._param_home_device()
+        if home_device == "none":
             return
         sizes = [self._param_bytes(lay) for lay in self.layouts]
+        homes = [self._home_bytes(lay) for lay in self.layouts]
         largest = max(sizes)
         budget = pc.device_budget_bytes or 2 * largest
         if budget < largest:
@@ -186,42 +243,51 @@ class Engine:
         self._host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None \
             else 2 * budget
         pin = pc.pin_memory and dev.can_pin()
-        if pc.device == "cpu":
-            self._param_home_pool = HostPool(sizes, pin=pin, name="offload-param-home")
+        if home_device == "cpu":
+            self._param_home_pool = HostPool(homes, pin=pin, name="offload-param-home")
             return
         from offload.storage.nvme import NvmeStore
         a = self.config.aio
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, sizes)})
+        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, homes)})
         # Staging buffers: the blocks that fit in the device budget and the host lookahead
         # (on a CPU device a staged buffer is the device copy), largest first, plus one spare.
-        slots, total = [], 0
-        for n in sorted(sizes, reverse=True):
+        # (ZeRO-3: a staged buffer holds the shard; the all-gather output is the device copy.)
+        slots, total, largest_home = [], 0, max(homes)
+        for n, h in sorted(zip(sizes, homes), reverse=True):
             if total >= budget + self._host_lookahead + largest:
                 break
-            slots.append(n)
+            slots.append(h)
             total += n
-        self._param_stage_pool = HostPool(slots + [largest], pin=pin, name="offload-param-stage")
-        self._param_write_pool = HostPool([largest] * self.config.optimizer_workers, pin=pin,
+        self._param_stage_pool = HostPool(slots + [largest_home], pin=pin, name="offload-param-stage")
+        self._param_write_pool = HostPool([largest_home] * self.config.optimizer_workers, pin=pin,
                                           name="offload-param-write")
 
     def _param_home(self, lay: blk.BlockLayout):
         from offload.param_residency import BlockParams
-        pc = self.config.offload_param
-        if pc.device == "none":
+        home_device = self._param_home_device()
+        if home_device == "none":
             return None
-        n = lay.padded_numel
-        if pc.device == "cpu":
-            home = self._param_home_pool.acquire(self._param_bytes(lay)).view(self.dtype, n)
-            return BlockParams(lay, self.dtype, self.device, home_buf=home)
+        n = self._home_numel(lay)
+        gather = None
+        if self.stage == 3 and self.comm.active:
+            what = f"param allgather of block {lay.index} ({lay.name or '<root>'})"
+
+            def gather(full, shard, what=what):
+                with self.telemetry.span("offload::param_allgather"):
+                    return self.comm.all_gather(full, shard, what, async_op=True)
+        kw = {"home_numel": n, "gather": gather}
+        if home_device == "cpu":
+            home = self._param_home_pool.acquire(self._home_bytes(lay)).view(self.dtype, n)
+            return BlockParams(lay, self.dtype, self.device, home_buf=home, **kw)
         return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
-                           write_pool=self._param_write_pool, key=f"b{lay.index}.param")
+                           write_pool=self._param_write_pool, key=f"b{lay.index}.param", **kw)
 
     def _start_param_offload(self) -> None:
         from offload.param_offload import ParamOffload
-        if self.config.offload_param.device == "none":
+        if self._param_home_device() == "none":
             return
         self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
                                           device_lookahead=self._device_lookahead,
@@ -252,20 +318,22 @@ class Engine:
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
         for lay in self.layouts:
-            n = lay.padded_numel
+            s0, s1 = self._shard(lay)
+            n, gn = s1 - s0, self._grad_numel(lay)
             blk.materialize_meta(lay)
-            master = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
+            full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
+            master = full[s0:s1]
             if self.tier is Tier.DEVICE:
                 state = OptimState(self._state_key(lay), n, Tier.DEVICE,
                                    tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
-                grad = GradBuffer(torch.zeros(n, dtype=grad_dtype, device=self.device), len(lay.segments))
+                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
                 if self._grad_pool is not None:
-                    grad = GradBuffer(None, len(lay.segments), numel=n, dtype=grad_dtype, pool=self._grad_pool,
+                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
                                       has_jobs=self._jobs_in_flight)
                 else:
-                    nb = n * torch.empty((), dtype=grad_dtype).element_size()
-                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, n), len(lay.segments))
+                    nb = gn * torch.empty((), dtype=grad_dtype).element_size()
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
                     state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
@@ -279,13 +347,20 @@ class Engine:
             state.reclaim(block=True)
             params = self._param_home(lay)
             if params is None:
-                param_flat = master.to(device=self.device, dtype=self.dtype)
+                param_flat = full.to(device=self.device, dtype=self.dtype)
                 blk.bind_views(lay, param_flat)
             else:                          # offloaded: written home, never whole on the device
                 param_flat = None
-                params.write_home(master.to(self.dtype))
+                home = full if params.home_numel == full.numel() else master
+                params.write_home(home.to(self.dtype))
                 params.release_initial()
-            self.blocks.append(BlockShard(lay, param_flat, state, grad, (0, n), params=params))
+            landing = None
+            if self.stage >= 2:            # full-size, lives only until reduce-scattered
+                landing = GradBuffer(None, len(lay.segments), numel=lay.padded_numel, dtype=grad_dtype,
+                                     device=self.device)
+            self.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
+                                          landing=landing))
+            del full, master
 
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters and buffers go to the device in the compute dtype."""
@@ -328,10 +403,11 @@ class Engine:
     def _make_grad_hook(self, block: BlockShard, index: int, seg: blk.Segment):
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
+            buf = block.landing or block.grad    # full-size either way: land at the flat offset
             with self.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
-                block.grad.land(index, seg.offset - block.shard[0], grad, self._d2h)
+                buf.land(index, seg.offset, grad, self._d2h)
             param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
-            if block.grad.complete:
+            if buf.complete:
                 self._on_block_complete(block)
         return hook
 
@@ -357,11 +433,13 @@ class Engine:
         gas = self.config.gradient_accumulation_steps
         self._boundary = (self.micro_step + 1) % gas == 0
         self._window_submitted = False
-        self._completion = []
+        self._completion = []             # blocks in the order their collectives were issued
+        self._arrival = []                # ... in the order their gradients completed
+        self.grad_sync.begin(self._boundary)
         if self._boundary:
             self._norms = []
         for b in self.blocks:
-            b.grad.begin_backward()
+            (b.landing or b.grad).begin_backward()
             if b.pending is not None:     # the grads of this window go into buffers the
                 b.wait_update()           # previous update may still read
         if self._boundary and self._overlap and self.tier is Tier.NVME:
@@ -373,32 +451,49 @@ class Engine:
             scaled.backward()
         self.micro_step += 1
         for b in self.blocks:             # parameters that took no part in this backward
-            if not b.grad.complete:
-                b.grad.arrived = b.grad.num_segments
+            buf = b.landing or b.grad
+            if not buf.complete:
+                buf.arrived = buf.num_segments
                 self._on_block_complete(b)
         if self._boundary:
             self._last_order = list(self._completion)
+        else:
+            self.grad_sync.wait_all()     # accumulated in place before the next backward lands
 
     def _on_block_complete(self, block: BlockShard) -> None:
-        self._completion.append(block.index)
+        self._arrival.append(block.index)
         if self.param_offload is not None:
             self.param_offload.on_grads_complete(block.index)
-        if self._boundary and self._overlap:
-            self._submit(block, grad_scale=1.0)
-        elif self._boundary and self._needs_norm():
-            # the global norm needs every block: compute this block's share now, on a worker,
-            # while backward goes on
-            self._norms.append(self.pipeline.run(self._block_norms, block))
+        for b in self.grad_sync.ready(block):    # collectives issued in the fixed block order
+            self._completion.append(b.index)
+            if self._boundary and self._overlap:
+                self._submit(b, grad_scale=1.0)
+            elif self._boundary and self._needs_norm() and not self.comm.active:
+                # the global norm needs every block: compute this block's share now, on a
+                # worker, while backward goes on
+                self._norms.append(self.pipeline.run(self._block_norms, b))
 
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
-        if not block.grad.close_window(block.layout.segments):
+        if not self.comm.active and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
             return
         groups = tuple((g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
                        for g in self.optimizer.param_groups)
         args = StepArgs(step=block.stepped + 1, groups=groups, adamw=self.config.optimizer.type == "AdamW",
                         grad_scale=grad_scale, compute_done=dev.record_event(dev.current_stream(self.device)))
-        self.pipeline.submit(block, args)
+        fut = self.pipeline.submit(block, args)
+        if self._gatherer is not None:    # then every rank's updated shard to every rank
+            block.pending = self._gatherer.submit(self._gather_params, block, fut)
+
+    def _gather_params(self, block: BlockShard, job) -> None:
+        """On the gather thread, in submission order (the same on every rank): wait for the
+        block's update, then all-gather the updated shards into the full parameter buffer."""
+        job.result()
+        s0, s1 = block.shard
+        with self.telemetry.span("offload::param_allgather"):
+            shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
+            self.comm.all_gather(block.param_flat, shard, f"param allgather of block {block.index} ({block.name})",
+                                 group="side")
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary (a no-op between boundaries).
@@ -409,7 +504,11 @@ class Engine:
             return False
         self._window_submitted = True
         self._boundary = False
+        self.comm.step = self.global_step + 1
+        if self.comm.active:              # the ranks took the same path through the model
+            self.comm.check_same("block order of backward", self._arrival)
         if not self._overlap:
+            self.grad_sync.wait_all()
             coef, overflow = 1.0, False
             if self._needs_norm():
                 with self.telemetry.span("offload::grad_norm"):
@@ -437,8 +536,10 @@ class Engine:
     def _block_norms(self, block: BlockShard):
         """(parameter order, norm) of each parameter of ``block`` that got a gradient in
         this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
+        self.grad_sync.wait(block)
         block.grad.wait_landed()
-        items = [(self._param_order.get(id(s.param), 0), block.grad.tensor[s.offset - block.shard[0]:][:s.numel])
+        g = block.grad_shard()
+        items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
                  for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
         if not items:
             return []
@@ -446,14 +547,34 @@ class Engine:
         return [(o, n) for (o, _), n in zip(items, norms)]
 
     def _unscale_clip_coef(self):
-        """(grad_scale for the kernel, overflow) from the global gradient norm: the norm of
-        the per-parameter norms, stacked in model.parameters() order as torch does."""
-        per_param = [item for fut in self._norms for item in fut.result()]
-        self._norms = []
-        if not per_param:
-            return 1.0 / self.scaler.scale, False
-        per_param.sort(key=lambda t: t[0])
-        total = torch.linalg.vector_norm(torch.stack([n.float() for _, n in per_param]), 2.0)
+        """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
+        torch.nn.utils.clip_grad_norm_ does: per-parameter norms (parameters without a
+        gradient skipped), stacked in model.parameters() order, then the norm of those."""
+        if not self.comm.active:          # per-block norms were computed during backward
+            per_param = [item for fut in self._norms for item in fut.result()]
+            self._norms = []
+            per_param.sort(key=lambda t: t[0])
+            norms = [n for _, n in per_param]
+        else:
+            per_param = []
+            partitioned = self.stage >= 1   # each rank holds the grads of its shard
+            for b in self.blocks:
+                b.grad.wait_landed()
+                s0, s1 = b.shard
+                g = b.grad_shard()
+                for s in b.layout.segments:
+                    r = sharding.clip_range(s.offset, s.offset + s.numel, s0, s1) if partitioned \
+                        else (s.offset, s.offset + s.numel)
+                    if r is not None:
+                        per_param.append((self._param_order.get(id(s.param), 0), g[r[0] - s0:r[1] - s0]))
+            per_param.sort(key=lambda t: t[0])
+            norms = torch._foreach_norm([g for _, g in per_param], 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0) if len(norms) \
+            else torch.zeros(())
+        if self.comm.active and self.stage >= 1:   # sqrt of the sum over ranks of the local squares
+            sq = (total.double() ** 2).reshape(1)
+            self.comm.all_reduce(sq, "gradient norm")
+            total = sq.sqrt()[0].float()
         inv_scale = 1.0 / self.scaler.scale
         if not math.isfinite(total.item()):
             return 1.0, True
@@ -514,9 +635,24 @@ class Engine:
             "prefetch": {k: snap["counters"].get(f"prefetch_{k}", 0) for k in ("hits", "misses", "divergences",
                                                                                    "retraces")},
             "param_budget_overruns": po.overruns if po is not None else 0,
+            "world_size": self.comm.world, "rank": self.comm.rank, "zero_stage": self.stage,
+            "partitioned_bytes": self._partitioned_bytes(),
+            "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
         return snap
+
+    def _partitioned_bytes(self) -> dict:
+        """This rank's resident bytes of each kind ZeRO partitions: 1/world_size of the
+        single-rank figure (plus padding) for the kinds the stage partitions."""
+        gsize = torch.empty((), dtype=self._grad_dtype()).element_size()
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        params = 0
+        for b in self.blocks:
+            params += (b.params.home_numel if b.params is not None else b.param_flat.numel()) * esize
+        return {"optimizer_state": sum(b.state.nbytes for b in self.blocks),
+                "gradients": sum(self._grad_numel(b.layout) * gsize for b in self.blocks),
+                "parameters": params}
 
     # ---- teardown -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -532,6 +668,8 @@ class Engine:
         try:
             self.pipeline.close()
         finally:
+            if self._gatherer is not None:
+                self._gatherer.shutdown(wait=True)
             if self.param_offload is not None:
                 self.param_offload.close()
             for h in self._hooks:

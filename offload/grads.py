@@ -28,8 +28,11 @@ class GradBuffer:
     buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
-                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None):
+                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
+        # transient (no tensor, no pool): allocated on ``device`` at the first landing and
+        # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
+        self._device = device
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
         self._pool, self._has_jobs = pool, has_jobs
@@ -74,6 +77,9 @@ class GradBuffer:
         self.arrived += 1
 
     def _borrow(self) -> None:
+        if self._pool is None:
+            self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
+            return
         nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
         loan = self._pool.try_acquire(nbytes)
         while loan is None:
@@ -104,16 +110,46 @@ class GradBuffer:
         any_seen = any(self._seen)
         if not any_seen:
             return False
+        if self.tensor is None:     # every landing was whole-shard (land_whole) and none came
+            return False
         for i, s in enumerate(segments):
             if not self._seen[i]:
                 self.tensor[s.offset:s.offset + s.numel].zero_()
         return any_seen
 
+    @property
+    def any_landed(self) -> bool:
+        return any(self._seen)
+
+    def fill_missing(self, segments) -> None:
+        """Make the buffer exist and zero every range that got no gradient (a rank must take
+        part in a collective even when none of its parameters got a gradient)."""
+        if self.tensor is None:
+            self._borrow()
+            self.tensor.zero_()
+            self._seen = [True] * self.num_segments
+        self.close_window(segments)
+        self._seen = [True] * self.num_segments
+
+    def land_whole(self, src: torch.Tensor) -> None:
+        """Add a whole-buffer gradient (a reduce-scattered shard): the window's first
+        landing overwrites, later ones add."""
+        if self.tensor is None:
+            self._borrow()
+        if not any(self._seen):
+            self.tensor.copy_(src)
+        else:
+            self.tensor.add_(src)
+        self._seen = [True] * self.num_segments
+
     def reset_window(self) -> None:
         """After the optimizer consumed the buffer: the next landing overwrites (a borrowed
         buffer goes back to the pool)."""
         self._seen = [False] * self.num_segments
-        if self._pool is not None and self.tensor is not None:
+        if self._pool is None and self._device is not None:
+            self.wait_landed()
+            self.tensor = None                        # transient: freed
+        elif self._pool is not None and self.tensor is not None:
             self.wait_landed()
             self.tensor = None
             loan, self._loan = self._loan, None

@@ -70,7 +70,8 @@ class ParamOffload:
         self.prefetcher = Prefetcher(params, budget=budget, device_lookahead=device_lookahead,
                                      host_lookahead=host_lookahead, enabled=prefetch,
                                      telemetry=engine.telemetry, h2d_stream=self._h2d,
-                                     blocked=self._update_in_flight)
+                                     blocked=self._update_in_flight,
+                                     deterministic=engine.comm.active and engine.stage == 3)
         self.resident_bytes = 0          # parameters that always stay on the device
         self.peak_step = 0               # peak device parameter bytes in the current step
         self.peak_last = 0               # ... in the last completed step
@@ -184,6 +185,8 @@ class ParamOffload:
     # ---- residency ----------------------------------------------------------------------------
     def _update_in_flight(self, i: int) -> bool:
         fut = self.engine.blocks[i].pending
+        if self.prefetcher.deterministic:      # queued, whether or not done: timing-free
+            return fut is not None
         return fut is not None and not fut.done()
 
     def materialize(self, i: int) -> torch.Tensor:

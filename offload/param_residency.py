@@ -40,12 +40,18 @@ class ParamState(enum.Enum):
 
 class BlockParams:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
-                 store=None, pool=None, write_pool=None, key: str = ""):
+                 store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None):
         self.layout = layout
         self.dtype = dtype
         self.device = device
-        self.numel = layout.padded_numel
+        self.numel = layout.padded_numel  # the device copy: the full flat
         self.nbytes = self.numel * torch.empty((), dtype=dtype).element_size()
+        # The home copy: the full flat, or (ZeRO-3) only this rank's shard; then ``gather(full,
+        # shard)`` (an async all-gather returning a work handle) assembles the device copy.
+        self.home_numel = home_numel or self.numel
+        self.home_nbytes = self.home_numel * torch.empty((), dtype=dtype).element_size()
+        self._gather = gather
+        self._work = None                 # all-gather in flight (FETCHING)
         self.home_buf = home_buf          # 1-D host tensor (HOST home), else None
         self._store, self._pool, self.key = store, pool, key
         self._write_pool = write_pool     # host buffers for writing an unaligned source
@@ -75,7 +81,7 @@ class BlockParams:
 
     def slot_free(self) -> bool:
         """Whether a host staging buffer for this block is free now (NVMe home)."""
-        loan = self._pool.try_acquire(self.nbytes)
+        loan = self._pool.try_acquire(self.home_nbytes)
         if loan is None:
             return False
         loan.release()
@@ -86,12 +92,12 @@ class BlockParams:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
         with self._lock:
             assert self.on_nvme and self.state is ParamState.HOME, self.state
-            loan = self._pool.try_acquire(self.nbytes)
+            loan = self._pool.try_acquire(self.home_nbytes)
             if loan is None:
                 return False
             self._loan = loan
             self._copy_version = self.home_version
-            self._io = self._store.read(self.key, loan.view(self.dtype, self.numel))
+            self._io = self._store.read(self.key, loan.view(self.dtype, self.home_numel))
             self.state = ParamState.STAGING
             return True
 
@@ -117,16 +123,19 @@ class BlockParams:
         with self._lock:
             if self.state is ParamState.HOME:
                 if self.on_nvme:
-                    self._loan = self._pool.acquire(self.nbytes)
+                    self._loan = self._pool.acquire(self.home_nbytes)
                     self._copy_version = self.home_version
-                    self._io = self._store.read(self.key, self._loan.view(self.dtype, self.numel))
+                    self._io = self._store.read(self.key, self._loan.view(self.dtype, self.home_numel))
                     self.state = ParamState.STAGING
                 else:
                     self._copy_version = self.home_version
             self._finish_staging()
             assert self.state in (ParamState.HOME, ParamState.STAGED), self.state
-            src = self._loan.view(self.dtype, self.numel) if self.on_nvme else self.home_buf
-            if self.device.type == "cpu":
+            src = self._loan.view(self.dtype, self.home_numel) if self.on_nvme else self.home_buf
+            if self._gather is not None:       # ZeRO-3: every rank's shard into the device copy
+                self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                self._work = self._gather(self.device_buf, src.to(self.device))
+            elif self.device.type == "cpu":
                 self.device_buf = src          # host memory is device memory: no copy
             else:
                 self.device_buf = dev.empty_on(h2d_stream, self.numel, self.dtype, self.device)
@@ -141,6 +150,7 @@ class BlockParams:
             if self.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED):
                 self.to_device(h2d_stream)
             if self.state is ParamState.FETCHING:
+                self._wait_gather()
                 ev, self._event = self._event, None
                 if ev is not None:
                     compute = dev.current_stream(self.device)
@@ -168,11 +178,19 @@ class BlockParams:
             if self._event is not None:
                 dev.sync_event(self._event)
                 self._event = None
+            self._wait_gather()                # a collective in flight completes on every rank
             for s in self.layout.segments:
                 s.param.data = self.placeholder
             self.device_buf = None
             self._drop_host()
             self.state = ParamState.HOME
+
+    def _wait_gather(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+            if self.on_nvme:                   # the staged shard may go back to the pool
+                self._drop_host()
 
     def _drop_host(self) -> None:
         loan, self._loan = self._loan, None
@@ -192,8 +210,8 @@ class BlockParams:
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
             if self.on_nvme and src.data_ptr() % 4096:
-                with self._write_pool.acquire(self.nbytes) as loan:
-                    buf = loan.view(self.dtype, self.numel)
+                with self._write_pool.acquire(self.home_nbytes) as loan:
+                    buf = loan.view(self.dtype, self.home_numel)
                     buf.copy_(src)
                     self._store.write(self.key, buf).wait()
             elif self.on_nvme:

@@ -14,6 +14,11 @@ times, eval instead of train) the step counts a miss, the block is served on dem
 new order is recorded and replaces the trace at the end of the step. A block is never read
 ahead while its optimizer update is in flight (``blocked``), so a prefetch never serves
 stale data, and nothing here waits on anything but I/O already issued: it cannot hang.
+
+``deterministic`` (ZeRO-3 across ranks, where a fetch is an all-gather that every rank must
+issue in the same order): decisions depend only on the trace, the budgets and state changed
+by the main thread, never on I/O or worker timing. A staged NVMe read is waited for rather
+than polled, and ``blocked`` must itself be timing-free (an update queued, not "in flight").
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from offload.telemetry import Telemetry
 class Prefetcher:
     def __init__(self, params: Sequence[Optional[BlockParams]], *, budget: int, device_lookahead: int,
                  host_lookahead: int, enabled: bool, telemetry: Telemetry, h2d_stream,
-                 blocked: Callable[[int], bool]):
+                 blocked: Callable[[int], bool], deterministic: bool = False):
         self.params = list(params)          # by block index; None: the block is not offloaded
         self.budget = budget
         self.device_lookahead = device_lookahead
@@ -35,6 +40,7 @@ class Prefetcher:
         self.telemetry = telemetry
         self.h2d = h2d_stream
         self.blocked = blocked
+        self.deterministic = deterministic
         self.trace: Optional[List[int]] = None
         self._recording: List[int] = []
         self._cursor = 0
@@ -104,8 +110,10 @@ class Prefetcher:
             if bp.state is ParamState.HOME and bp.on_nvme and ahead_host <= self.host_lookahead:
                 with self.telemetry.span("offload::prefetch_nvme", "nvme_read", bp.nbytes):
                     bp.stage()
-            bp.poll()
-            if bp.state is ParamState.STAGED or (bp.state is ParamState.HOME and not bp.on_nvme):
+            if not self.deterministic:
+                bp.poll()
+            ready = (ParamState.STAGED, ParamState.STAGING) if self.deterministic else (ParamState.STAGED,)
+            if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
                 if ahead_dev <= self.device_lookahead and self.device_bytes() + bp.nbytes <= self.budget:
                     with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):
                         bp.to_device(self.h2d)

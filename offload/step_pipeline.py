@@ -42,7 +42,7 @@ class StepArgs:
 
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
-                 compute_device: torch.device, copy_param: bool, param_write_pool=None):
+                 compute_device: torch.device, copy_param: bool, param_write_pool=None, grad_sync=None):
         self.blocks = list(blocks)
         self.telemetry = telemetry
         self.device = compute_device
@@ -57,6 +57,7 @@ class StepPipeline:
         self._copy_param = copy_param             # fp32 device params: copy from the master
         self._staging = threading.local()         # per worker: pinned param copy for the H2D
         self._param_write_pool = param_write_pool # host buffers for NVMe-home parameter write-back
+        self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -121,9 +122,11 @@ class StepPipeline:
         with self.telemetry.span("offload::state_read", "nvme_read" if st.tier is Tier.NVME else None,
                                  st.nbytes if st.tier is Tier.NVME else 0):
             state = st.acquire()
+        if self._grad_sync is not None:
+            self._grad_sync.wait(block)
         block.grad.wait_landed()
         master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
-        grad = block.grad.tensor
+        grad = block.grad_shard()
         s0, s1 = block.shard
         out = self._param_out(block)
         with self.telemetry.span("offload::cpu_adam", "adam", st.nbytes + grad.numel() * grad.element_size()):
@@ -156,7 +159,7 @@ class StepPipeline:
         buffer itself on a CPU device, else a pinned staging buffer for the H2D."""
         s0, s1 = block.shard
         if block.params is not None:
-            return None if self._copy_param else self._home_target(block)[s0:s1]
+            return None if self._copy_param else block.home_shard(self._home_target(block))
         if self._copy_param or block.state.tier is Tier.DEVICE:
             return None   # copied (and cast) from the master afterwards
         if not block.param_flat.is_cuda:
@@ -176,8 +179,8 @@ class StepPipeline:
             return home
         loan = getattr(self._staging, "loan", None)
         if loan is None:
-            loan = self._staging.loan = self._param_write_pool.acquire(bp.nbytes)
-        return loan.view(bp.dtype, bp.numel)
+            loan = self._staging.loan = self._param_write_pool.acquire(bp.home_nbytes)
+        return loan.view(bp.dtype, bp.home_numel)
 
     def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor],
                       compute_done=None) -> None:
@@ -188,7 +191,7 @@ class StepPipeline:
             with self.telemetry.span("offload::param_writeback", "nvme_write" if bp.on_nvme else None,
                                      bp.nbytes if bp.on_nvme else 0):
                 if out is None:
-                    target[s0:s1].copy_(master)
+                    block.home_shard(target).copy_(master)
                 bp.write_home(target)
             loan = getattr(self._staging, "loan", None)
             if loan is not None:

@@ -275,11 +275,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     calls = []
     real = checkpoint._write_block
 
-    def failing(fname, block):
+    def failing(fname, block, *cols):
         calls.append(fname)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real(fname, block)
+        return real(fname, block, *cols)
     monkeypatch.setattr(checkpoint, "_write_block", failing)
     with pytest.raises(OSError):
         eng.save_checkpoint(str(ck))

@@ -1,0 +1,263 @@
+"""ZeRO stages 1-3 across ranks (gloo on the CPU): 2 ranks on half batches against one
+process on the full batch, per-rank resident bytes, sharded checkpoints (same world size
+bit-exact, 2 -> 1 and 1 -> 2 re-sharded), diverging ranks, and 4 ranks.
+
+The ranks are subprocesses (tests/_zero_worker.py) running many jobs in one process group,
+since each start costs seconds of imports. Tolerance: the attention key bias has a
+mathematically zero gradient, so its computed gradient is round-off noise, which Adam with
+eps=1e-8 turns into lr-sized steps that differ with any change of summation order. The
+tests use eps=1e-6, where a change of reduction order stays below 1e-5 and a wrong update
+(a missed average, a rank's shard not stepped) is off by > 1e-4.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import offload
+from _models import batches, make_model
+from offload import sharding
+
+STEPS = 3
+EPS = 1e-6
+TOL = 1e-5
+LR, WD, CLIP = 1e-3, 0.01, 0.5
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _port() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return str(p)
+
+
+def spawn(jobs, world, out, timeout=150):
+    """Run ``jobs`` on ``world`` ranks; returns (exit codes, errors by rank, results by rank)."""
+    os.makedirs(out, exist_ok=True)
+    spec = os.path.join(out, "spec.json")
+    with open(spec, "w") as f:
+        json.dump({"jobs": jobs}, f)
+    port = _port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env_path()]))
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_zero_worker.py"), str(r), str(world), port,
+                               out, spec], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in range(world)]
+    deadline = time.time() + timeout
+    rcs = []
+    for p in procs:
+        try:
+            rcs.append(p.wait(timeout=max(1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"ranks hung for {timeout} s (jobs {[j['name'] for j in jobs]})")
+    errs = {}
+    for r in range(world):
+        f = os.path.join(out, f"rank{r}.err")
+        if os.path.exists(f):
+            errs[r] = open(f).read()
+    res = []
+    for r in range(world):
+        f = os.path.join(out, f"rank{r}.pt")
+        res.append(torch.load(f, weights_only=False) if os.path.exists(f) else {})
+    return rcs, errs, res
+
+
+def env_path():
+    return os.environ.get("PYTHONPATH", "")
+
+
+def reference(steps, batch=4):
+    """One process, plain PyTorch, the full batch: AdamW and clip_grad_norm_."""
+    m = make_model()
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, eps=EPS, foreach=False)
+    snaps = []
+    for x, y in batches(steps, batch=batch):
+        m(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad()
+        snaps.append({k: v.detach().clone() for k, v in m.state_dict().items()})
+    return snaps
+
+
+def engine_cfg(stage=0, tier="cpu", nvme=None):
+    cfg = {"optimizer": {"type": "AdamW", "lr": LR, "weight_decay": WD, "eps": EPS}, "gradient_clipping": CLIP,
+           "offload_optimizer": {"device": tier}, "zero_optimization": {"stage": stage}}
+    if tier == "nvme":
+        cfg["offload_optimizer"]["nvme_path"] = nvme
+    return cfg
+
+
+def max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+STAGE_TIERS = [(s, t, p) for s in (1, 2, 3) for t in ("none", "cpu", "nvme") for p in (None,)] + \
+    [(3, "cpu", "nvme"), (3, "none", "cpu")]
+
+
+def name(stage, tier, param):
+    return f"s{stage}_{tier}" + (f"_p{param}" if param else "")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every stage/tier combination, checkpoints and resumes, in one 2-rank process group."""
+    out = str(tmp_path_factory.mktemp("zero2"))
+    ck1 = os.path.join(out, "ck_world1")
+    # a 1-rank checkpoint after 2 steps, for 1 -> 2
+    nv = os.path.join(out, "nv1")
+    os.makedirs(nv)
+    eng = offload.initialize(make_model(), engine_cfg(0, "cpu"))
+    for x, y in batches(2):
+        eng.backward(eng(x, y))
+        eng.step()
+    eng.save_checkpoint(ck1)
+    eng.close()
+    jobs = []
+    for s, t, p in STAGE_TIERS:
+        job = {"name": name(s, t, p), "stage": s, "tier": t, "steps": STEPS, "eps": EPS}
+        if p:
+            job["param"] = p
+        if (s, t, p) in ((2, "cpu", None), (3, "nvme", None)):
+            job["save_at"], job["save"] = 2, os.path.join(out, f"ck_s{s}")
+        jobs.append(job)
+    jobs += [{"name": "resume_s2", "stage": 2, "tier": "nvme", "steps": STEPS - 2, "start": 2, "eps": EPS,
+              "load": os.path.join(out, "ck_s2")},
+             {"name": "resume_s3", "stage": 3, "tier": "cpu", "steps": STEPS - 2, "start": 2, "eps": EPS,
+              "load": os.path.join(out, "ck_s3")},
+             {"name": "from_world1", "stage": 1, "tier": "cpu", "steps": STEPS - 2, "start": 2, "eps": EPS,
+              "load": ck1}]
+    t0 = time.time()
+    rcs, errs, res = spawn(jobs, 2, out)
+    assert rcs == [0, 0] and not errs, errs
+    return {"out": out, "res": res, "seconds": time.time() - t0}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(STEPS)
+
+
+@pytest.mark.parametrize("stage,tier,param", STAGE_TIERS)
+def test_two_ranks_on_half_batches_match_one_on_full_batch(two_ranks, ref, stage, tier, param):
+    got = two_ranks["res"][0][name(stage, tier, param)]["snaps"]
+    assert len(got) == STEPS
+    for step, (r, g) in enumerate(zip(ref, got)):
+        assert list(r) == list(g)
+        d = max_diff(r, g)
+        assert d <= TOL, f"step {step}: 2 ranks differ from 1 by {d}"
+    assert max_diff(ref[-1], make_model().state_dict()) > 1e-3   # the weights really moved
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_per_rank_resident_bytes_are_one_over_world_size(two_ranks, stage, tmp_path):
+    """stats()['partitioned_bytes'] of each rank against one rank's figure: optimizer state
+    (stage >= 1), gradients (>= 2) and parameters (3) are halved, plus padding."""
+    eng = offload.initialize(make_model(), engine_cfg(stage, "cpu"))
+    one = eng.stats()["partitioned_bytes"]
+    nblocks = len(eng.blocks)
+    numels = [b.layout.numel for b in eng.blocks]
+    eng.close()
+    kinds = {"optimizer_state": 1, "gradients": 2, "parameters": 3}
+    for rank in (0, 1):
+        st = two_ranks["res"][rank][name(stage, "cpu", None)]["stats"]
+        assert st["world_size"] == 2 and st["rank"] == rank
+        got = st["partitioned_bytes"]
+        for kind, from_stage in kinds.items():
+            per_elem = one[kind] // sum(sharding.padded_numel(n, 1) for n in numels)
+            if stage < from_stage:     # not partitioned: the full flat, padded for 2 shards
+                assert got[kind] == sum(sharding.padded_numel(n, 2) for n in numels) * per_elem, kind
+                continue
+            expect = sum(sharding.shard_numel(n, 2) for n in numels) * per_elem
+            assert got[kind] == expect, kind
+            # 1/world_size of the single-rank figure, plus at most one alignment unit per block
+            assert abs(got[kind] - one[kind] / 2) <= nblocks * sharding.ALIGN_ELEMS * per_elem, kind
+
+
+def test_resume_at_same_world_size_is_bit_exact(two_ranks):
+    res = two_ranks["res"][0]
+    for straight, resumed in (("s2_cpu", "resume_s2"), ("s3_nvme", "resume_s3")):
+        a, b = res[straight]["snaps"][2:], res[resumed]["snaps"]
+        assert len(b) == STEPS - 2
+        for x, y in zip(a, b):
+            assert all(torch.equal(x[k], y[k]) for k in x), resumed
+
+
+def test_resume_two_ranks_to_one_and_one_to_two(two_ranks, ref):
+    # 1 -> 2: a 1-rank checkpoint continued by 2 ranks (stage 1)
+    for r, g in zip(ref[2:], two_ranks["res"][0]["from_world1"]["snaps"]):
+        assert max_diff(r, g) <= TOL
+    # 2 -> 1: the 2-rank stage 2 checkpoint continued by one process
+    ck = os.path.join(two_ranks["out"], "ck_s2")
+    meta = json.load(open(os.path.join(ck, "meta.json")))
+    assert meta["world_size"] == 2
+    assert any(len(b["shards"]) == 2 for b in meta["blocks"])
+    eng = offload.initialize(make_model(seed=7), engine_cfg(1, "cpu"))
+    eng.load_checkpoint(ck)
+    for x, y in batches(STEPS)[2:]:
+        eng.backward(eng(x, y))
+        eng.step()
+    assert max_diff(ref[-1], eng.full_state_dict()) <= TOL
+    eng.close()
+
+
+def test_export_fp32_consolidates_shards(two_ranks):
+    ck = os.path.join(two_ranks["out"], "ck_s2")
+    sd = offload.export_fp32(ck)
+    want = two_ranks["res"][0]["s2_cpu"]["snaps"][1]
+    assert list(sd) == list(want) and all(torch.equal(sd[k], want[k]) for k in sd)
+    model = make_model(seed=3)
+    model.load_state_dict(sd)
+
+
+def test_diverging_ranks_fail_clearly(tmp_path):
+    """Another model or config: both ranks fail at initialize, naming the difference. A rank
+    that takes another module order: every rank fails at the step's check."""
+    jobs = [{"name": "config", "stage": 2, "tier": "cpu", "steps": 1, "diverge": "config", "expect_error": True,
+             "timeout_s": 10},
+            {"name": "model", "stage": 1, "tier": "cpu", "steps": 1, "diverge": "model", "expect_error": True,
+             "timeout_s": 10},
+            {"name": "order", "stage": 2, "tier": "cpu", "steps": 3, "diverge": "order", "expect_error": True,
+             "timeout_s": 10}]
+    t0 = time.time()
+    rcs, errs, res = spawn(jobs, 2, str(tmp_path), timeout=90)
+    assert rcs == [0, 0], errs
+    for rank in (0, 1):
+        e = res[rank]
+        assert "CommError" in e["config"]["error"] and "gradient_clipping" in e["config"]["error"]
+        assert "CommError" in e["model"]["error"] and "blocks" in e["model"]["error"]
+        assert "CommError" in e["order"]["error"] and "block order" in e["order"]["error"]
+        assert "step 2" in e["order"]["error"]
+    assert time.time() - t0 < 60
+
+
+def test_dead_rank_fails_within_timeout(tmp_path):
+    """A rank that dies mid-step: the survivor raises within the timeout, naming the collective."""
+    jobs = [{"name": "die", "stage": 3, "tier": "cpu", "steps": 3, "diverge": "die", "expect_error": True,
+             "timeout_s": 10}]
+    t0 = time.time()
+    rcs, errs, res = spawn(jobs, 2, str(tmp_path), timeout=90)
+    assert rcs[1] == 3 and rcs[0] == 0
+    err = res[0]["die"]["error"]
+    assert "CommError" in err and "rank 0/2" in err and "collective" in err and "step" in err, err
+    assert time.time() - t0 < 60
+
+
+def test_four_ranks_stage2(tmp_path):
+    jobs = [{"name": "s2", "stage": 2, "tier": "cpu", "steps": STEPS, "eps": EPS}]
+    rcs, errs, res = spawn(jobs, 4, str(tmp_path))
+    assert rcs == [0] * 4 and not errs, errs
+    for r, g in zip(reference(STEPS), res[0]["s2"]["snaps"]):
+        assert max_diff(r, g) <= TOL
+    st = res[3]["s2"]["stats"]
+    assert st["world_size"] == 4 and st["comm_bytes"]["reduce_scatter"] > 0
