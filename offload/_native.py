@@ -263,4 +263,5 @@ def native_info() -> dict:
                 "reason": "OFFLOAD_NATIVE=off" if mode() == "off" else _load_error}
     info = {"backend": "native", "abi": _ABI_VERSION}
     info.update(_adam_info(L))
+    info.update(_aio_info(L))
     return info

@@ -125,8 +125,9 @@ class PrefetchConfig:
 class AioConfig:
     """The NVMe I/O engine (names follow DeepSpeed's `aio` section where they overlap)."""
     backend: str = "native"
-    block_size: int = 1 << 20
-    queue_depth: int = 32
+    # 4 MiB extents, 64 in flight: 1 MiB x 32 read at ~55% of the raw rate on a virtual disk
+    block_size: int = 4 << 20
+    queue_depth: int = 64
     thread_count: int = 4
     checksum: bool = True
 
