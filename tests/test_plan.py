@@ -1,5 +1,4 @@
 """The planner's overlap model, profile round-trip, ranking, and a small measured check."""
-import dataclasses
 import json
 
 import pytest
