@@ -149,3 +149,11 @@ def test_check_runs_the_engine(tmp_path):
     res = plan.check([case], profile(device="cpu"), [("cpu", "none")], str(tmp_path), rounds=1, log=logs.append)
     assert len(res) == 1 and res[0].measured_s > 0 and res[0].predicted_s > 0
     assert any("predicted" in line for line in logs)
+
+
+def test_cpu_only_device_optimizer_is_the_cpu_kernel():
+    """On a CPU device the engine's tier-none optimizer runs on its CPU workers, beside the
+    (here simulated, GIL-free) compute: a CPU group, not device work."""
+    p = plan.predict(SPEC, "none", "none", profile(device="cpu", device_adam_params_per_s=1e9), GPU, "fp32")
+    assert p.groups == {"device": pytest.approx(3.0), "cpu": pytest.approx(1.0)}
+    assert p.step_s == pytest.approx(3.0 + 1.0 / 10)
