@@ -654,6 +654,11 @@ class Engine:
                 "gradients": sum(self._grad_numel(b.layout) * gsize for b in self.blocks),
                 "parameters": params}
 
+    def swap_dirs(self) -> Dict[str, str]:
+        """The run directories of the NVMe swap stores in use ({"optimizer": ..., "params": ...})."""
+        return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store))
+                if st is not None}
+
     # ---- teardown -------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:

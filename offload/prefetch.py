@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence
 
+import torch
+
 from offload.param_residency import BlockParams, ParamState
 from offload.telemetry import Telemetry
 
@@ -75,6 +77,11 @@ class Prefetcher:
     def upcoming(self) -> List[int]:
         if not self.enabled or self.trace is None or self._diverged:
             return []
+        if not torch.is_grad_enabled():
+            # Inference passes repeat and no update runs between them: the next pass's
+            # first blocks follow this pass's last ones. (Training prefetches the next
+            # forward only after step(), once updates are queued, so reads are not wasted.)
+            return self.trace[self._cursor:] + self.trace[:self._cursor]
         return self.trace[self._cursor:]
 
     def next_use_within(self, index: int, nbytes: int) -> bool:
