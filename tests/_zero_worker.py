@@ -74,6 +74,8 @@ def train(job, rank, world, outdir, held):
         if job.get("diverge") == "die" and rank == world - 1 and step == 1:
             os._exit(3)
         loss = eng(x[lo:hi], y[lo:hi])
+        if job.get("diverge") == "inf" and rank == world - 1 and step == 0:
+            loss = loss * float("inf")      # an fp16 overflow on one rank only
         eng.backward(loss)
         eng.step()
         stats.append(eng.stats())

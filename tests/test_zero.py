@@ -24,6 +24,7 @@ from _models import batches, make_model
 from offload import sharding
 
 STEPS = 3
+GAS_STEPS = 2      # optimizer steps of the accumulation jobs (two micro-steps each)
 EPS = 1e-6
 TOL = 1e-5
 LR, WD, CLIP = 1e-3, 0.01, 0.5
@@ -74,14 +75,17 @@ def env_path():
     return os.environ.get("PYTHONPATH", "")
 
 
-def reference(steps, batch=4):
-    """One process, plain PyTorch, the full batch: AdamW and clip_grad_norm_."""
+def reference(steps, batch=4, gas=1):
+    """One process, plain PyTorch, the full batch: AdamW and clip_grad_norm_, loss / gas
+    accumulated over ``gas`` micro-batches per step."""
     m = make_model()
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, eps=EPS, foreach=False)
     snaps = []
-    for x, y in batches(steps, batch=batch):
-        m(x, y).backward()
+    for i, (x, y) in enumerate(batches(steps * gas, batch=batch)):
+        (m(x, y) / gas if gas > 1 else m(x, y)).backward()
+        if (i + 1) % gas:
+            continue
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad()
@@ -137,6 +141,10 @@ def two_ranks(tmp_path_factory):
               "load": os.path.join(out, "ck_s3")},
              {"name": "from_world1", "stage": 1, "tier": "cpu", "steps": STEPS - 2, "start": 2, "eps": EPS,
               "load": ck1}]
+    jobs += [{"name": f"gas_s{s}", "stage": s, "tier": "cpu", "steps": 2 * GAS_STEPS, "eps": EPS,
+              "extra": {"gradient_accumulation_steps": 2}} for s in (0, 2)]
+    jobs += [{"name": f"fp16_s{s}", "stage": s, "tier": "cpu", "steps": 2, "eps": EPS, "diverge": "inf",
+              "extra": {"precision": "fp16", "loss_scaler": {"initial_scale": 1024.0}}} for s in (0, 2)]
     t0 = time.time()
     rcs, errs, res = spawn(jobs, 2, out)
     assert rcs == [0, 0] and not errs, errs
@@ -209,6 +217,28 @@ def test_resume_two_ranks_to_one_and_one_to_two(two_ranks, ref):
         eng.step()
     assert max_diff(ref[-1], eng.full_state_dict()) <= TOL
     eng.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gradient_accumulation_across_ranks(two_ranks, stage):
+    ref = reference(GAS_STEPS, gas=2)
+    got = two_ranks["res"][0][f"gas_s{stage}"]["snaps"][1::2]     # after each boundary micro-step
+    assert len(got) == GAS_STEPS
+    for r, g in zip(ref, got):
+        assert max_diff(r, g) <= TOL
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_on_one_rank_skips_on_all(two_ranks, stage):
+    """An inf on the last rank only: every rank skips the step and lowers the scale alike."""
+    init = make_model().state_dict()
+    for rank in (0, 1):
+        first, second = two_ranks["res"][rank][f"fp16_s{stage}"]["stats_all"]
+        assert first["skipped_steps"] == 1 and first["loss_scale"] == 512.0 and first["step"] == 0
+        assert second["skipped_steps"] == 1 and second["step"] == 1
+    s0 = two_ranks["res"][0][f"fp16_s{stage}"]["snaps"]
+    assert torch.equal(s0[0]["tok.weight"], init["tok.weight"])         # rank 0's finite step skipped
+    assert not torch.equal(s0[1]["tok.weight"], init["tok.weight"])     # the next one applied
 
 
 def test_export_fp32_consolidates_shards(two_ranks):
