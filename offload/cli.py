@@ -434,7 +434,7 @@ def cmd_plan(args) -> int:
           f"{profile.device_adam_params_per_s / 1e9:.2f} Gparam/s; h2d {profile.h2d_gbps:.1f} GB/s, d2h "
           f"{profile.d2h_gbps:.1f} GB/s" + (" (host memcpy: no accelerator)" if not profile.cuda else "")
           + f"; nvme read {profile.nvme_read_gbps:.2f} GB/s, write {profile.nvme_write_gbps:.2f} GB/s "
-          f"({profile.io_backend}, {profile.nvme_read_latency_s * 1e3:.2f}/{profile.nvme_write_latency_s * 1e3:.2f} ms per request); matmul {profile.matmul_tflops:.2f} TFLOP/s")
+          f"({profile.io_backend}, {profile.nvme_read_latency_s * 1e3:.2f}/{profile.nvme_write_latency_s * 1e3:.2f} ms per request, duplex {profile.nvme_duplex:.0%}); matmul {profile.matmul_tflops:.2f} TFLOP/s")
 
     if args.check:
         return _plan_check(args, profile, nvme_path)

@@ -21,13 +21,17 @@ Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). T
     d2h       gradient bytes leaving the device, every micro-step (grad dtype as the engine's)
     h2d       updated parameters going back (optimizer offloaded), and offloaded parameters
               fetched for forward and backward (2 x p x params per micro-step)
-    nvme      state read + write (12 bytes/param each way) and parameter reads/writes, one
-              request per block: requests x latency + bytes / bandwidth, per direction (one
-              disk: reads and writes add up)
+    nvme      state read + write (12 bytes/param each way, once per step), parameters read
+              once per micro-step (backward re-fetches from the host copy) and written once per
+              step; one request per block: requests x latency + bytes / bandwidth, per
+              direction; the directions overlap by the measured duplex share d:
+              nvme = max(read, write) + (1 - d) * min(read, write)
 
 Terms are grouped by the resource that executes them: the device (compute, device Adam),
 the CPU (CPU Adam), each link, the disk. On a CPU-only machine the device IS the CPU: compute,
-both Adams and the "link" copies share one group. The step is a pipeline over ``n`` blocks:
+both Adams and the "link" copies share one group; when the compute leaves the cores free
+(bench_step's simulated layers) the gradient copies still run inline in backward (device
+group) and the tier-none Adam on the engine's CPU workers (CPU group). The step is a pipeline over ``n`` blocks:
 
     overlapped (overlap_step, no clipping, not fp16): the CPU step of a block starts when its
       gradients land, during backward, and the next forward of a block waits only for that
@@ -77,6 +81,7 @@ class Profile:
     nvme_write_gbps: float
     nvme_read_latency_s: float          # fixed cost per request (t = latency + bytes / bandwidth)
     nvme_write_latency_s: float
+    nvme_duplex: float                  # share of the shorter direction hidden under the longer
     io_backend: str
     nvme_path: str
     matmul_tflops: float
@@ -181,23 +186,39 @@ def _aligned(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def measure_nvme(path: Optional[str] = None, sizes: Tuple[int, int] = (2 << 20, 16 << 20),
-                 total: int = 64 << 20) -> Tuple[Tuple[float, float], Tuple[float, float], str]:
-    """((read GB/s, read latency s), (write GB/s, write latency s), backend) of swap-file I/O
-    under ``path``, the way the engine moves optimizer state and parameters: one request per
-    block, one at a time, on files written once before (the first write of a fresh extent
-    costs more than the steady state). Requests of two sizes give t = latency + bytes / bw."""
+@dataclass(frozen=True)
+class NvmeRates:
+    read_gbps: float
+    read_latency_s: float
+    write_gbps: float
+    write_latency_s: float
+    duplex: float          # 0: a read and a write in flight take as long as both; 1: as the longer
+    backend: str
+
+
+def measure_nvme(path: Optional[str] = None, sizes: Tuple[int, int] = (4 << 20, 32 << 20),
+                 total: int = 128 << 20, aio=None) -> NvmeRates:
+    """Swap-file I/O under ``path`` the way the engine moves optimizer state and parameters:
+    the engine's I/O settings (``aio``, an ``offload.config.AioConfig``; default: the config's
+    defaults), one request per block, one at a time, on files written once before (the first
+    write of a fresh extent costs more than the steady state). Two request sizes give
+    t = latency + bytes / bandwidth; a read and a write issued together give the duplex share
+    (the engine reads the next block's state while the last one's is written)."""
     path = path or tempfile.gettempdir()
     try:
         from offload.storage import NvmeStore
     except ImportError:
-        return (*_measure_file_io(path, total, sizes), "file I/O (fsync, fadvise DONTNEED)")
+        (r, rl), (w, wl) = _measure_file_io(path, total, sizes)
+        return NvmeRates(r, rl, w, wl, 0.0, "file I/O (fsync, fadvise DONTNEED)")
+    from offload.config import AioConfig
+    a = aio or AioConfig()
     per = {"read": [], "write": []}
-    with NvmeStore(path, name="plan-probe") as store:
+    with NvmeStore(path, name="plan-probe", backend=a.backend, block_size=a.block_size,
+                   queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum) as store:
         for size in sizes:
-            keys = [f"s{size}-{i}" for i in range(max(2, total // size // 2))]
+            keys = [f"s{size}-{i}" for i in range(max(4, total // size // 2))]
             store.reserve({k: size for k in keys})
-            buf = _aligned(size)
+            buf, other = _aligned(size), _aligned(size)
             for k in keys:
                 store.write(k, buf).wait()
 
@@ -210,8 +231,22 @@ def measure_nvme(path: Optional[str] = None, sizes: Tuple[int, int] = (2 << 20, 
                 return statistics.median(ts)
             per["write"].append(min(one_at_a_time(store.write) for _ in range(2)))
             per["read"].append(min(one_at_a_time(store.read) for _ in range(2)))
+
+        def together():     # read key i while writing key i + 1 (the large size's keys)
+            ts = []
+            for k_read, k_write in zip(keys[0::2], keys[1::2]):
+                t = time.perf_counter()
+                r, w = store.read(k_read, buf), store.write(k_write, other)
+                r.wait()
+                w.wait()
+                ts.append(time.perf_counter() - t)
+            return statistics.median(ts)
+        both = min(together() for _ in range(2))
         backend = f"NvmeStore ({store.backend}{', O_DIRECT' if store.direct else ', buffered'})"
-    return _fit(sizes, per["read"]), _fit(sizes, per["write"]), backend
+    tr, tw = per["read"][-1], per["write"][-1]
+    duplex = min(1.0, max(0.0, (tr + tw - both) / min(tr, tw)))
+    (r, rl), (w, wl) = _fit(sizes, per["read"]), _fit(sizes, per["write"])
+    return NvmeRates(r, rl, w, wl, duplex, backend)
 
 
 def _fit(sizes: Tuple[int, int], times: List[float]) -> Tuple[float, float]:
@@ -277,14 +312,15 @@ def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     adam, adam_backend = measure_cpu_adam()
     h2d, d2h, memcpy = measure_links(device)
-    (read, read_lat), (write, write_lat), io_backend = measure_nvme(nvme_path, total=io_bytes)
+    io = measure_nvme(nvme_path, total=io_bytes)
     return Profile(device="cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
                    cpu_threads=torch.get_num_threads(), adam_params_per_s=adam, adam_backend=adam_backend,
                    # on a CPU device the engine's "device" optimizer is the same CPU kernel
                    device_adam_params_per_s=measure_device_adam(device) if device.type == "cuda" else adam,
                    h2d_gbps=h2d, d2h_gbps=d2h,
-                   host_memcpy_gbps=memcpy, nvme_read_gbps=read, nvme_write_gbps=write,
-                   nvme_read_latency_s=read_lat, nvme_write_latency_s=write_lat, io_backend=io_backend,
+                   host_memcpy_gbps=memcpy, nvme_read_gbps=io.read_gbps, nvme_write_gbps=io.write_gbps,
+                   nvme_read_latency_s=io.read_latency_s, nvme_write_latency_s=io.write_latency_s,
+                   nvme_duplex=io.duplex, io_backend=io.backend,
                    nvme_path=os.path.abspath(nvme_path or tempfile.gettempdir()),
                    matmul_tflops=measure_matmul(device))
 
@@ -370,14 +406,16 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     t["d2h"] = d2h / (profile.d2h_gbps * gb)
     t["h2d"] = h2d / (profile.h2d_gbps * gb)
     # One request per block and direction: optimizer state read + written once per step,
-    # offloaded parameters read for forward and backward of every micro-step, written once.
+    # offloaded parameters read from NVMe once per micro-step (the backward's fetch comes from
+    # the host copy the forward's read left) and written once per step.
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
-    nvme_read = (12 * P if opt_nvme else 0) + (2 * P * p * gas if prm_nvme else 0)
+    nvme_read = (12 * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0)
     nvme_write = (12 * P if opt_nvme else 0) + (P * p if prm_nvme else 0)
-    reads = n * ((1 if opt_nvme else 0) + (2 * gas if prm_nvme else 0))
+    reads = n * ((1 if opt_nvme else 0) + (gas if prm_nvme else 0))
     writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0))
-    t["nvme"] = (nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s
-                 + nvme_write / (profile.nvme_write_gbps * gb) + writes * profile.nvme_write_latency_s)
+    t_read = nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s
+    t_write = nvme_write / (profile.nvme_write_gbps * gb) + writes * profile.nvme_write_latency_s
+    t["nvme"] = max(t_read, t_write) + (1.0 - profile.nvme_duplex) * min(t_read, t_write)
 
     # Where the Adam runs: the CPU when offloaded, and also with no offload on a CPU-only
     # machine (the engine's "device" optimizer is then the same CPU kernel, on its workers).
@@ -387,6 +425,12 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
         groups = {"cpu": device_work + (t["adam"] if adam_on_cpu else 0.0) + t["d2h"] + t["h2d"],
                   "nvme": t["nvme"]}
         dev_key = "cpu"
+    elif not profile.cuda:
+        # Compute that leaves the cores free (bench_step's GIL-free waits) on a CPU device: the
+        # gradient hooks still copy each gradient out inline, on the thread that runs backward.
+        groups = {"device": device_work + t["d2h"], "cpu": t["adam"] if adam_on_cpu else 0.0,
+                  "h2d": t["h2d"], "nvme": t["nvme"]}
+        dev_key = "device"
     else:
         groups = {"device": device_work, "cpu": t["adam"] if adam_on_cpu else 0.0,
                   "d2h": t["d2h"], "h2d": t["h2d"], "nvme": t["nvme"]}
@@ -550,7 +594,12 @@ def measure_case(case: CheckCase, config: dict, device: torch.device, rounds: in
 
 def check(cases: Sequence[CheckCase], profile: Profile, placements: Sequence[Tuple[str, str]],
           nvme_path: str, rounds: int = 5, log: Callable[[str], None] = lambda s: None) -> List[CheckResult]:
-    """Predicted vs measured step time for each case at each placement (fp32, no clipping)."""
+    """Predicted vs measured step time for each case at each placement (fp32, no clipping).
+
+    The prediction takes the rates the machine has during the run, not those of the profile
+    alone: the compute is measured interleaved with the engine's steps, the CPU Adam probed
+    beside them, and the disk probed before and after each NVMe placement (other processes
+    share this machine's cores and disk, and its rates drift within minutes)."""
     results = []
     device = torch.device("cuda") if profile.cuda else torch.device("cpu")
     for case in cases:
@@ -559,12 +608,23 @@ def check(cases: Sequence[CheckCase], profile: Profile, placements: Sequence[Tup
             cfg = {"optimizer": {"lr": 1e-4},
                    "offload_optimizer": {"device": o, "nvme_path": nvme_path if o == "nvme" else None},
                    "offload_param": {"device": prm, "nvme_path": nvme_path if prm == "nvme" else None}}
+            uses_disk = "nvme" in (o, prm)
+            disk = [measure_nvme(nvme_path)] if uses_disk else []
             try:
                 compute, measured, live = measure_case(case, cfg, device, rounds=rounds)
             except NotImplementedError as exc:
                 log(f"  optimizer={o} param={prm}: skipped ({exc})")
                 continue
-            pred = predict(case.spec, o, prm, live.apply(profile), compute)
+            now = live.apply(profile)
+            if uses_disk:
+                # A shared disk's rate drifts within minutes: probe it before and after the run.
+                disk.append(measure_nvme(nvme_path))
+                mean = {f: sum(getattr(d, f) for d in disk) / 2 for f in
+                        ("read_gbps", "read_latency_s", "write_gbps", "write_latency_s", "duplex")}
+                now = dataclasses.replace(now, nvme_read_gbps=mean["read_gbps"], nvme_write_gbps=mean["write_gbps"],
+                                          nvme_read_latency_s=mean["read_latency_s"],
+                                          nvme_write_latency_s=mean["write_latency_s"], nvme_duplex=mean["duplex"])
+            pred = predict(case.spec, o, prm, now, compute)
             results.append(CheckResult(case.name, o, prm, pred.step_s, measured))
             log(f"  optimizer={o:<5} param={prm:<5} compute {compute.total_s * 1e3:7.1f} ms, predicted "
                 f"{pred.step_s * 1e3:7.1f} ms, measured {measured * 1e3:7.1f} ms, error {results[-1].error:4.0%}")

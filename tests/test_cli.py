@@ -205,7 +205,7 @@ def _fake_profile(tmp_path):
     return Profile(device="cpu", cpu_threads=2, adam_params_per_s=1e9, adam_backend="t",
                    device_adam_params_per_s=5e8, h2d_gbps=8, d2h_gbps=8, host_memcpy_gbps=8,
                    nvme_read_gbps=2, nvme_write_gbps=1, nvme_read_latency_s=0, nvme_write_latency_s=0,
-                   io_backend="t", nvme_path=str(tmp_path),
+                   nvme_duplex=0.5, io_backend="t", nvme_path=str(tmp_path),
                    matmul_tflops=0.05).save(str(tmp_path / "profile.json"))
 
 

@@ -12,7 +12,7 @@ def profile(**kw):
     base = dict(device="NVIDIA test", cpu_threads=2, adam_params_per_s=1e9, adam_backend="test",
                 device_adam_params_per_s=50e9, h2d_gbps=20.0, d2h_gbps=20.0, host_memcpy_gbps=10.0,
                 nvme_read_gbps=4.0, nvme_write_gbps=2.0, nvme_read_latency_s=0.0, nvme_write_latency_s=0.0,
-                io_backend="test", nvme_path="/tmp", matmul_tflops=100.0)
+                nvme_duplex=0.0, io_backend="test", nvme_path="/tmp", matmul_tflops=100.0)
     base.update(kw)
     return plan.Profile(**base)
 
@@ -38,12 +38,15 @@ def test_overlapped_step_is_max_plus_exposed_share():
 
 def test_nvme_terms_and_bottleneck():
     p = plan.predict(SPEC, "nvme", "nvme", profile(), GPU, "bf16")
-    read = 12e9 + 2 * 2e9
+    read = 12e9 + 2e9
     write = 12e9 + 2e9
     assert p.terms["nvme"] == pytest.approx(read / 4e9 + write / 2e9)
-    # one request per block and direction: 10 blocks x (1 state + 2 param) reads, x 2 writes
+    # one request per block and direction: 10 blocks x (1 state + 1 param) reads and writes
     lat = plan.predict(SPEC, "nvme", "nvme", profile(nvme_read_latency_s=0.01, nvme_write_latency_s=0.02), GPU, "bf16")
-    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 30 * 0.01 + 20 * 0.02)
+    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 20 * 0.01 + 20 * 0.02)
+    # a full-duplex disk hides the shorter direction (reads, 3.5 s) under the longer (7 s)
+    duplex = plan.predict(SPEC, "nvme", "nvme", profile(nvme_duplex=1.0), GPU, "bf16")
+    assert duplex.terms["nvme"] == pytest.approx(write / 2e9)
     assert p.bottleneck == "nvme"
     assert p.step_s > plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16").step_s
 
@@ -120,8 +123,9 @@ def test_measurements_are_positive(tmp_path):
     assert rate > 0 and backend
     h2d, d2h, memcpy = plan.measure_links(torch.device("cpu"), 1 << 20)
     assert h2d == d2h == memcpy > 0
-    (read, rlat), (write, wlat), io = plan.measure_nvme(str(tmp_path), (1 << 20, 2 << 20), 8 << 20)
-    assert read > 0 and write > 0 and rlat >= 0 and wlat >= 0 and io
+    io = plan.measure_nvme(str(tmp_path), (1 << 20, 2 << 20), 8 << 20)
+    assert io.read_gbps > 0 and io.write_gbps > 0 and io.read_latency_s >= 0 and io.write_latency_s >= 0
+    assert 0.0 <= io.duplex <= 1.0 and io.backend
     (r, _), (w, _) = plan._measure_file_io(str(tmp_path), 4 << 20, (1 << 20, 2 << 20))
     assert r > 0 and w > 0
     assert plan.measure_matmul(torch.device("cpu"), n=128) > 0
