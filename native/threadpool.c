@@ -1,13 +1,20 @@
 /* threadpool.c: persistent pthread workers for the native kernels (see threadpool.h).
  *
- * Synchronization: one pool_run at a time (run_lock). Under `lock`, the caller publishes
- * the task (fn, ctx, nparts), sets `pending` to the number of worker parts, bumps
- * `generation` and broadcasts `wake`. A worker that sees a new generation copies the task,
- * runs its part if its index < nparts, then decrements `pending`; the last one signals
- * `done`. The caller runs part 0 itself and returns only when `pending` is 0, so the task
- * and everything it points to (the caller's stack) outlive every worker's use of them.
- * A worker never runs a part of generation k+1 before k is finished, because k+1 cannot
- * be published before the caller of k has seen pending == 0.
+ * Work is split into many equal chunks claimed one at a time from an atomic counter, by
+ * the caller and by whichever workers are running, so a call never waits for a worker to
+ * be woken up and scheduled: measured on a 2-vCPU VM, a worker woken after a pause often
+ * lands on the caller's CPU and starts 0.3-4 ms later. With static halves the caller then
+ * waited; with chunks it just does more of them.
+ *
+ * Synchronization, per call (one at a time, run_lock):
+ *   caller, under `lock`: publish fn/ctx/nchunks, next = 0, open = 1, bump `generation`,
+ *     broadcast `wake`; then claim chunks until none are left.
+ *   worker: on a new generation, under `lock`, joins only if the call is still `open`
+ *     (active++), then claims chunks; on leaving, active-- and signals `done` at 0.
+ *   caller, out of chunks: under `lock`, open = 0 (no worker joins from now on), then
+ *     waits until active == 0. Every chunk has then returned, and no worker will touch
+ *     fn/ctx (the caller's stack) again: late workers see open == 0 and go back to sleep.
+ * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up.
  */
 #define _GNU_SOURCE
 #include "threadpool.h"
@@ -17,34 +24,56 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #define HAVE_MXCSR 1
+static inline void cpu_relax(void) { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void cpu_relax(void) { __asm__ __volatile__("yield"); }
+#else
+static inline void cpu_relax(void) {}
 #endif
+
+#define WORKER_SPIN_NS 50000L  /* a worker polls this long for the next call before sleeping */
+#define CALLER_SPIN_NS 200000L /* the caller polls this long for helpers to finish their last chunk */
 
 static struct {
     pthread_mutex_t run_lock; /* held for the whole of one pool_run */
-    pthread_mutex_t lock;     /* guards the fields below */
+    pthread_mutex_t lock;     /* guards the fields below (generation and active are also polled) */
     pthread_cond_t wake;      /* workers wait for a new generation */
-    pthread_cond_t done;      /* the caller waits for pending == 0 */
+    pthread_cond_t done;      /* the caller waits for active == 0 */
     unsigned long generation;
-    pool_task_fn fn;
+    pool_chunk_fn fn;
     void *ctx;
-    int nparts;
-    int pending;  /* worker parts of the current generation not yet finished */
+    long nchunks;
+    long next;    /* atomic: the next unclaimed chunk */
+    int open;     /* workers may still join the current call */
+    int helpers;  /* workers 1..helpers may join it */
+    int active;   /* workers in the current call */
     int started;  /* workers running: indices 1..started */
     int threads;  /* configured total, caller included; 0 = not set yet (use the CPU count) */
     unsigned mxcsr; /* the caller's FP control word: workers round and flush like the caller */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0};
+       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void claim_chunks(pool_chunk_fn fn, void *ctx, long nchunks) {
+    for (long c; (c = __atomic_fetch_add(&P.next, 1, __ATOMIC_RELAXED)) < nchunks;) fn(ctx, c);
+}
+
 struct worker_start {
     int index;
-    unsigned long generation; /* the generation already finished when the worker was made */
+    unsigned long generation; /* the generation current when the worker was made */
 };
 
 static void *worker_main(void *arg) {
@@ -52,23 +81,31 @@ static void *worker_main(void *arg) {
     free(arg);
     unsigned long seen = start.generation;
     for (;;) {
+        for (long t0 = now_ns(); __atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen;) {
+            for (int i = 0; i < 64; i++) cpu_relax();
+            if (now_ns() - t0 > WORKER_SPIN_NS) break;
+        }
         pthread_mutex_lock(&P.lock);
         while (P.generation == seen) pthread_cond_wait(&P.wake, &P.lock);
         seen = P.generation;
-        pool_task_fn fn = P.fn;
+        if (!P.open || start.index > P.helpers) { /* finished already, or not wanted */
+            pthread_mutex_unlock(&P.lock);
+            continue;
+        }
+        __atomic_add_fetch(&P.active, 1, __ATOMIC_RELAXED);
+        pool_chunk_fn fn = P.fn;
         void *ctx = P.ctx;
-        int nparts = P.nparts;
+        long nchunks = P.nchunks;
 #ifdef HAVE_MXCSR
         unsigned mxcsr = P.mxcsr;
 #endif
         pthread_mutex_unlock(&P.lock);
-        if (start.index >= nparts) continue; /* not needed for this call */
 #ifdef HAVE_MXCSR
         if (_mm_getcsr() != mxcsr) _mm_setcsr(mxcsr);
 #endif
-        fn(ctx, start.index, nparts);
+        claim_chunks(fn, ctx, nchunks);
         pthread_mutex_lock(&P.lock);
-        if (--P.pending == 0) pthread_cond_signal(&P.done);
+        if (__atomic_sub_fetch(&P.active, 1, __ATOMIC_RELEASE) == 0 && !P.open) pthread_cond_signal(&P.done);
         pthread_mutex_unlock(&P.lock);
     }
     return NULL;
@@ -84,20 +121,20 @@ static void atfork_child(void) {
     pthread_cond_init(&P.wake, NULL);
     pthread_cond_init(&P.done, NULL);
     P.started = 0;
-    P.pending = 0;
+    P.active = 0;
+    P.open = 0;
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
 static int cpu_count(void) {
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
+    int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > POOL_MAX_THREADS ? POOL_MAX_THREADS : n;
 }
 
 int pool_get_threads(void) {
     pthread_mutex_lock(&P.lock);
-    if (P.threads == 0) P.threads = cpu_count() < POOL_MAX_THREADS ? cpu_count() : POOL_MAX_THREADS;
+    if (P.threads == 0) P.threads = cpu_count();
     int n = P.threads;
     pthread_mutex_unlock(&P.lock);
     return n;
@@ -132,34 +169,41 @@ static void start_workers(int want) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
-int pool_run(pool_task_fn fn, void *ctx, int nparts) {
+int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
-    if (nparts > threads) nparts = threads;
-    if (nparts <= 1) {
-        fn(ctx, 0, 1);
+    if (threads <= 1 || nchunks <= 1) {
+        for (long c = 0; c < nchunks; c++) fn(ctx, c);
         return 0;
     }
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&P.run_lock);
-    if (P.started < nparts - 1) start_workers(nparts - 1);
-    if (nparts > P.started + 1) nparts = P.started + 1; /* thread creation failed: use fewer */
+    int helpers = (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
+    if (P.started < helpers) start_workers(helpers);
+    if (helpers > P.started) helpers = P.started; /* thread creation failed: fewer helpers */
 
     pthread_mutex_lock(&P.lock);
     P.fn = fn;
     P.ctx = ctx;
-    P.nparts = nparts;
-    P.pending = nparts - 1;
+    P.nchunks = nchunks;
+    __atomic_store_n(&P.next, 0, __ATOMIC_RELAXED);
+    P.open = 1;
+    P.helpers = helpers;
 #ifdef HAVE_MXCSR
     P.mxcsr = _mm_getcsr();
 #endif
-    P.generation++;
+    __atomic_store_n(&P.generation, P.generation + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&P.wake);
     pthread_mutex_unlock(&P.lock);
 
-    fn(ctx, 0, nparts);
+    claim_chunks(fn, ctx, nchunks);
 
     pthread_mutex_lock(&P.lock);
-    while (P.pending > 0) pthread_cond_wait(&P.done, &P.lock);
+    P.open = 0; /* from here no worker joins; the ones that did finish their last chunk */
+    pthread_mutex_unlock(&P.lock);
+    for (long t0 = now_ns(); __atomic_load_n(&P.active, __ATOMIC_ACQUIRE) > 0 && now_ns() - t0 < CALLER_SPIN_NS;)
+        for (int i = 0; i < 64; i++) cpu_relax();
+    pthread_mutex_lock(&P.lock);
+    while (P.active > 0) pthread_cond_wait(&P.done, &P.lock);
     pthread_mutex_unlock(&P.lock);
     pthread_mutex_unlock(&P.run_lock);
     return 0;

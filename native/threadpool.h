@@ -7,12 +7,12 @@
 #ifndef OFFLOAD_THREADPOOL_H
 #define OFFLOAD_THREADPOOL_H
 
-/* fn(ctx, part, nparts) is called once for every part in [0, nparts); part 0 runs on the
- * calling thread, parts 1.. on workers. pool_run returns when all parts have returned. */
-typedef void (*pool_task_fn)(void *ctx, int part, int nparts);
+/* fn(ctx, chunk) is called exactly once for every chunk in [0, nchunks), in no particular
+ * order, by the calling thread and by the workers that wake up in time to help. */
+typedef void (*pool_chunk_fn)(void *ctx, long chunk);
 
-int pool_run(pool_task_fn fn, void *ctx, int nparts);
-int pool_set_threads(int n); /* total threads a call may use, caller included; 1..POOL_MAX_THREADS */
+int pool_run(pool_chunk_fn fn, void *ctx, long nchunks);
+int pool_set_threads(int n); /* threads a call may use, caller included; 1..POOL_MAX_THREADS */
 int pool_get_threads(void);
 
 #define POOL_MAX_THREADS 256
