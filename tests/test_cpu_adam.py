@@ -295,6 +295,28 @@ def test_thread_count_does_not_change_bits(native):
         set_num_threads(saved)
 
 
+def test_workers_follow_the_callers_denormal_mode(native):
+    """With flush-to-zero set on the calling thread (torch.set_flush_denormal), the pool's
+    workers flush too: the thread count still changes no bit."""
+    n = 1 << 20
+    grads = [g.mul_(1e-38) for g in _grads(n, F32, 2)]  # moments in the denormal range
+    plain = _run_ours(_param0(n), grads, True, 0.0, state_dtype=BF16)
+    saved = get_num_threads()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        out = []
+        for threads in (1, 2):
+            set_num_threads(threads)
+            out.append(_run_ours(_param0(n), grads, True, 0.0, state_dtype=BF16))
+    finally:
+        torch.set_flush_denormal(False)
+        set_num_threads(saved)
+    for a, b in zip(out[1][:3], out[0][:3]):
+        assert torch.equal(a, b)
+    assert not torch.equal(out[0][1], plain[1])  # flushing did change exp_avg
+
+
 def test_concurrent_with_torch(backend):
     """adam_step on a Python thread while the main thread runs torch ops: both results are
     right, nothing deadlocks, and (native) the GIL is released during the kernel."""
