@@ -162,7 +162,9 @@ static void adam_scalar(const struct adam_job *j, int64_t begin, int64_t end) {
  * state from cache. They need aligned addresses (a head loop aligns the copy; a copy at an
  * odd byte address, or a short range, uses plain stores) and an sfence before the chunk
  * is reported done, since they are not ordered by the pool's mutex. */
+#ifndef STREAM_MIN
 #define STREAM_MIN 4096
+#endif
 static inline int stream_copy(const struct adam_job *j, int64_t begin, int64_t end) {
     return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN && ((uintptr_t)j->param_copy & 1) == 0;
 }
@@ -274,25 +276,30 @@ I512 __m256i bf16_round512(__m512 x, int native_bf16) {
     return r;
 }
 
-I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int full, int native_bf16, int stream) {
+/* x rounded to nearest even as 16 bf16 or fp16 values. */
+I512 __m256i narrow512(__m512 x, int dtype, int native_bf16) {
+    return dtype == OFFLOAD_F16 ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                : bf16_round512(x, native_bf16);
+}
+
+I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int full, int native_bf16) {
     if (dtype == OFFLOAD_F32) {
         if (full) _mm512_storeu_ps((float *)base + i, x);
         else _mm512_mask_storeu_ps((float *)base + i, k, x);
         return;
     }
-    __m256i h = dtype == OFFLOAD_F16 ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                     : bf16_round512(x, native_bf16);
+    __m256i h = narrow512(x, dtype, native_bf16);
     uint16_t *q = (uint16_t *)base + i;
-    if (full && stream) _mm256_stream_si256((__m256i *)q, h); /* q is 32-byte aligned */
-    else if (full) _mm256_storeu_si256((__m256i *)q, h);
+    if (full) _mm256_storeu_si256((__m256i *)q, h);
     else _mm256_mask_storeu_epi16(q, k, h);
 }
 
 struct c512 { __m512 gs, l2, decay, coeff, b2, omb2, bc2, eps, nss; int l2_on, small, native_bf16; };
 
-/* 16 elements from i (the first `k` lanes when not `full`). */
-I512 void adam512_block(const struct adam_job *j, const struct c512 *c, int64_t i, __mmask16 k,
-                        int full, int gdt, int sdt, int cdt, int stream) {
+/* 16 elements from i (the first `k` lanes when not `full`): param and moments updated and
+ * stored; returns the new param for the caller to store the copy. */
+I512 __m512 adam512_block(const struct adam_job *j, const struct c512 *c, int64_t i, __mmask16 k,
+                          int full, int gdt, int sdt) {
     __m512 g = _mm512_mul_ps(ld512(j->grad, gdt, i, k, full), c->gs);
     __m512 p = ld512(j->param, OFFLOAD_F32, i, k, full);
     if (c->l2_on) g = _mm512_fmadd_ps(c->l2, p, g);
@@ -303,24 +310,44 @@ I512 void adam512_block(const struct adam_job *j, const struct c512 *c, int64_t 
     v = _mm512_fmadd_ps(_mm512_mul_ps(c->omb2, g), g, v);
     __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
-    st512(j->param, OFFLOAD_F32, i, p, k, full, 0, 0);
-    st512(j->exp_avg, sdt, i, m, k, full, c->native_bf16, 0);
-    st512(j->exp_avg_sq, sdt, i, v, k, full, c->native_bf16, 0);
-    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, c->native_bf16, stream);
+    st512(j->param, OFFLOAD_F32, i, p, k, full, 0);
+    st512(j->exp_avg, sdt, i, m, k, full, c->native_bf16);
+    st512(j->exp_avg_sq, sdt, i, v, k, full, c->native_bf16);
+    return p;
+}
+
+/* Up to 16 elements from i, with the copy stored like the rest. */
+I512 void adam512_step16(const struct adam_job *j, const struct c512 *c, int64_t i, int64_t count,
+                         int gdt, int sdt, int cdt) {
+    const int full = count == 16;
+    const __mmask16 k = full ? 0xFFFF : (__mmask16)((1u << count) - 1u);
+    __m512 p = adam512_block(j, c, i, k, full, gdt, sdt);
+    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, c->native_bf16);
 }
 
 I512 void adam512_range(const struct adam_job *j, const struct c512 *c, int64_t begin, int64_t end,
                         int gdt, int sdt, int cdt) {
     int64_t i = begin;
-    const int stream = stream_copy(j, begin, end);
-    if (stream) { /* a masked head brings the copy to 32-byte alignment */
-        int64_t head = (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 31) / 2;
-        if (head) adam512_block(j, c, i, (__mmask16)((1u << head) - 1u), 0, gdt, sdt, cdt, 0);
-        i += head;
+    if (stream_copy(j, begin, end)) {
+        /* Head: bring the copy to 64-byte alignment. Then 32 elements at a time, their copy
+         * streamed as one full cache line (no partially written write-combining lines). */
+        uint16_t *copy = (uint16_t *)j->param_copy;
+        const int64_t aligned = i + (int64_t)((-(uintptr_t)(copy + i)) & 63) / 2;
+        for (int64_t k; i < aligned; i += k) {
+            k = aligned - i < 16 ? aligned - i : 16;
+            adam512_step16(j, c, i, k, gdt, sdt, cdt);
+        }
+        for (; i + 32 <= end; i += 32) {
+            __m256i lo = narrow512(adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt), cdt, c->native_bf16);
+            __m256i hi = narrow512(adam512_block(j, c, i + 16, 0xFFFF, 1, gdt, sdt), cdt, c->native_bf16);
+            _mm512_stream_si512((__m512i *)(copy + i), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        }
+        _mm_sfence(); /* order the streamed copy before the pool reports this chunk done */
     }
-    for (; i + 16 <= end; i += 16) adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt, cdt, stream);
-    if (i < end) adam512_block(j, c, i, (__mmask16)((1u << (end - i)) - 1u), 0, gdt, sdt, cdt, 0);
-    if (stream) _mm_sfence(); /* order the streamed copy before the pool reports this chunk done */
+    for (int64_t k; i < end; i += k) {
+        k = end - i < 16 ? end - i : 16;
+        adam512_step16(j, c, i, k, gdt, sdt, cdt);
+    }
 }
 
 T512 static void adam_avx512(const struct adam_job *job, int64_t begin, int64_t end, int native_bf16) {

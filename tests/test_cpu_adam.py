@@ -278,6 +278,31 @@ def test_isa_variants_bit_identical(native):
     _native.adam_set_isa(native, None)
 
 
+@pytest.mark.parametrize("copy_dtype", [BF16, F16])
+def test_param_copy_at_every_alignment(backend, copy_dtype):
+    """The copy is streamed after an aligning head: every start offset within a cache line."""
+    n = 5000  # one chunk, long enough for the streamed path
+    p0, g = _param0(n), _grads(n, BF16, 1)[0]
+    kw = dict(step=1, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    expected = p0.clone()
+    adam_step(expected, g, torch.zeros(n), torch.zeros(n), **kw)
+    L = _native.lib()
+    isas = [None] if L is None else [name for code, name in _native.ISA_NAMES.items()
+                                     if code <= L.offload_adam_best_isa()]
+    try:
+        for isa in isas:
+            if L is not None:
+                _native.adam_set_isa(L, isa)
+            for offset in range(33):
+                p, copy = p0.clone(), _view(n, copy_dtype, offset)
+                adam_step(p, g, torch.zeros(n), torch.zeros(n), param_copy=copy, **kw)
+                assert torch.equal(p, expected), (isa, offset)
+                assert torch.equal(copy, expected.to(copy_dtype)), (isa, offset)
+    finally:
+        if L is not None:
+            _native.adam_set_isa(L, None)
+
+
 def test_thread_count_does_not_change_bits(native):
     n = LARGE
     grads = _grads(n, BF16, 3)

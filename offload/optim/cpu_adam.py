@@ -139,7 +139,8 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     coefficient): the result is bit-identical to ``grad.mul_(grad_scale)`` then the step.
 
     Wrong dtype / device / size / layout raises TypeError or ValueError naming the argument;
-    nothing is ever converted or copied. Releases the GIL while the native kernel runs.
+    the caller's tensors are never converted or swapped for copies (the torch fallback may
+    use temporaries). Releases the GIL while the native kernel runs.
     """
     lr, eps, weight_decay, grad_scale = float(lr), float(eps), float(weight_decay), float(grad_scale)
     if not isinstance(step, (bool, int)):
@@ -153,8 +154,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     with _profiler_range():
         L = _native.lib()
         if L is None:
-            _torch_step(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, beta1, beta2, eps,
-                        weight_decay, adamw_mode, grad_scale)
+            with torch.no_grad():  # like the native kernel, blind to autograd
+                _torch_step(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, beta1, beta2, eps,
+                            weight_decay, adamw_mode, grad_scale)
             return
         hp = _hparams(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale)
         copy_dtype = _native.DTYPE_NONE if param_copy is None else _COPY_DTYPES[param_copy.dtype]
