@@ -244,9 +244,9 @@ T256 static void adam_avx2(const struct adam_job *job, int64_t begin, int64_t en
 }
 
 /* ---- AVX-512 (F, BW, VL, DQ): 16 lanes, masked tail ------------------------------------- */
-/* The target also names avx512bf16 so that one body serves both AVX-512 variants; the
- * vcvtneps2bf16 instruction is reached only when `native_bf16` is set, which dispatch does
- * only on CPUs that have it (the compiler emits no BF16 instruction on its own from float code). */
+/* The target also names avx512bf16 so that one body serves both AVX-512 variants; it is
+ * instantiated twice, and only the instantiation with native_bf16 = 1 (dispatched to on CPUs
+ * that have AVX512-BF16) contains vcvtneps2bf16. */
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define I512 static inline __attribute__((always_inline)) T512
 
@@ -294,12 +294,12 @@ I512 void st512(void *base, int dtype, int64_t i, __m512 x, __mmask16 k, int ful
     else _mm256_mask_storeu_epi16(q, k, h);
 }
 
-struct c512 { __m512 gs, l2, decay, coeff, b2, omb2, bc2, eps, nss; int l2_on, small, native_bf16; };
+struct c512 { __m512 gs, l2, decay, coeff, b2, omb2, bc2, eps, nss; int l2_on, small; };
 
 /* 16 elements from i (the first `k` lanes when not `full`): param and moments updated and
  * stored; returns the new param for the caller to store the copy. */
 I512 __m512 adam512_block(const struct adam_job *j, const struct c512 *c, int64_t i, __mmask16 k,
-                          int full, int gdt, int sdt) {
+                          int full, int gdt, int sdt, int native_bf16) {
     __m512 g = _mm512_mul_ps(ld512(j->grad, gdt, i, k, full), c->gs);
     __m512 p = ld512(j->param, OFFLOAD_F32, i, k, full);
     if (c->l2_on) g = _mm512_fmadd_ps(c->l2, p, g);
@@ -311,22 +311,22 @@ I512 __m512 adam512_block(const struct adam_job *j, const struct c512 *c, int64_
     __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
     st512(j->param, OFFLOAD_F32, i, p, k, full, 0);
-    st512(j->exp_avg, sdt, i, m, k, full, c->native_bf16);
-    st512(j->exp_avg_sq, sdt, i, v, k, full, c->native_bf16);
+    st512(j->exp_avg, sdt, i, m, k, full, native_bf16);
+    st512(j->exp_avg_sq, sdt, i, v, k, full, native_bf16);
     return p;
 }
 
 /* Up to 16 elements from i, with the copy stored like the rest. */
 I512 void adam512_step16(const struct adam_job *j, const struct c512 *c, int64_t i, int64_t count,
-                         int gdt, int sdt, int cdt) {
+                         int gdt, int sdt, int cdt, int native_bf16) {
     const int full = count == 16;
     const __mmask16 k = full ? 0xFFFF : (__mmask16)((1u << count) - 1u);
-    __m512 p = adam512_block(j, c, i, k, full, gdt, sdt);
-    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, c->native_bf16);
+    __m512 p = adam512_block(j, c, i, k, full, gdt, sdt, native_bf16);
+    if (cdt != OFFLOAD_DTYPE_NONE) st512(j->param_copy, cdt, i, p, k, full, native_bf16);
 }
 
 I512 void adam512_range(const struct adam_job *j, const struct c512 *c, int64_t begin, int64_t end,
-                        int gdt, int sdt, int cdt) {
+                        int gdt, int sdt, int cdt, int native_bf16) {
     int64_t i = begin;
     if (stream_copy(j, begin, end)) {
         /* Head: bring the copy to 64-byte alignment. Then 32 elements at a time, their copy
@@ -335,18 +335,18 @@ I512 void adam512_range(const struct adam_job *j, const struct c512 *c, int64_t 
         const int64_t aligned = i + (int64_t)((-(uintptr_t)(copy + i)) & 63) / 2;
         for (int64_t k; i < aligned; i += k) {
             k = aligned - i < 16 ? aligned - i : 16;
-            adam512_step16(j, c, i, k, gdt, sdt, cdt);
+            adam512_step16(j, c, i, k, gdt, sdt, cdt, native_bf16);
         }
         for (; i + 32 <= end; i += 32) {
-            __m256i lo = narrow512(adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt), cdt, c->native_bf16);
-            __m256i hi = narrow512(adam512_block(j, c, i + 16, 0xFFFF, 1, gdt, sdt), cdt, c->native_bf16);
+            __m256i lo = narrow512(adam512_block(j, c, i, 0xFFFF, 1, gdt, sdt, native_bf16), cdt, native_bf16);
+            __m256i hi = narrow512(adam512_block(j, c, i + 16, 0xFFFF, 1, gdt, sdt, native_bf16), cdt, native_bf16);
             _mm512_stream_si512((__m512i *)(copy + i), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
         }
         _mm_sfence(); /* order the streamed copy before the pool reports this chunk done */
     }
     for (int64_t k; i < end; i += k) {
         k = end - i < 16 ? end - i : 16;
-        adam512_step16(j, c, i, k, gdt, sdt, cdt);
+        adam512_step16(j, c, i, k, gdt, sdt, cdt, native_bf16);
     }
 }
 
@@ -358,11 +358,21 @@ T512 static void adam_avx512(const struct adam_job *job, int64_t begin, int64_t 
         _mm512_set1_ps(h->grad_scale), _mm512_set1_ps(h->l2), _mm512_set1_ps(h->decay),
         _mm512_set1_ps(small ? h->lerp_weight : h->lerp_weight - 1.0f), _mm512_set1_ps(h->beta2),
         _mm512_set1_ps(h->one_minus_beta2), _mm512_set1_ps(h->bias_correction2_sqrt),
-        _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step_size), h->l2 != 0.0f, small, native_bf16};
-    switch (COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {
-#define X(g, s, cp) case COMBO(g, s, cp): adam512_range(j, &c, begin, end, g, s, cp); return;
-        ADAM_COMBOS(X)
+        _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step_size), h->l2 != 0.0f, small};
+    /* native_bf16 is a constant in each instantiation: the one without BF16 instructions
+     * contains none, whatever the compiler does with branches. */
+    if (native_bf16) {
+        switch (COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {
+#define X(g, s, cp) case COMBO(g, s, cp): adam512_range(j, &c, begin, end, g, s, cp, 1); return;
+            ADAM_COMBOS(X)
 #undef X
+        }
+    } else {
+        switch (COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {
+#define X(g, s, cp) case COMBO(g, s, cp): adam512_range(j, &c, begin, end, g, s, cp, 0); return;
+            ADAM_COMBOS(X)
+#undef X
+        }
     }
 }
 #endif /* HAVE_X86 */
