@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 class CommError(RuntimeError):
     """A collective failed or timed out: ranks diverged, or one died."""
 
@@ -105,7 +108,7 @@ class Comm:
                 out.copy_(full)
             return _Work(self, None, what)
         self._count("reduce_scatter", (self.world - 1) / self.world * full.numel() * full.element_size())
-        return self._run(what, dist.reduce_scatter_tensor, out, full, group=self.main, async_op=async_op)
+        return self._run(what, _REDUCE_SCATTER, out, full, group=self.main, async_op=async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False,
                    group: str = "main") -> _Work:
