@@ -350,19 +350,10 @@ def measure_compute(model: torch.nn.Module, make_batch: Callable[[], tuple], dev
     model = model.to(device=device, dtype=dtype)
     fwd, bwd = [], []
     for i in range(iters + 2):
-        batch = make_batch()
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = model(*batch)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        t2 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+        f, b = _fwd_bwd(model, make_batch(), device)
+        if i >= 2:          # two warm-up iterations
+            fwd.append(f)
+            bwd.append(b)
     return Compute(statistics.median(fwd), statistics.median(bwd), True, device.type == "cpu")
 
 
