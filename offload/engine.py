@@ -640,6 +640,14 @@ class Engine:
             "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
+        # NVMe links from the stores themselves: bytes that reached the disk over the time
+        # requests were in flight (the engine's own spans only see the waits)
+        for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
+            stores = [st.stats() for st in (self._store, self._param_store) if st is not None]
+            n, sec = sum(x[key] for x in stores), sum(x[f"{d}_seconds"] for x in stores)
+            if n:
+                snap["bytes"][f"nvme_{d}"] = n
+                snap["gbps"][f"nvme_{d}"] = n / sec / 1e9 if sec > 0 else 0.0
         return snap
 
     def _partitioned_bytes(self) -> dict:

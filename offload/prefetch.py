@@ -115,7 +115,7 @@ class Prefetcher:
             if self.blocked(i):
                 continue                        # its update is in flight: read it later
             if bp.state is ParamState.HOME and bp.on_nvme and ahead_host <= self.host_lookahead:
-                with self.telemetry.span("offload::prefetch_nvme", "nvme_read", bp.nbytes):
+                with self.telemetry.span("offload::prefetch_nvme"):
                     bp.stage()
             if not self.deterministic:
                 bp.poll()

@@ -119,8 +119,7 @@ class StepPipeline:
         st = block.state
         if st.tier is Tier.NVME and not st.in_memory:
             self._fetch(st)
-        with self.telemetry.span("offload::state_read", "nvme_read" if st.tier is Tier.NVME else None,
-                                 st.nbytes if st.tier is Tier.NVME else 0):
+        with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
             state = st.acquire()
         if self._grad_sync is not None:
             self._grad_sync.wait(block)
@@ -146,7 +145,7 @@ class StepPipeline:
         self._write_params(block, master, out, args.compute_done)
         block.stepped = args.step
         if st.tier is Tier.NVME:
-            with self.telemetry.span("offload::state_write", "nvme_write", st.nbytes):
+            with self.telemetry.span("offload::state_write"):
                 st.commit()
             with self._lock:
                 self._writing.append(st)
@@ -188,8 +187,7 @@ class StepPipeline:
         if block.params is not None:
             bp = block.params
             target = self._home_target(block)
-            with self.telemetry.span("offload::param_writeback", "nvme_write" if bp.on_nvme else None,
-                                     bp.nbytes if bp.on_nvme else 0):
+            with self.telemetry.span("offload::param_writeback"):
                 if out is None:
                     block.home_shard(target).copy_(master)
                 bp.write_home(target)
