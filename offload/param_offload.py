@@ -79,6 +79,7 @@ class ParamOffload:
         self._mode = None
         self.overruns = 0
         self._hooks = []
+        self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
         self._install()
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -157,8 +158,9 @@ class ParamOffload:
         if not self.params or t.layout is not torch.strided or t.device.type == "meta":
             return t
         ptr = t.untyped_storage().data_ptr()
-        for i, bp in enumerate(self.params):
-            if bp is not None and bp.device_buf is not None and \
+        for i in self._by_storage.get(ptr, ()):       # blocks materialized in this storage
+            bp = self.params[i]
+            if bp.device_buf is not None and \
                     bp.device_buf.untyped_storage().data_ptr() == ptr and bp.device_buf.dtype == t.dtype:
                 rel = t.storage_offset() - bp.device_buf.storage_offset()
                 if 0 <= rel < bp.numel:
@@ -206,6 +208,9 @@ class ParamOffload:
                     self._make_room(i, bp.nbytes)
                 with self.telemetry.span("offload::param_fetch", "h2d", bp.nbytes):
                     buf = bp.ensure(self._h2d)
+                holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
+                if i not in holders:
+                    holders.append(i)          # for _pack; entries are checked on use
             else:
                 buf = bp.device_buf
             self.prefetcher.issue()
@@ -245,6 +250,11 @@ class ParamOffload:
     def _release(self, i: int) -> None:
         self.busy = True
         try:
+            buf = self.params[i].device_buf
+            if buf is not None:
+                holders = self._by_storage.get(buf.untyped_storage().data_ptr())
+                if holders and i in holders:
+                    holders.remove(i)
             self.params[i].release()
         finally:
             self.busy = False

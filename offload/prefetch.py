@@ -102,6 +102,7 @@ class Prefetcher:
     def issue(self) -> None:
         """Start the copies the lookahead windows allow (called on every request)."""
         ahead_dev = ahead_host = 0
+        on_device = self.device_bytes()
         seen = set()
         for i in self.upcoming():
             if i in seen:
@@ -121,6 +122,7 @@ class Prefetcher:
                 bp.poll()
             ready = (ParamState.STAGED, ParamState.STAGING) if self.deterministic else (ParamState.STAGED,)
             if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
-                if ahead_dev <= self.device_lookahead and self.device_bytes() + bp.nbytes <= self.budget:
+                if ahead_dev <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
                     with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):
                         bp.to_device(self.h2d)
+                    on_device += bp.nbytes
