@@ -63,7 +63,3 @@ class BlockShard:
         (parameter offload without ZeRO-3) or only the shard (ZeRO-3)."""
         s0, s1 = self.shard
         return full_or_shard if full_or_shard.numel() == s1 - s0 else full_or_shard[s0:s1]
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.params.dtype if self.params is not None else self.param_flat.dtype

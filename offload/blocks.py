@@ -57,10 +57,6 @@ class BlockLayout:
     padded_numel: int              # numel padded for world_size equal shards
     group_ranges: List[Tuple[int, int, int]] = field(default_factory=list)  # (group, start, end)
 
-    @property
-    def nbytes_fp32(self) -> int:
-        return self.padded_numel * 4
-
 
 def _has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())

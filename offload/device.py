@@ -6,7 +6,6 @@ Callers never test ``torch.cuda.is_available()`` themselves.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -35,16 +34,6 @@ def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 def new_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     """A side stream for copies on CUDA; None on the CPU."""
     return torch.cuda.Stream(device=device) if is_cuda(device) else None
-
-
-@contextlib.contextmanager
-def on_stream(stream):
-    """Run the enclosed work on ``stream`` (no-op for None)."""
-    if stream is None:
-        yield
-    else:
-        with torch.cuda.stream(stream):
-            yield
 
 
 def current_stream(device: torch.device):

@@ -47,10 +47,6 @@ class Telemetry:
                         self.link_seconds[link] += end - start
                     self._events.append((name, start, end, threading.get_ident(), nbytes))
 
-    def add_bytes(self, link: str, nbytes: int) -> None:
-        with self._lock:
-            self.bytes[link] += nbytes
-
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -59,10 +55,6 @@ class Telemetry:
         with self._lock:
             if value > self.peaks[name]:
                 self.peaks[name] = value
-
-    def reset_peak(self, name: str, value: int = 0) -> None:
-        with self._lock:
-            self.peaks[name] = value
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -44,6 +44,7 @@ from torch.profiler import record_function
 
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
 from offload.storage.aio import ENODATA_SHORT, crc_function, make_backend
+from offload.storage.pinned_pool import _fmt as _gib, _round_up  # 4 KiB pages (PAGE == IO_PAGE)
 
 RUN_PREFIX = "offload-"
 # 4 MiB extents, 64 in flight: on the virtio disk this was tuned on (max_sectors_kb = 4096),
@@ -71,14 +72,6 @@ class StaleSwapDirWarning(UserWarning):
 
 class DirectIOWarning(UserWarning):
     """The filesystem refuses O_DIRECT; the store falls back to buffered I/O."""
-
-
-def _round_up(n: int, to: int = IO_PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def _gib(n: int) -> str:
-    return f"{n} bytes ({n / 2**30:.3f} GiB)"
 
 
 class _SwapFile:
