@@ -183,7 +183,7 @@ class Config:
     blocks: Optional[Tuple[str, ...]] = None
     # Optimizer worker threads (the native kernel has its own pool inside each call).
     optimizer_workers: int = 1
-    # Step each block as soon as its gradients land (when nothing global is needed).
+    # step() returns at once and the next forward trails the updates (False: step() waits for them).
     overlap_step: bool = True
 
     def __post_init__(self):
