@@ -148,28 +148,6 @@ def test_frozen_parameters_have_no_state(tmp_path):
     eng.close()
 
 
-def test_bf16_matches_autocast_reference(tmp_path):
-    """bf16 compute with fp32 master weights against fp32 weights under torch.autocast(bf16).
-    The two differ in what runs in bf16 (here every op, there only matmuls), so weights agree
-    to bf16 resolution: documented tolerance 3e-2 absolute after 10 steps at lr 1e-3, while the
-    weights themselves move by ~1e-2."""
-    base = make_model()
-    data = batches(10)
-    ref_model = clone(base)
-    params = [p for p in ref_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=False)
-    for x, y in data:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = ref_model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    got = engine_run(clone(base), data, cfg_for("cpu", tmp_path, precision="bf16"))[-1]
-    ref = ref_model.state_dict()
-    assert max_diff(ref, got) < 3e-2
-    assert max_diff(ref, base.state_dict()) > 1e-3
-
-
 def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     model = make_model()
     eng = offload.initialize(model, cfg_for("cpu", tmp_path, precision="fp16",

@@ -1,0 +1,229 @@
+"""step() as the commit point and close(), against plain PyTorch, on every placement.
+
+The loop is the real one: nothing synchronises between steps (no full_state_dict() or
+synchronize() inside the loop), so the next forward runs while the optimizer still writes the
+last update, block by block. The model reads parameters where their owning module's hooks do
+not run first (a child's bias before the child runs, the head's weight through F.linear in
+the root's forward): those reads must wait for the update too.
+
+Every placement: offload_optimizer none / cpu / nvme x offload_param none / cpu / nvme, with
+and without clipping. Tolerances: twice the distance between torch's own single-tensor and
+fused AdamW on the same run (measured here), plus 1e-6.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload
+
+VOCAB, D, LR, WD = 64, 32, 1e-3, 0.01
+PLACEMENTS = [(o, p) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
+CASES = [pytest.param(o, p, c, id=f"opt-{o}-param-{p}-clip{c}") for o, p in PLACEMENTS for c in (0.0, 0.5)]
+
+
+class OutsideReads(nn.Module):
+    """Blocks: tok, layers.0-2, head. The root reads the last layer's bias before the layers
+    run and the head's weight and bias through F.linear (the head module never runs)."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D)) for _ in range(layers))
+        self.head = nn.Linear(D, VOCAB)
+        self.register_buffer("gain", torch.tensor(0.5))
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.layers[-1][1].bias
+        for layer in self.layers:
+            x = x + self.gain * torch.tanh(layer(x))
+        logits = F.linear(x, self.head.weight, self.head.bias)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return OutsideReads()
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, 4, 9), generator=g)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
+
+
+def cfg(opt, prm, clip, tmp_path, **kw):
+    c = {"optimizer": {"type": "AdamW", "lr": LR, "weight_decay": WD}, "gradient_clipping": clip,
+         "offload_optimizer": {"device": opt}, "offload_param": {"device": prm}}
+    for section, tier, sub in (("offload_optimizer", opt, "opt"), ("offload_param", prm, "param")):
+        if tier == "nvme":
+            (tmp_path / sub).mkdir(parents=True, exist_ok=True)
+            c[section]["nvme_path"] = str(tmp_path / sub)
+    c.update(kw)
+    return c
+
+
+def torch_run(steps, clip, *, fused=False, backwards=1):
+    """Plain PyTorch: ``backwards`` batches' gradients summed per step, clip, AdamW.
+    Returns (loss of each forward, final state_dict)."""
+    model = make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, **({"fused": True} if fused else {"foreach": False}))
+    losses, data = [], batches(steps * backwards)
+    for s in range(steps):
+        for x, y in data[s * backwards:(s + 1) * backwards]:
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.stack(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def check(got_losses, got_sd, clip, steps, backwards=1):
+    ref_l, ref_sd = torch_run(steps, clip, backwards=backwards)
+    fus_l, fus_sd = torch_run(steps, clip, fused=True, backwards=backwards)
+    loss_bound = 2 * (ref_l - fus_l).abs().max().item() + 1e-6
+    d = (got_losses - ref_l).abs().max().item()
+    assert d <= loss_bound, f"losses differ from torch by {d} (bound {loss_bound}): {got_losses} vs {ref_l}"
+    sd_bound = 2 * max_diff(ref_sd, fus_sd) + 1e-6
+    d = max_diff(ref_sd, got_sd)
+    assert d <= sd_bound, f"weights differ from torch by {d} (bound {sd_bound})"
+    assert max_diff(ref_sd, make_model().state_dict()) > 1e-3       # the weights really moved
+
+
+def train(eng, data, backwards=1):
+    """The user's loop: forward, backward (``backwards`` batches), step; no synchronisation."""
+    losses = []
+    for s in range(len(data) // backwards):
+        for x, y in data[s * backwards:(s + 1) * backwards]:
+            loss = eng(x, y)
+            eng.backward(loss)
+            losses.append(loss.detach())
+        assert eng.step() is True
+    return losses
+
+
+@pytest.mark.parametrize("opt,prm,clip", CASES)
+def test_unsynchronised_parity_and_close(opt, prm, clip, tmp_path):
+    """Five steps with the next forward trailing the optimizer; then close(): the model keeps
+    the trained values and buffers and runs alone; every engine entry point refuses."""
+    model = make_model()
+    eng = offload.initialize(model, cfg(opt, prm, clip, tmp_path))
+    losses = train(eng, batches(5))
+    final = eng.full_state_dict()
+    check(torch.stack(losses), final, clip, 5)
+
+    eng.close()
+    sd = model.state_dict()
+    assert list(sd) == list(final)
+    for k, v in sd.items():
+        assert v.shape == final[k].shape and torch.equal(v.float().cpu(), final[k]), k
+    x, y = batches(1, seed=7)[0]
+    plain = make_model()
+    plain.load_state_dict(final)
+    assert torch.equal(model(x, y), plain(x, y))      # the closed engine's model runs alone
+
+    closed = "this engine is closed"
+    for call in (lambda: eng(x, y), lambda: eng.backward(plain(x, y)), eng.step, eng.zero_grad,
+                 eng.synchronize, eng.full_state_dict, eng.stats, eng.train, eng.eval, eng.parameters,
+                 eng.grad_norm, eng.swap_dirs, lambda: eng.save_checkpoint(str(tmp_path / "ck")),
+                 lambda: eng.load_checkpoint(str(tmp_path / "ck"))):
+        with pytest.raises(RuntimeError, match=closed):
+            call()
+    eng.close()                                       # a second close is a no-op
+
+
+@pytest.mark.parametrize("opt,prm,clip", CASES)
+def test_interrupted_window_changes_nothing(opt, prm, clip, tmp_path):
+    """A backward without its step() (the loop stopped) leaves weights, optimizer state and
+    counters at the previous step, also in a checkpoint saved then; zero_grad() discards
+    its gradients and training goes on as if it never happened."""
+    data = batches(4)
+    stray = batches(1, seed=9)[0]
+    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path))
+    losses = train(eng, data[:2])
+    before = eng.full_state_dict()
+    eng.backward(eng(*stray))                         # interrupted: no step()
+    assert (eng.global_step, eng.micro_step) == (2, 2)
+    after = eng.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    eng.zero_grad()
+    losses += train(eng, data[2:])
+    check(torch.stack(losses), eng.full_state_dict(), clip, 4)
+    eng.close()
+
+    resumed = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path / "again"))
+    resumed.load_checkpoint(str(tmp_path / "ck"))
+    assert (resumed.global_step, resumed.micro_step) == (2, 2)
+    rest = train(resumed, data[2:])
+    check(torch.stack(losses[:2] + rest), resumed.full_state_dict(), clip, 4)
+    resumed.close()
+
+
+@pytest.mark.parametrize("opt,prm,clip", CASES)
+def test_two_backwards_one_step(opt, prm, clip, tmp_path):
+    """Two backward() calls then one step(): one update on the summed gradients, as torch."""
+    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path))
+    losses = train(eng, batches(6), backwards=2)
+    assert (eng.global_step, eng.micro_step) == (3, 3)
+    check(torch.stack(losses), eng.full_state_dict(), clip, 3, backwards=2)
+    eng.close()
+
+
+def test_accumulation_window_commits_at_its_last_step(tmp_path):
+    """gradient_accumulation_steps=2, two backward() calls in each micro-step: the update
+    comes at every second step(), on the window's summed gradients (each loss / 2); the
+    loop that skips step() inside the window is warned about."""
+    eng = offload.initialize(make_model(), cfg("cpu", "none", 0.5, tmp_path, gradient_accumulation_steps=2))
+    data, losses = batches(8), []
+    with pytest.warns(UserWarning, match="call step\\(\\) after every backward"):
+        for s in range(4):
+            for x, y in data[2 * s:2 * s + 2]:
+                loss = eng(x, y)
+                eng.backward(loss)
+                losses.append(loss.detach())
+            assert eng.step() is (s % 2 == 1)
+    assert (eng.global_step, eng.micro_step) == (2, 4)
+    got = eng.full_state_dict()
+    eng.close()
+    # torch: four batches' gradients, each loss / 2, then one step; twice
+    model = make_model()
+    params = list(model.parameters())
+    runs = []
+    for fused in (False, True):
+        model = make_model()
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, **({"fused": True} if fused else {"foreach": False}))
+        ref_losses = []
+        for s in range(2):
+            for x, y in data[4 * s:4 * s + 4]:
+                loss = model(x, y)
+                (loss / 2).backward()
+                ref_losses.append(loss.detach())
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            opt.zero_grad()
+        runs.append((torch.stack(ref_losses), model.state_dict()))
+    (ref_l, ref_sd), (fus_l, fus_sd) = runs
+    assert (torch.stack(losses) - ref_l).abs().max() <= 2 * (ref_l - fus_l).abs().max() + 1e-6
+    assert max_diff(ref_sd, got) <= 2 * max_diff(ref_sd, fus_sd) + 1e-6
+
+
+@pytest.mark.parametrize("prm", ["cpu", "nvme"])
+def test_close_without_restore_releases_offloaded_parameters(prm, tmp_path):
+    """close(restore=False): offloaded parameters stay released (empty placeholders), as a
+    model larger than host memory keeps them; buffers stay."""
+    model = make_model()
+    eng = offload.initialize(model, cfg("cpu", prm, 0.0, tmp_path))
+    train(eng, batches(2))
+    eng.close(restore=False)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert model.gain.item() == 0.5
