@@ -73,10 +73,15 @@ def train(job, rank, world, outdir, held):
             model.layers = torch.nn.ModuleList(list(model.layers)[::-1])    # another module order
         if job.get("diverge") == "die" and rank == world - 1 and step == 1:
             os._exit(3)
-        loss = eng(x[lo:hi], y[lo:hi])
-        if job.get("diverge") == "inf" and rank == world - 1 and step == 0:
-            loss = loss * float("inf")      # an fp16 overflow on one rank only
-        eng.backward(loss)
+        if job.get("backwards") == 2:      # the rank's half in two backward() calls, one step()
+            mid = (lo + hi) // 2
+            for a, b in ((lo, mid), (mid, hi)):
+                eng.backward(eng(x[a:b], y[a:b]) / 2)
+        else:
+            loss = eng(x[lo:hi], y[lo:hi])
+            if job.get("diverge") == "inf" and rank == world - 1 and step == 0:
+                loss = loss * float("inf")      # an fp16 overflow on one rank only
+            eng.backward(loss)
         eng.step()
         stats.append(eng.stats())
         sd = eng.full_state_dict()

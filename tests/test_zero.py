@@ -143,6 +143,8 @@ def two_ranks(tmp_path_factory):
               "load": ck1}]
     jobs += [{"name": f"gas_s{s}", "stage": s, "tier": "cpu", "steps": 2 * GAS_STEPS, "eps": EPS,
               "extra": {"gradient_accumulation_steps": 2}} for s in (0, 2)]
+    jobs += [{"name": f"twice_s{s}", "stage": s, "tier": "cpu", "steps": STEPS, "eps": EPS, "backwards": 2}
+             for s in (0, 1, 2, 3)]
     jobs += [{"name": f"fp16_s{s}", "stage": s, "tier": "cpu", "steps": 2, "eps": EPS, "diverge": "inf",
               "extra": {"precision": "fp16", "loss_scaler": {"initial_scale": 1024.0}}} for s in (0, 2)]
     t0 = time.time()
@@ -165,6 +167,18 @@ def test_two_ranks_on_half_batches_match_one_on_full_batch(two_ranks, ref, stage
         d = max_diff(r, g)
         assert d <= TOL, f"step {step}: 2 ranks differ from 1 by {d}"
     assert max_diff(ref[-1], make_model().state_dict()) > 1e-3   # the weights really moved
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_backwards_per_step_across_ranks(two_ranks, ref, stage):
+    """Each rank's half batch in two backward() calls (each loss / 2) before one step(): the
+    gradients of both sum into one micro-step before they are reduced, as one backward of
+    the full batch would give."""
+    got = two_ranks["res"][0][f"twice_s{stage}"]["snaps"]
+    assert len(got) == STEPS
+    for step, (r, g) in enumerate(zip(ref, got)):
+        d = max_diff(r, g)
+        assert d <= TOL, f"step {step}: differs from one process on the full batch by {d}"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
