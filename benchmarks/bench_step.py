@@ -6,9 +6,9 @@ buffers) whose accelerator compute is simulated by a GIL-free wait in forward an
 
 Measured in the same run, interleaved, medians over rounds:
   * serial optimizer time: every block's update run after backward, nothing overlapping;
-  * exposed time, overlapped mode (no clipping: each block steps as its gradients land);
-  * exposed time, clipped mode (the step waits for the global norm, the next forward trails
-    the optimizer block by block).
+  * exposed time, overlapped mode (no clipping; step() commits the update, the next forward
+    trails the optimizer block by block);
+  * exposed time, clipped mode (the same, with the global norm computed during backward).
 Exposed time = time the forward spends waiting for updates (``offload::wait_update``) plus
 the ``step()`` call itself. ``exposed_step_fraction`` = exposed / serial optimizer time.
 

@@ -27,13 +27,13 @@ def test_no_offload_is_compute_plus_device_adam():
     assert p.step_s == pytest.approx(3.02)
 
 
-def test_overlapped_step_is_max_plus_exposed_share():
+def test_committed_step_overlaps_the_next_forward():
     p = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16")
-    # cpu adam 1.0 s, d2h 2 GB / 20 GB/s = 0.1 s, h2d 0.1 s, device 3.0 s
+    # cpu adam 1.0 s, d2h 2 GB / 20 GB/s = 0.1 s, h2d 0.1 s, device 3.0 s (forward 1, backward 2)
     assert p.terms["adam"] == pytest.approx(1.0)
     assert p.terms["d2h"] == pytest.approx(0.1) and p.terms["h2d"] == pytest.approx(0.1)
-    assert p.bottleneck == "device" and p.mode == "overlapped"
-    assert p.step_s == pytest.approx(3.0 + (1.0 + 0.1 + 0.1) / 10)
+    assert p.bottleneck == "device" and p.mode == "global"
+    assert p.step_s == pytest.approx(2.0 + 1.0 + 1.0 / 10)
 
 
 def test_nvme_terms_and_bottleneck():
@@ -51,13 +51,12 @@ def test_nvme_terms_and_bottleneck():
     assert p.step_s > plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16").step_s
 
 
-def test_clipping_waits_for_backward():
-    over = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16")
+def test_update_hides_behind_the_next_forward_only():
+    plain = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16")
     glob = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16", clipping=True)
-    assert glob.mode == "global"
-    # adam 4 s: overlapped hides it behind 3 s of compute; global only behind the 1 s forward
-    assert over.step_s == pytest.approx(4.0 + 3.2 / 10)
-    assert glob.step_s == pytest.approx(2.0 + 4.0 + 1.0 / 10)
+    # adam 4 s behind the 1 s forward only (step() commits after backward), clipping or not
+    assert glob.mode == plain.mode == "global"
+    assert glob.step_s == plain.step_s == pytest.approx(2.0 + 4.0 + 1.0 / 10)
 
 
 def test_serial_adds_everything():

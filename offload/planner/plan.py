@@ -33,13 +33,14 @@ both Adams and the "link" copies share one group; when the compute leaves the co
 (bench_step's simulated layers) the gradient copies still run inline in backward (device
 group) and the tier-none Adam on the engine's CPU workers (CPU group). The step is a pipeline over ``n`` blocks:
 
-    overlapped (overlap_step, no clipping, not fp16): the CPU step of a block starts when its
-      gradients land, during backward, and the next forward of a block waits only for that
-      block:       step = max(groups) + (sum(groups) - max(groups)) / n
-    global (clipping or fp16): the step waits for the whole backward (the global norm), then
-      overlaps only the next forward:
+    global (overlap_step, optimizer offloaded): step() commits the update after the whole
+      backward; the CPU step overlaps only the next forward, whose block k waits for block
+      k's update alone:
                    step = Bw + max(F, rest) + (F + rest - max(F, rest)) / n
       where rest is the largest non-device group;
+    overlapped (CPU-only compute, or no offload): everything shares one resource or runs on
+      the device; the pipeline over blocks hides all but one block's share of the rest:
+                   step = max(groups) + (sum(groups) - max(groups)) / n
     serial (overlap_step false): every term adds up.
 
 The ``(sum - max) / n`` is the exposed part: the first block's fetch and the last block's
@@ -431,8 +432,10 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     top = max(groups, key=groups.get)
     if not overlap_step:
         mode, step = "serial", sum(t.values())
-    elif (clipping or precision == "fp16") and offload_opt and not compute.shares_cpu:
-        # The CPU step waits for the global norm after backward; it overlaps the next forward.
+    elif offload_opt and not compute.shares_cpu:
+        # step() commits after backward (the update never runs inside backward); the CPU step
+        # overlaps the next forward. (Clipping and fp16 cost nothing more: their norms are
+        # computed during backward.)
         mode = "global"
         r = max((v for k, v in groups.items() if k != dev_key), default=0.0)
         fwd = groups[dev_key] - t["backward"]
