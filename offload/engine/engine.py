@@ -521,14 +521,18 @@ class Engine:
         return checkpoint.live_state_dict(self)
 
     def save_checkpoint(self, path: str) -> str:
+        """Everything as of the last commit (an open window's gradients are not saved)."""
         from offload.io import checkpoint
         self._check_open()
         self.synchronize()
         return checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
+        """Weights, optimizer state, counters and loss scale as of the checkpoint's last
+        commit; the gradients of an open accumulation window are discarded."""
         from offload.io import checkpoint
         self._check_open()
+        self.control.zero_grad()
         self.synchronize()
         checkpoint.load(self, path)
 
