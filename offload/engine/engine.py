@@ -111,6 +111,7 @@ class Engine:
         self._param_write_pool = None
         self.param_offload = None
         self.blocks: List[BlockShard] = []
+        self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
         self._hooks = []
         self._closed = False
         try:
@@ -335,6 +336,8 @@ class Engine:
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
             n, gn = s1 - s0, self._grad_numel(lay)
+            first = lay.segments[0].param.device     # where close() brings offloaded params back
+            self._origin.append(torch.device("cpu") if first.type == "meta" else first)
             blk.materialize_meta(lay)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
@@ -608,8 +611,10 @@ class Engine:
         * parameters that were not offloaded (``offload_param.device: none``, ZeRO stages
           0-2) stay on the compute device, in the compute dtype, holding the trained values;
         * offloaded parameters (``offload_param`` cpu / nvme, and ZeRO-3, whose parameters
-          live as shards) are brought back to the CPU, in the compute dtype, when ``restore``
-          is True. Default (None): restore when they fit, i.e. their bytes are at most half
+          live as shards) are brought back, in the compute dtype, to the device they were on
+          at initialize (the CPU for a model built on the meta device) when ``restore`` is
+          True. Frozen parameters and buffers stay on the compute device: ``model.to()``
+          puts the whole model in one place. Default (None): restore when they fit, i.e. their bytes are at most half
           the host memory available now. A model larger than that (built on the meta device to
           train from NVMe, larger than RAM) keeps its offloaded parameters released: each is
           an empty placeholder and the trained weights leave only through
@@ -645,13 +650,14 @@ class Engine:
         return nbytes <= psutil.virtual_memory().available // 2
 
     def _gather_offloaded_params(self) -> list:
-        """(segment, CPU tensor) of every offloaded parameter, block by block: each block
-        visits the device once (waiting for its update) and is copied out whole."""
+        """(segment, tensor) of every offloaded parameter, on the device it was on at
+        initialize (the CPU for the meta device), block by block: each block visits the
+        compute device once (waiting for its update) and is copied out whole."""
         po, out = self.param_offload, []
         for i, bp in enumerate(po.params):
             if bp is None:
                 continue
-            flat = po.materialize(i).detach().to("cpu", copy=True)
+            flat = po.materialize(i).detach().to(self._origin[i], copy=True)
             po.release_all()
             out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in bp.layout.segments]
         return out
