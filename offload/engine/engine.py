@@ -75,6 +75,19 @@ class _ParamGroups(torch.optim.Optimizer):
         return None  # the engine owns gradient buffers
 
 
+def _check_group(where: str, group: dict, base) -> None:
+    """A param group's hyper-parameters pass the same checks as the config's optimizer
+    section (finite, in range); the error names the group and the key."""
+    from offload.config import ConfigError
+    hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    if not hp:
+        return
+    try:
+        dataclasses.replace(base, **hp)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(str(exc).replace("optimizer.", f"{where}.")) from None
+
+
 def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None) -> "Engine":
     """Wrap ``model`` for training with offloaded optimizer state.
 
@@ -88,6 +101,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, param_groups=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
+        config.check_paths()       # Config construction does no I/O: the directories are checked here
         self.config = config
         self.comm = Comm(config.zero_optimization.timeout_s)
         self.stage = config.zero_optimization.stage
@@ -195,6 +209,7 @@ class Engine:
             if unknown:
                 raise ValueError(f"param group keys {sorted(unknown)} are not used by offload: "
                                  f"use lr, betas, eps, weight_decay")
+            _check_group(f"param_groups[{len(groups)}]", g, o)
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
