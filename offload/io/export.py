@@ -115,6 +115,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 10**
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) or \
             getattr(torch, dtype)
+    checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
     src = _Source(checkpoint_dir)
     hf = src.meta.get("hf") or {}
     os.makedirs(out_dir, exist_ok=True)

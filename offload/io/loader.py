@@ -438,6 +438,21 @@ class WeightLoader:
             self.load(ps, device=device, dtype=dtype, frozen_reference=True)
             self.load(bs, device=device)
 
+    def read_only(self, groups: Sequence[Sequence[torch.Tensor]]) -> int:
+        """Read every group's checkpoint bytes exactly as loading does (planned ranges,
+        O_DIRECT, the next group in flight), converting nothing: the read path alone, for
+        benchmarks. Returns the bytes of the tensors read."""
+        self.schedule(groups)
+        total = 0
+        for g in groups:
+            keys = self._keys_of(g)
+            if keys:
+                grp = self._group(keys)
+                total += grp.nbytes
+                grp.release()
+        self.close()
+        return total
+
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
         checkpoint's safetensors files (they never change, so a checkpoint may refer to them)."""
