@@ -88,17 +88,24 @@ def _check_group(where: str, group: dict, base) -> None:
         raise ConfigError(str(exc).replace("optimizer.", f"{where}.")) from None
 
 
-def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None) -> "Engine":
+def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None, *,
+               weights=None, key_map=None, init_fn=None) -> "Engine":
     """Wrap ``model`` for training with offloaded optimizer state.
 
     ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
     ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
-    by default one group of all parameters with ``requires_grad``."""
-    return Engine(model, Config.from_any(config), param_groups)
+    by default one group of all parameters with ``requires_grad``.
+    ``weights``: a pretrained checkpoint (a .safetensors file, a model.safetensors.index.json,
+    a Hugging Face model directory or a torch state-dict file) streamed block by block into
+    the model, which may be built on the meta device; ``key_map(checkpoint_key)`` returns the
+    model key (None: skip it); ``init_fn(module)`` initialises what the checkpoint does not
+    hold (default: the model's own initialisation). See ``offload/io/loader.py``."""
+    return Engine(model, Config.from_any(config), param_groups, weights=weights, key_map=key_map, init_fn=init_fn)
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: Config, param_groups=None):
+    def __init__(self, model: nn.Module, config: Config, param_groups=None, *, weights=None, key_map=None,
+                 init_fn=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
         config.check_paths()       # Config construction does no I/O: the directories are checked here
@@ -114,6 +121,8 @@ class Engine:
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
         self.comm.check_same("model and config", self._signature())
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
@@ -137,6 +146,8 @@ class Engine:
         except BaseException:
             self._release_storage()
             raise
+        finally:
+            self.weights.close()
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
@@ -347,10 +358,11 @@ class Engine:
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
+        self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts])
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
             n, gn = s1 - s0, self._grad_numel(lay)
-            blk.materialize_meta(lay)
+            blk.materialize_meta(lay, self.weights)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
             if self.tier is Tier.DEVICE:
@@ -391,6 +403,7 @@ class Engine:
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters and buffers go to the device in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        self.weights.load_rest(model, bound, self.device, self.dtype, groups=[lay.module for lay in self.layouts])
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in bound and t.is_meta:
                 raise blk.ModelError(f"{name!r} is on the meta device but is not trainable block state: "
