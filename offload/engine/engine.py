@@ -75,19 +75,40 @@ class _ParamGroups(torch.optim.Optimizer):
         return None  # the engine owns gradient buffers
 
 
-def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None) -> "Engine":
+def _check_group(where: str, group: dict, base) -> None:
+    """A param group's hyper-parameters pass the same checks as the config's optimizer
+    section (finite, in range); the error names the group and the key."""
+    from offload.config import ConfigError
+    hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    if not hp:
+        return
+    try:
+        dataclasses.replace(base, **hp)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(str(exc).replace("optimizer.", f"{where}.")) from None
+
+
+def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None, *,
+               weights=None, key_map=None, init_fn=None) -> "Engine":
     """Wrap ``model`` for training with offloaded optimizer state.
 
     ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
     ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
-    by default one group of all parameters with ``requires_grad``."""
-    return Engine(model, Config.from_any(config), param_groups)
+    by default one group of all parameters with ``requires_grad``.
+    ``weights``: a pretrained checkpoint (a .safetensors file, a model.safetensors.index.json,
+    a Hugging Face model directory or a torch state-dict file) streamed block by block into
+    the model, which may be built on the meta device; ``key_map(checkpoint_key)`` returns the
+    model key (None: skip it); ``init_fn(module)`` initialises what the checkpoint does not
+    hold (default: the model's own initialisation). See ``offload/io/loader.py``."""
+    return Engine(model, Config.from_any(config), param_groups, weights=weights, key_map=key_map, init_fn=init_fn)
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: Config, param_groups=None):
+    def __init__(self, model: nn.Module, config: Config, param_groups=None, *, weights=None, key_map=None,
+                 init_fn=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
+        config.check_paths()       # Config construction does no I/O: the directories are checked here
         self.config = config
         self.comm = Comm(config.zero_optimization.timeout_s)
         self.stage = config.zero_optimization.stage
@@ -100,6 +121,8 @@ class Engine:
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
         self.comm.check_same("model and config", self._signature())
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
@@ -124,6 +147,8 @@ class Engine:
         except BaseException:
             self._release_storage()
             raise
+        finally:
+            self.weights.close()
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
@@ -196,6 +221,7 @@ class Engine:
             if unknown:
                 raise ValueError(f"param group keys {sorted(unknown)} are not used by offload: "
                                  f"use lr, betas, eps, weight_decay")
+            _check_group(f"param_groups[{len(groups)}]", g, o)
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
@@ -333,12 +359,13 @@ class Engine:
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
+        self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts])
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
             n, gn = s1 - s0, self._grad_numel(lay)
             first = lay.segments[0].param.device     # where close() brings offloaded params back
             self._origin.append(torch.device("cpu") if first.type == "meta" else first)
-            blk.materialize_meta(lay)
+            blk.materialize_meta(lay, self.weights)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
             if self.tier is Tier.DEVICE:
@@ -379,6 +406,7 @@ class Engine:
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters and buffers go to the device in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        self.weights.load_rest(model, bound, self.device, self.dtype, groups=[lay.module for lay in self.layouts])
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in bound and t.is_meta:
                 raise blk.ModelError(f"{name!r} is on the meta device but is not trainable block state: "
