@@ -135,7 +135,8 @@ class Engine:
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
                                      compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync)
+                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync,
+                                     wait_timeout_s=config.wait_timeout_s)
         self._d2h = dev.new_stream(self.device)
         self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
         self.micro_step = 0       # backward calls
@@ -298,7 +299,8 @@ class Engine:
             home = self._param_home_pool.acquire(self._home_bytes(lay)).view(self.dtype, n)
             return BlockParams(lay, self.dtype, self.device, home_buf=home, **kw)
         return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
-                           write_pool=self._param_write_pool, key=f"b{lay.index}.param", **kw)
+                           write_pool=self._param_write_pool, key=f"b{lay.index}.param",
+                           wait_timeout_s=self.config.wait_timeout_s, **kw)
 
     def _start_param_offload(self) -> None:
         from offload.params.offload import ParamOffload
@@ -345,7 +347,8 @@ class Engine:
             else:
                 if self._grad_pool is not None:
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
-                                      has_jobs=self._jobs_in_flight)
+                                      has_jobs=self._jobs_in_flight, what=f"block {lay.index} ({lay.name or '<root>'})",
+                                      wait_timeout_s=self.config.wait_timeout_s)
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
@@ -353,7 +356,9 @@ class Engine:
                     t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
                     state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
                 else:
-                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store)
+                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store,
+                                       what=f"block {lay.index} ({lay.name or '<root>'})",
+                                       wait_timeout_s=self.config.wait_timeout_s)
 
             def fill(t, master=master):
                 t[0].copy_(master)
@@ -428,6 +433,7 @@ class Engine:
 
     # ---- training -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._check_ok()
         with self.telemetry.span("offload::forward"):
             return self.module(*args, **kwargs)
 
@@ -444,7 +450,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` averaged over the accumulation window (divided by
         gradient_accumulation_steps, as DeepSpeed does), scaled for fp16."""
-        self._check_open()
+        self._check_ok()
         gas = self.config.gradient_accumulation_steps
         self._boundary = (self.micro_step + 1) % gas == 0
         self._window_submitted = False
@@ -505,16 +511,19 @@ class Engine:
         block's update, then all-gather the updated shards into the full parameter buffer."""
         job.result()
         s0, s1 = block.shard
-        with self.telemetry.span("offload::param_allgather"):
-            shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
-            self.comm.all_gather(block.param_flat, shard, f"param allgather of block {block.index} ({block.name})",
-                                 group="side")
+        try:
+            with self.telemetry.span("offload::param_allgather"):
+                shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
+                self.comm.all_gather(block.param_flat, shard,
+                                     f"param allgather of block {block.index} ({block.name})", group="side")
+        except BaseException as exc:
+            raise self.pipeline.record_failure(block, "parameter all-gather", exc) from exc
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary (a no-op between boundaries).
         Returns False when an fp16 overflow skipped the step. Does not wait for the update:
         the next forward of each block waits for that block alone."""
-        self._check_open()
+        self._check_ok()
         if not self._boundary or self._window_submitted:
             return False
         self._window_submitted = True
@@ -551,7 +560,10 @@ class Engine:
     def _block_norms(self, block: BlockShard):
         """(parameter order, norm) of each parameter of ``block`` that got a gradient in
         this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
-        self.grad_sync.wait(block)
+        try:
+            self.grad_sync.wait(block)
+        except BaseException as exc:
+            raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
         block.grad.wait_landed()
         g = block.grad_shard()
         items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
@@ -687,14 +699,27 @@ class Engine:
         if self._closed:
             raise RuntimeError("this engine is closed: create a new one with offload.initialize")
 
+    def _check_ok(self) -> None:
+        """Open, and no earlier failure (an update or a write on a worker): else raise it,
+        naming its block and stage. The engine cannot go on after one: ``close()`` it."""
+        self._check_open()
+        self.pipeline.raise_failure()
+
     def close(self) -> None:
         """Wait for updates in flight, remove hooks, release host buffers and swap files.
-        The model keeps its current parameter values (on the device)."""
+        The model keeps its current parameter values (on the device). After a failure it
+        still releases everything and returns, or raises the failure if no earlier call
+        raised it; it never hangs (every wait is bounded)."""
         if self._closed:
             return
         self._closed = True
+        prior = self.pipeline.failure()
+        told = prior is not None and prior.reported      # an earlier call raised it already
         try:
             self.pipeline.close()
+        except Exception as exc:
+            if not (told and exc is prior):
+                raise
         finally:
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)

@@ -14,6 +14,7 @@ queued (its memory is protected by ``record_stream``).
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -28,7 +29,8 @@ class GradBuffer:
     buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
-                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None):
+                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None,
+                 what: str = "a block", wait_timeout_s: float = 600.0):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
@@ -36,6 +38,7 @@ class GradBuffer:
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
         self._pool, self._has_jobs = pool, has_jobs
+        self._what, self._wait_timeout_s = what, wait_timeout_s
         self._loan = None
         self._seen = [False] * num_segments           # landed in the current window
         self.arrived = 0                              # landings in the current backward
@@ -82,11 +85,15 @@ class GradBuffer:
             return
         nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
         loan = self._pool.try_acquire(nbytes)
+        deadline = time.monotonic() + self._wait_timeout_s
         while loan is None:
             if not self._has_jobs():
                 # every buffer is held by a block still collecting gradients: allocate
                 self.tensor = torch.empty(self._numel, dtype=self._dtype)
                 return
+            if time.monotonic() > deadline:   # the updates holding buffers never finished
+                raise TimeoutError(f"gradient landing of {self._what}: no gradient buffer came back from the "
+                                   f"optimizer updates in flight after {self._wait_timeout_s} s")
             try:
                 loan = self._pool.acquire(nbytes, timeout=0.05)
             except TimeoutError:
