@@ -731,10 +731,18 @@ class Engine:
             self._release_storage()
 
     def _release_storage(self) -> None:
-        for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
-                  self._param_stage_pool, self._param_write_pool, getattr(self, "_grad_pool", None)):
-            if r is not None:
+        clean = True
+        for r in (self._store, self._param_store):
+            if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
+                clean = r.close(timeout=self.config.wait_timeout_s) and clean
+        pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
+                             self._param_write_pool, getattr(self, "_grad_pool", None)) if r is not None]
+        if clean:
+            for r in pools:
                 r.close()
+        else:                             # a stuck request may still write into a pool buffer
+            from offload.storage import nvme
+            nvme.keep_alive(pools)
         self._store = self._swap_pool = self._host_pool = self._param_store = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
