@@ -133,3 +133,16 @@ def test_two_processes_saving_at_once_never_corrupt(tmp_path):
     assert sum(o["ok"] for o in outs) >= 1 and all(o["ok"] + o["refused"] == 4 for o in outs), outs
     assert not list(tmp_path.glob("ck.tmp-*"))
     assert offload.export_fp32(str(tmp_path / "ck"))
+
+
+def test_unreadable_block_file_names_block_path_errno(tmp_path):
+    eng = trained(tmp_path)
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    victim = sorted((tmp_path / "ck").glob("block_00002.*.bin"))[0]
+    victim.unlink()
+    with pytest.raises(CheckpointIOError) as exc:
+        eng.load_checkpoint(str(tmp_path / "ck"))
+    e = exc.value
+    assert e.errno == errno.ENOENT and e.filename == str(victim)
+    assert "checkpoint load: reading the state of block 'layers.0'" in str(e)
+    eng.close()

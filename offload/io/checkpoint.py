@@ -64,10 +64,16 @@ class CheckpointIOError(OSError):
     (for a block file) and the errno."""
 
 
-def _io_error(op: str, path: str, exc: OSError, block=None) -> CheckpointIOError:
-    what = f" of block {block.index} ({block.name})" if block is not None else ""
+def _io_error(op: str, path: str, exc: OSError, block=None, during: str = "save") -> CheckpointIOError:
+    """``block``: a BlockShard, or a block's name as the checkpoint records it."""
+    if block is None:
+        what = ""
+    elif isinstance(block, str):
+        what = f" of block {block!r}"
+    else:
+        what = f" of block {block.index} ({block.name})"
     code = exc.errno or errno_mod.EIO
-    err = CheckpointIOError(code, f"checkpoint save: {op}{what} failed at {path}: "
+    err = CheckpointIOError(code, f"checkpoint {during}: {op}{what} failed at {path}: "
                                   f"{exc.strerror or os.strerror(code)}", path)
     err.__cause__ = exc
     return err
@@ -316,12 +322,15 @@ def _shards(binfo: dict) -> list:
     return binfo["shards"]
 
 
-def _read_shard(path: str, sh: dict) -> np.ndarray:
+def _read_shard(path: str, sh: dict, block: str = "") -> np.ndarray:
     """The [3, end - start] fp32 rows of one shard file, CRC-checked."""
     n = sh["end"] - sh["start"]
     fname = os.path.join(path, sh["file"])
-    with open(fname, "rb") as f:
-        data = f.read()
+    try:
+        with open(fname, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise _io_error("reading the state", fname, exc, block=block or None, during="load") from exc
     if len(data) != 3 * n * 4:
         raise CheckpointError(f"{fname} holds {len(data)} bytes, expected {3 * n * 4}: the checkpoint is damaged")
     if zlib.crc32(data) != sh["crc32"]:
@@ -339,7 +348,7 @@ def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
         r = clip_range(sh["start"], sh["end"], a, e)
         if r is None:
             continue
-        rows = _read_shard(path, sh)
+        rows = _read_shard(path, sh, binfo["name"] or "<root>")
         out[:, r[0] - a:r[1] - a] = rows[:, r[0] - sh["start"]:r[1] - sh["start"]]
         covered += r[1] - r[0]
     if covered != max(e - a, 0):
