@@ -2,7 +2,8 @@
 
 A failure on a worker thread (an optimizer job, a state write completing later, a parameter
 all-gather) is wrapped once, where it happens, in a ``BlockError`` whose message reads
-``"<stage> of block <i> (<name>) failed: <cause>"``; the cause stays chained. An OS-level
+``"<stage> of block <i> (<name>) failed: <cause>"`` (with the cause's type when it is a
+specific one, e.g. ``CommError: ...``); the cause stays chained. An OS-level
 cause gives a ``BlockIOError``, which is also an ``OSError`` with the cause's errno and file,
 so ``except OSError`` still catches a full disk. The engine raises it from the user's next
 call (``backward``, ``step``, the forward, ``synchronize``, ``close``).
@@ -30,7 +31,9 @@ def block_error(block: str, stage: str, exc: BaseException) -> BaseException:
     and SystemExit."""
     if isinstance(exc, BlockError) or not isinstance(exc, Exception):
         return exc
-    cause = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+    # the cause's type is named unless it says nothing more than the wrapper does
+    cause = (exc.strerror or str(exc)) if isinstance(exc, OSError) else \
+        str(exc) if type(exc) in (RuntimeError, Exception) else f"{type(exc).__name__}: {exc}"
     msg = f"{stage} of block {block} failed: {cause}"
     if isinstance(exc, OSError):
         code = exc.errno or (errno_mod.ETIMEDOUT if isinstance(exc, TimeoutError) else errno_mod.EIO)
