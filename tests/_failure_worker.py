@@ -65,7 +65,7 @@ def main():
     cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2},
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
            "gradient_clipping": float(clip), "aio": {"backend": "native", "block_size": 1 << 16},
-           "wait_timeout_s": 2.0 if stage == "stall" else 60.0}
+           "wait_timeout_s": 5.0 if stage == "stall" else 60.0}
     eng = offload.initialize(make_model(layers=2), cfg)
     dirs = list(eng.swap_dirs().values())
     if stage in ("state read", "stall"):
