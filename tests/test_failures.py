@@ -32,6 +32,7 @@ CASES = [
     ("adam", "nvme", "nvme", 1.0, None),              # clipping: submitted by step()
     ("parameter write-back", "cpu", "nvme", 0.0, 9),  # the parameter home's NVMe write
     ("parameter write-back", "nvme", "cpu", 0.0, 28),
+    ("parameter read", "cpu", "nvme", 0.0, 9),        # the forward's fetch of the block (prefetched or not)
     ("gradient collective", "cpu", "none", 0.0, None),
     ("gradient collective", "nvme", "cpu", 1.0, None),
 ]
@@ -49,7 +50,8 @@ def test_failure_names_block_and_stage(stage, opt, prm, clip, code, tmp_path):
     if code is not None:    # an OSError with the errno and the file
         assert r["is_oserror"] and r["errno"] == code, r
         assert ".swap" in r["text"] or "/injected/" in r["text"], r
-    assert r["after"] == r["text"], r             # every later call raises it again
+    if stage != "parameter read":                 # a read loses nothing: the engine may go on
+        assert r["after"] == r["text"], r         # every later call raises it again
     assert all(v == 0 for v in r["in_use"].values()), r
     assert r["close"] == "returned" and r["close_s"] < 10.0, r
     assert r["dirs_left"] == [], r
