@@ -68,7 +68,8 @@ def _check_group(where: str, group: dict, base) -> None:
     """A param group's hyper-parameters pass the same checks as the config's optimizer
     section (finite, in range); the error names the group and the key."""
     from offload.config import ConfigError
-    hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    fields = {f.name for f in dataclasses.fields(base)} - {"type"}
+    hp = {k: v for k, v in group.items() if k in fields}   # every hyper-parameter the section knows
     if not hp:
         return
     try:
