@@ -213,7 +213,7 @@ class Config:
     blocks: Optional[Tuple[str, ...]] = None
     # Optimizer worker threads (the native kernel has its own pool inside each call).
     optimizer_workers: int = 1
-    # Step each block as soon as its gradients land (when nothing global is needed).
+    # step() returns at once and the next forward trails the updates (False: step() waits for them).
     overlap_step: bool = True
     # Seconds any single internal wait (a host buffer, an NVMe read or write, an update in
     # flight) may take before it fails with an error naming the block and the stage.
