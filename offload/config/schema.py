@@ -215,6 +215,9 @@ class Config:
     optimizer_workers: int = 1
     # step() returns at once and the next forward trails the updates (False: step() waits for them).
     overlap_step: bool = True
+    # Seconds any single internal wait (a host buffer, an NVMe read or write, an update in
+    # flight) may take before it fails with an error naming the block and the stage.
+    wait_timeout_s: float = 600.0
 
     def __post_init__(self):
         _check_finite(self, "")
@@ -223,6 +226,7 @@ class Config:
             raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps!r} must be an integer >= 1")
         _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)
         _check_positive("optimizer_workers", self.optimizer_workers)
+        _check_positive("wait_timeout_s", self.wait_timeout_s)
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
 

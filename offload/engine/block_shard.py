@@ -15,6 +15,7 @@ import torch
 from offload import device as dev
 from offload.engine.blocks import BlockLayout
 from offload.engine.grads import GradBuffer
+from offload.errors import BlockError
 from offload.optim.state import OptimState
 
 
@@ -46,7 +47,11 @@ class BlockShard:
         (re-raising its error), the compute stream waits for the H2D copy it queued."""
         fut = self.pending
         if fut is not None:
-            fut.result()
+            try:
+                fut.result()              # the job's own waits are bounded, so this is too
+            except BlockError as err:     # stays pending: the engine cannot go on after it
+                err.reported = True
+                raise
             self.pending = None
         ev, self.update_event = self.update_event, None
         if ev is not None:

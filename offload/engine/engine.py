@@ -79,7 +79,8 @@ def _check_group(where: str, group: dict, base) -> None:
     """A param group's hyper-parameters pass the same checks as the config's optimizer
     section (finite, in range); the error names the group and the key."""
     from offload.config import ConfigError
-    hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    fields = {f.name for f in dataclasses.fields(base)} - {"type"}
+    hp = {k: v for k, v in group.items() if k in fields}   # every hyper-parameter the section knows
     if not hp:
         return
     try:
@@ -157,7 +158,8 @@ class Engine:
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
                                      compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync)
+                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync,
+                                     wait_timeout_s=config.wait_timeout_s)
         self._d2h = dev.new_stream(self.device)
         po = self.param_offload
         self.control = StepControl(
@@ -332,7 +334,8 @@ class Engine:
             home = self._param_home_pool.acquire(self._home_bytes(lay)).view(self.dtype, n)
             return BlockParams(lay, self.dtype, self.device, home_buf=home, **kw)
         return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
-                           write_pool=self._param_write_pool, key=f"b{lay.index}.param", **kw)
+                           write_pool=self._param_write_pool, key=f"b{lay.index}.param",
+                           wait_timeout_s=self.config.wait_timeout_s, **kw)
 
     def _start_param_offload(self) -> None:
         from offload.params.offload import ParamOffload
@@ -379,7 +382,9 @@ class Engine:
                     t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
                     state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
                 else:
-                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store)
+                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store,
+                                       what=f"block {lay.index} ({lay.name or '<root>'})",
+                                       wait_timeout_s=self.config.wait_timeout_s)
 
             def fill(t, master=master):
                 t[0].copy_(master)
@@ -457,7 +462,7 @@ class Engine:
 
     # ---- training -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._check_open()
+        self._check_ok()
         with self.telemetry.span("offload::forward"):
             return self.module(*args, **kwargs)
 
@@ -479,7 +484,7 @@ class Engine:
         gradient_accumulation_steps (DeepSpeed's convention: pass the micro-batch's mean
         loss) and scaled for fp16. Never changes the weights, the optimizer state or the
         step counters; several calls before one step() sum into one micro-step."""
-        self._check_open()
+        self._check_ok()
         self.control.backward(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -507,10 +512,13 @@ class Engine:
         block's update, then all-gather the updated shards into the full parameter buffer."""
         job.result()
         s0, s1 = block.shard
-        with self.telemetry.span("offload::param_allgather"):
-            shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
-            self.comm.all_gather(block.param_flat, shard, f"param allgather of block {block.index} ({block.name})",
-                                 group="side")
+        try:
+            with self.telemetry.span("offload::param_allgather"):
+                shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
+                self.comm.all_gather(block.param_flat, shard,
+                                     f"param allgather of block {block.index} ({block.name})", group="side")
+        except BaseException as exc:
+            raise self.pipeline.record_failure(block, "parameter all-gather", exc) from exc
 
     def step(self) -> bool:
         """Close one micro-step; the step() that closes a window of gradient_accumulation_steps
@@ -520,7 +528,7 @@ class Engine:
         the update). With ``overlap_step`` (default) it returns without waiting: the next
         forward of each block waits for that block's update alone; otherwise it returns
         once every update is applied."""
-        self._check_open()
+        self._check_ok()
         if not self.control.step():
             return False
         self.optimizer.step()
@@ -631,6 +639,12 @@ class Engine:
         if self._closed:
             raise RuntimeError("this engine is closed: create a new one with offload.initialize")
 
+    def _check_ok(self) -> None:
+        """Open, and no earlier failure (an update or a write on a worker): else raise it,
+        naming its block and stage. The engine cannot go on after one: ``close()`` it."""
+        self._check_open()
+        self.pipeline.raise_failure()
+
     def close(self, restore: Optional[bool] = None) -> None:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
         files. Afterwards every engine method (the forward included) raises "this engine is
@@ -654,10 +668,17 @@ class Engine:
             return
         self._closed = True
         restored = None
+        prior = self.pipeline.failure()
+        told = prior is not None and prior.reported      # an earlier call raised it already
         try:
-            self.pipeline.close()
-            if self.param_offload is not None and self._restore_wanted(restore):
-                restored = self._gather_offloaded_params()
+            try:
+                self.pipeline.close()
+            except Exception as exc:
+                if not (told and exc is prior):
+                    raise
+            else:
+                if self.param_offload is not None and self._restore_wanted(restore):
+                    restored = self._gather_offloaded_params()
         finally:
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
@@ -691,10 +712,18 @@ class Engine:
         return out
 
     def _release_storage(self) -> None:
-        for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
-                  self._param_stage_pool, self._param_write_pool):
-            if r is not None:
+        clean = True
+        for r in (self._store, self._param_store):
+            if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
+                clean = r.close(timeout=self.config.wait_timeout_s) and clean
+        pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
+                             self._param_write_pool) if r is not None]
+        if clean:
+            for r in pools:
                 r.close()
+        else:                             # a stuck request may still write into a pool buffer
+            from offload.storage import nvme
+            nvme.keep_alive(pools)
         self._store = self._swap_pool = self._host_pool = self._param_store = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 

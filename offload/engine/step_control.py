@@ -223,7 +223,10 @@ class StepControl:
     def _block_norms(self, block: BlockShard):
         """(parameter order, norm) of each parameter of ``block`` that got a gradient in
         this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
-        self.grad_sync.wait(block)
+        try:
+            self.grad_sync.wait(block)
+        except BaseException as exc:      # named for its block, raised from step()
+            raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
         block.grad.wait_landed()
         g = block.grad_shard()
         items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])

@@ -22,14 +22,26 @@ rank 0 writes meta.json and swaps the directory in by renames:
 ``<dir>`` -> ``<dir>.prev``, tmp -> ``<dir>``, then ``<dir>.prev`` is removed. A crash at any
 point leaves a loadable checkpoint: ``<dir>`` itself, or ``<dir>.prev`` which ``load`` falls
 back to. Every block file carries a CRC32 in meta.json, checked on load.
+
+Concurrent saves. Rank 0 holds an exclusive lock on ``<dir>.lock`` (flock: released by the
+kernel if the process dies, so it never goes stale) for the whole save; the lock file names
+its holder (pid, host, start time). A second save to the same directory, from any process,
+fails at once with a CheckpointError naming that holder, before touching anything; leftover
+``<dir>.tmp-*`` directories are removed only while the lock is held, so a live save's files
+are never deleted. Every I/O error names the operation, the path, the block (for block files)
+and the errno (``CheckpointIOError``, an OSError).
 """
 from __future__ import annotations
 
+import errno as errno_mod
+import fcntl
 import glob
 import json
 import os
 import random
 import shutil
+import socket
+import time
 import warnings
 import zlib
 from typing import Dict
@@ -48,19 +60,107 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged or does not match the model."""
 
 
+class CheckpointIOError(OSError):
+    """Reading or writing a checkpoint file failed: names the operation, the path, the block
+    (for a block file) and the errno."""
+
+
+def _io_error(op: str, path: str, exc: OSError, block=None, during: str = "save") -> CheckpointIOError:
+    """``block``: a BlockShard, or a block's name as the checkpoint records it."""
+    if block is None:
+        what = ""
+    elif isinstance(block, str):
+        what = f" of block {block!r}"
+    else:
+        what = f" of block {block.index} ({block.name})"
+    code = exc.errno or errno_mod.EIO
+    err = CheckpointIOError(code, f"checkpoint {during}: {op}{what} failed at {path}: "
+                                  f"{exc.strerror or os.strerror(code)}", path)
+    err.__cause__ = exc
+    return err
+
+
+class _SaveLock:
+    """``<dir>.lock``: at most one save to a directory at a time (see the module doc)."""
+
+    def __init__(self, path: str):
+        self.file = path + ".lock"
+        self.fd = -1
+
+    def acquire(self) -> None:
+        try:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _io_error("creating the lock file", self.file, exc) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            except (OSError, ValueError):
+                owner = {}
+            os.close(fd)
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["started"])) \
+                if "started" in owner else "an unknown time"
+            raise CheckpointError(
+                f"checkpoint {self.file[:-5]} is being saved by another process (pid {owner.get('pid', '?')} on "
+                f"host {owner.get('host', '?')}, since {since}): two saves to one directory would overwrite each "
+                "other; wait for that save to finish, or save to another path") from None
+        except OSError as exc:
+            os.close(fd)
+            raise _io_error("locking", self.file, exc) from exc
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.ftruncate(self.fd, 0)        # the file stays (removing it would race a waiting locker)
+            os.close(self.fd)               # closing drops the flock
+            self.fd = -1
+
+
 # ---- saving -----------------------------------------------------------------------------
 def save(engine, path: str) -> str:
     """Every rank calls this with the same ``path`` (a directory all ranks can reach)."""
     comm = engine.comm
     path = os.path.abspath(path.rstrip("/"))
     parent = os.path.dirname(path)
-    tmp = f"{path}.tmp-{comm.gather_objects(os.getpid(), 'checkpoint save: rendezvous')[0]}"
+    lock = _SaveLock(path)
+    refused = None
     if comm.rank == 0:
-        os.makedirs(parent, exist_ok=True)
-        for stale in glob.glob(glob.escape(path) + ".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save
-        os.makedirs(tmp)
-    comm.barrier("checkpoint save: directory created")
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise _io_error("creating the parent directory", parent, exc) from exc
+        try:
+            lock.acquire()
+        except (CheckpointError, OSError) as exc:
+            refused = exc
+    # every rank learns whether rank 0 got the lock (and its pid for the tmp name)
+    first = comm.gather_objects((os.getpid(), str(refused) if refused else None), "checkpoint save: rendezvous")[0]
+    if first[1] is not None:
+        if refused is not None:
+            raise refused
+        raise CheckpointError(first[1])
+    tmp = f"{path}.tmp-{first[0]}"
+    try:
+        if comm.rank == 0:
+            for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save (a live one holds the lock)
+            try:
+                os.makedirs(tmp)
+            except OSError as exc:
+                raise _io_error("creating the directory", tmp, exc) from exc
+        comm.barrier("checkpoint save: directory created")
+        return _save_locked(engine, path, parent, tmp)
+    finally:
+        lock.release()
+
+
+def _save_locked(engine, path: str, parent: str, tmp: str) -> str:
+    comm = engine.comm
     try:
         with engine.telemetry.span("offload::checkpoint_save"):
             mine = _write_shards(engine, tmp)
@@ -72,12 +172,15 @@ def save(engine, path: str) -> str:
             _write_json(os.path.join(tmp, "meta.json"), meta)
             _fsync_dir(tmp)
         prev = path + ".prev"
-        if os.path.exists(path):
-            if os.path.exists(prev):
-                shutil.rmtree(prev)
-            os.rename(path, prev)
-        os.rename(tmp, path)
-        _fsync_dir(parent)
+        try:
+            if os.path.exists(path):
+                if os.path.exists(prev):
+                    shutil.rmtree(prev)
+                os.rename(path, prev)
+            os.rename(tmp, path)
+            _fsync_dir(parent)
+        except OSError as exc:
+            raise _io_error("swapping in the new directory", path, exc) from exc
         shutil.rmtree(prev, ignore_errors=True)
     except BaseException:
         if comm.rank == 0:
@@ -104,7 +207,13 @@ def _write_shards(engine, tmp: str) -> list:
         if e <= a:
             continue
         fname = f"block_{b.index:05d}.rank{rank}.bin"
-        crc = _write_block(os.path.join(tmp, fname), b, a - b.shard[0], e - b.shard[0])
+        full = os.path.join(tmp, fname)
+        try:
+            crc = _write_block(full, b, a - b.shard[0], e - b.shard[0])
+        except CheckpointIOError:
+            raise
+        except OSError as exc:
+            raise _io_error("writing the state", full, exc, block=b) from exc
         rows.append({"block": b.index, "rank": rank, "start": a, "end": e, "file": fname, "crc32": crc})
     if rank == 0:
         keys, extra = _key_map(engine)
@@ -115,10 +224,17 @@ def _write_shards(engine, tmp: str) -> list:
 
 
 def _save_pt(fname: str, obj) -> None:
-    with open(fname, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(fname, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _io_error("writing", fname, exc) from exc
+    except RuntimeError as exc:   # torch.save reports a failed write as a RuntimeError
+        if "write" not in str(exc).lower() and "errno" not in str(exc).lower():
+            raise
+        raise _io_error("writing", fname, OSError(errno_mod.EIO, str(exc))) from exc
 
 
 def _meta(engine, tmp: str, shards: list) -> dict:
@@ -210,12 +326,15 @@ def _shards(binfo: dict) -> list:
     return binfo["shards"]
 
 
-def _read_shard(path: str, sh: dict) -> np.ndarray:
+def _read_shard(path: str, sh: dict, block: str = "") -> np.ndarray:
     """The [3, end - start] fp32 rows of one shard file, CRC-checked."""
     n = sh["end"] - sh["start"]
     fname = os.path.join(path, sh["file"])
-    with open(fname, "rb") as f:
-        data = f.read()
+    try:
+        with open(fname, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise _io_error("reading the state", fname, exc, block=block or None, during="load") from exc
     if len(data) != 3 * n * 4:
         raise CheckpointError(f"{fname} holds {len(data)} bytes, expected {3 * n * 4}: the checkpoint is damaged")
     if zlib.crc32(data) != sh["crc32"]:
@@ -233,7 +352,7 @@ def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
         r = clip_range(sh["start"], sh["end"], a, e)
         if r is None:
             continue
-        rows = _read_shard(path, sh)
+        rows = _read_shard(path, sh, binfo["name"] or "<root>")
         out[:, r[0] - a:r[1] - a] = rows[:, r[0] - sh["start"]:r[1] - sh["start"]]
         covered += r[1] - r[0]
     if covered != max(e - a, 0):
@@ -399,10 +518,13 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
 
 
 def _write_json(fname: str, obj) -> None:
-    with open(fname, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(fname, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _io_error("writing", fname, exc) from exc
 
 
 def _fsync_dir(path: str) -> None:

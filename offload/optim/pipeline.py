@@ -10,6 +10,14 @@ forward; the native kernel releases the GIL and has its own thread pool. Reads r
 the jobs along ``order`` (the order in which jobs are expected), bounded by the host pool:
 at most ``slots - workers`` states are fetched ahead, so a job that finds its state not yet
 fetched always gets a buffer once a write in flight completes (``_fetch``), never deadlocks.
+
+Failures. Every wait of a job is bounded (``wait_timeout_s``). A job that fails releases what
+it holds (its state buffer, its gradient buffer, its write-back buffer) and raises a
+``BlockError`` naming its block and stage (state read, gradient collective, adam, parameter
+write-back, state write). A state write fails after its job has returned: its error is
+attributed to its own block when the write is reclaimed, never raised inside the job that
+happened to reclaim it. Every failure is recorded (``failure()``); the engine raises the
+first one from the user's next call.
 """
 from __future__ import annotations
 
@@ -24,8 +32,10 @@ import torch
 
 from offload import device as dev
 from offload.engine.block_shard import BlockShard
+from offload.errors import BlockError, block_error
 from offload.optim.state import Residency, Tier
 from offload.engine.telemetry import Telemetry
+from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 
 
 @dataclass(frozen=True)
@@ -42,17 +52,20 @@ class StepArgs:
 
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
-                 compute_device: torch.device, copy_param: bool, param_write_pool=None, grad_sync=None):
+                 compute_device: torch.device, copy_param: bool, param_write_pool=None, grad_sync=None,
+                 wait_timeout_s: float = DEFAULT_WAIT_S):
         self.blocks = list(blocks)
         self.telemetry = telemetry
         self.device = compute_device
         self.workers = workers
         self.read_ahead = max(0, slots - workers)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-step")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._order: List[int] = []
         self._cursor = 0
-        self._writing = collections.deque()       # OptimStates with a write in flight
+        self._writing = collections.deque()       # (block, OptimState) with a write in flight
+        self._failures: List[BlockError] = []     # every failure, first first
+        self.wait_timeout_s = wait_timeout_s
         self._h2d = dev.new_stream(compute_device)
         self._copy_param = copy_param             # fp32 device params: copy from the master
         self._staging = threading.local()         # per worker: pinned param copy for the H2D
@@ -78,17 +91,28 @@ class StepPipeline:
                     self._cursor += 1
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
-                    if not st.fetch():
+                    try:
+                        started = st.fetch()
+                    except Exception:   # noqa: BLE001 - the block's own job meets it and names it
+                        self._cursor += 1
+                        continue
+                    if not started:
                         break
                 self._cursor += 1
                 fetched += 1
 
     def _reclaim(self, block: bool) -> bool:
-        """Return pool buffers of completed writes; with ``block``, wait for the oldest."""
+        """Return pool buffers of completed writes; with ``block``, wait for the oldest
+        (bounded). A failed write is recorded against its own block. Lock held."""
         progressed = False
         while self._writing:
-            st = self._writing[0]
-            if not st.reclaim(block=block):
+            b, st = self._writing[0]
+            try:
+                done = st.reclaim(block=block, timeout=self.wait_timeout_s)
+            except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
+                done = True
+                self._record(b, "state write", exc)
+            if not done:
                 break
             self._writing.popleft()
             progressed = True
@@ -97,11 +121,58 @@ class StepPipeline:
         return progressed
 
     def _fetch(self, st) -> None:
+        """A buffer for ``st`` and its read started, waiting for writes in flight to give
+        buffers back; raises TierTimeout when none comes back within the wait bound."""
+        deadline = time.monotonic() + self.wait_timeout_s
         while not st.fetch():
             with self._lock:
                 progressed = self._reclaim(block=True)
             if not progressed:
+                if time.monotonic() > deadline:
+                    raise TierTimeout(f"no host buffer free for {st.what} after {self.wait_timeout_s} s: every "
+                                      "swap buffer is held by another block's job")
                 time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
+
+    # ---- failures --------------------------------------------------------------------------
+    def _record(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
+        err = block_error(f"{block.index} ({block.name})", stage, exc)
+        if isinstance(err, BlockError):
+            with self._lock:
+                if err not in self._failures:
+                    self._failures.append(err)
+        return err
+
+    def record_failure(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
+        """Record a failure of other per-block work (a parameter all-gather); returns the
+        error to raise."""
+        return self._record(block, stage, exc)
+
+    def failure(self) -> Optional[BlockError]:
+        """The first failure so far, or None."""
+        with self._lock:
+            return self._failures[0] if self._failures else None
+
+    def raise_failure(self) -> None:
+        """Raise the first failure (it stays: the engine cannot go on after one)."""
+        err = self.failure()
+        if err is not None:
+            err.reported = True
+            raise err
+
+    def _abort(self, block: BlockShard) -> None:
+        """After a failed job: give back everything the job held."""
+        st = block.state
+        with self._lock:
+            self._writing = collections.deque(x for x in self._writing if x[1] is not st)
+        st.discard()
+        loan = getattr(self._staging, "loan", None)
+        if loan is not None:
+            self._staging.loan = None
+            loan.release()
+        try:
+            block.grad.reset_window()
+        except Exception:   # noqa: BLE001 - the job's own error is the one reported
+            pass
 
     # ---- jobs ------------------------------------------------------------------------------
     def run(self, fn, *args) -> Future:
@@ -115,19 +186,35 @@ class StepPipeline:
         return fut
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
+        at = ["state read"]                      # the stage the job is in, for its error
+        try:
+            self._update(block, args, at)
+        except BaseException as exc:
+            self._abort(block)
+            err = self._record(block, at[0], exc)
+            if err is exc:
+                raise
+            raise err from exc
+        self.prefetch()
+
+    def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
         from offload.optim import adam_step
         st = block.state
+        at[0] = "state read"
         if st.tier is Tier.NVME and not st.in_memory:
             self._fetch(st)
         with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
-            state = st.acquire()
+            state = st.acquire(timeout=self.wait_timeout_s)
         if self._grad_sync is not None:
+            at[0] = "gradient collective"
             self._grad_sync.wait(block)
+        at[0] = "gradient landing"
         block.grad.wait_landed()
         master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
         grad = block.grad_shard()
         s0, s1 = block.shard
         out = self._param_out(block)
+        at[0] = "adam"
         with self.telemetry.span("offload::cpu_adam", "adam", st.nbytes + grad.numel() * grad.element_size()):
             for g, a, b in block.layout.group_ranges:
                 a, b = max(a, s0) - s0, min(b, s1) - s0
@@ -142,15 +229,17 @@ class StepPipeline:
                 adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=args.step, lr=lr,
                           betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=args.adamw,
                           param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale)
+        at[0] = "parameter write-back"
         self._write_params(block, master, out, args.compute_done)
         block.stepped = args.step
         if st.tier is Tier.NVME:
+            at[0] = "state write"
             with self.telemetry.span("offload::state_write"):
                 st.commit()
             with self._lock:
-                self._writing.append(st)
+                self._writing.append((block, st))
+        at[0] = "gradient reset"
         block.grad.reset_window()
-        self.prefetch()
 
     def _param_out(self, block: BlockShard) -> Optional[torch.Tensor]:
         """Where the kernel writes the low-precision parameter copy (None: fp32 params,
@@ -178,7 +267,7 @@ class StepPipeline:
             return home
         loan = getattr(self._staging, "loan", None)
         if loan is None:
-            loan = self._staging.loan = self._param_write_pool.acquire(bp.home_nbytes)
+            loan = self._staging.loan = self._param_write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
         return loan.view(bp.dtype, bp.home_numel)
 
     def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor],
@@ -215,7 +304,8 @@ class StepPipeline:
 
     # ---- synchronization -------------------------------------------------------------------
     def wait_all(self) -> None:
-        """All updates applied and all state writes completed (buffers back in the pool)."""
+        """All updates applied and all state writes completed (buffers back in the pool).
+        Raises the first failure (a job's, or a state write's) after draining everything."""
         err = None
         for b in self.blocks:
             try:
@@ -224,13 +314,19 @@ class StepPipeline:
                 err = err or exc
         with self._lock:
             while self._writing:
-                self._writing.popleft().reclaim(block=True)
+                self._reclaim(block=True)
         for b in self.blocks:
             if b.state.tier is Tier.NVME and b.state.in_memory:
-                b.state.drop()   # read ahead for a step that was skipped
+                try:
+                    b.state.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
+                except BaseException as exc:
+                    self._record(b, "state read", exc)
         with self._lock:
             self._cursor = len(self._order)
+        err = self.failure() or err
         if err is not None:
+            if isinstance(err, BlockError):
+                err.reported = True
             raise err
 
     def close(self) -> None:

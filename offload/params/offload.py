@@ -189,10 +189,13 @@ class ParamOffload:
         fut = self.engine.blocks[i].pending
         if self.prefetcher.deterministic:      # queued, whether or not done: timing-free
             return fut is not None
-        return fut is not None and not fut.done()
+        # a failed update stays pending: its home copy is not to be read (the use raises it)
+        return fut is not None and (not fut.done() or fut.exception() is not None)
 
     def materialize(self, i: int) -> torch.Tensor:
-        """Block ``i`` on the device, current (waits for its update and its copies)."""
+        """Block ``i`` on the device, current (waits for its update and its copies). An
+        earlier failure of any block's update is raised here first, naming that block."""
+        self.engine.pipeline.raise_failure()
         self.busy = True
         try:
             bp = self.params[i]

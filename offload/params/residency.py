@@ -34,6 +34,7 @@ import torch
 
 from offload import device as dev
 from offload.engine.blocks import BlockLayout
+from offload.errors import block_error
 from offload.storage.tier import LoanState, NvmeTier
 
 
@@ -99,7 +100,13 @@ class BlockParams:
 
     def _staged(self) -> torch.Tensor:
         """The staged home copy (1-D, compute dtype) in the loan's buffer."""
-        return self._loan.acquire().view(self.dtype)[:self.home_numel]
+        try:
+            return self._loan.acquire().view(self.dtype)[:self.home_numel]
+        except Exception as exc:      # the loan gave its buffer back: HOME again
+            raise self._error("parameter read", exc) from exc
+
+    def _error(self, stage: str, exc: BaseException) -> BaseException:
+        return block_error(f"{self.layout.index} ({self.layout.name or '<root>'})", stage, exc)
 
     @property
     def device_bytes(self) -> int:
@@ -123,8 +130,11 @@ class BlockParams:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
         with self._lock:
             assert self.on_nvme and self.state is ParamState.HOME, self.state
-            if not self._loan.fetch():
-                return False
+            try:
+                if not self._loan.fetch():
+                    return False
+            except Exception as exc:
+                raise self._error("parameter read", exc) from exc
             self._copy_version = self.home_version
             return True
 
@@ -132,7 +142,10 @@ class BlockParams:
         """STAGING -> STAGED if the read has completed (never waits; a failed read raises)."""
         with self._lock:
             if self.state is ParamState.STAGING:
-                self._loan.poll()
+                try:
+                    self._loan.poll()
+                except Exception as exc:
+                    raise self._error("parameter read", exc) from exc
 
     def to_device(self, h2d_stream) -> None:
         """Start the host -> device copy (-> FETCHING)."""
@@ -212,7 +225,7 @@ class BlockParams:
         durable on its tier; device copies made before this are stale from now on. A source
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
-            if self.on_nvme:
+            if self.on_nvme:             # a failure is the caller's stage (the optimizer's write-back)
                 self._tier.put(self.key, src, self.what, write_pool=self._write_pool)
             elif src.data_ptr() != self.home_buf.data_ptr():
                 self.home_buf.copy_(src)

@@ -51,6 +51,14 @@ RUN_PREFIX = "offload-"
 DEFAULT_BLOCK_SIZE = 4 << 20
 DEFAULT_QUEUE_DEPTH = 64
 OWNER_FILE = "owner.json"
+# (backend, files, buffers) of stores closed with I/O stuck in flight: kept alive, never freed
+# under a request the kernel or an I/O thread may still complete
+_LEFT_IN_FLIGHT: list = []
+
+
+def keep_alive(*objs) -> None:
+    """Keep objects a stalled I/O request may still use alive until the interpreter exits."""
+    _LEFT_IN_FLIGHT.append(objs)
 
 
 class NvmeIOError(OSError):
@@ -479,19 +487,36 @@ class NvmeStore:
                    backend=self.backend, direct=self.direct, checksum=self.checksum_name, run_dir=self.run_dir)
         return out
 
-    def close(self) -> None:
-        """Wait for in-flight I/O, then remove the swap files and the run directory."""
+    def close(self, timeout: float = 60.0) -> bool:
+        """Wait for in-flight I/O (at most ``timeout`` seconds in all), then remove the swap
+        files and the run directory. I/O still in flight after that (a stalled disk) keeps its
+        descriptors, buffers and I/O threads, which are left to finish (never freed under it);
+        the run directory is removed anyway and a ResourceWarning says so: close never hangs.
+        Returns False in that case (the callers' buffers must then stay allocated too)."""
         if self._closed:
-            return
+            return True
         with self._lock:
             self._closed = True
             pending = [k.pending for k in self._keys.values() if k.pending is not None]
+        deadline = time.monotonic() + timeout
+        stuck = 0
         for h in pending:
             try:
-                h.wait()
+                h.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                stuck += 1
             except Exception:  # noqa: BLE001 - closing: the caller did not ask for this result
                 pass
+        if stuck:
+            self._finalizer.detach()
+            keep_alive(self._backend, self._files, self._buffers)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            warnings.warn(f"NvmeStore {self.name!r}: {stuck} I/O request(s) still in flight after {timeout} s (a "
+                          f"stalled disk under {self.path}); the run directory is removed, the requests' threads "
+                          "and buffers are left to finish", ResourceWarning, stacklevel=2)
+            return False
         self._finalizer()
+        return True
 
     def __enter__(self) -> "NvmeStore":
         return self

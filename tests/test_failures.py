@@ -1,0 +1,68 @@
+"""Failure injection per stage of a block's work: the user's next engine call raises an error
+naming the block and the stage within 10 s, the failed job gives back what it held, and
+close() returns. Each run is a subprocess under a timeout, so a hang fails instead of hanging."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def run_worker(stage, opt, prm, clip, nvme_dir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
+    try:
+        out = subprocess.run([sys.executable, os.path.join(HERE, "_failure_worker.py"), stage, opt, prm, str(clip),
+                              str(nvme_dir)], capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the engine hung after a failure injected into {stage}: {exc.stderr}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# (stage, optimizer tier, parameter tier, clipping, errno the user sees or None)
+CASES = [
+    ("state read", "nvme", "none", 0.0, 9),           # EBADF from the I/O backend, asynchronously
+    ("state write", "nvme", "none", 0.0, 9),          # fails after its job returned
+    ("state write", "nvme", "nvme", 1.0, 9),
+    ("adam", "cpu", "none", 0.0, None),
+    ("adam", "nvme", "nvme", 1.0, None),              # clipping: submitted by step()
+    ("parameter write-back", "cpu", "nvme", 0.0, 9),  # the parameter home's NVMe write
+    ("parameter write-back", "nvme", "cpu", 0.0, 28),
+    ("parameter read", "cpu", "nvme", 0.0, 9),        # the forward's fetch of the block (prefetched or not)
+    ("gradient collective", "cpu", "none", 0.0, None),
+    ("gradient collective", "nvme", "cpu", 1.0, None),
+]
+
+
+@pytest.mark.parametrize("stage, opt, prm, clip, code", CASES,
+                         ids=[f"{c[0].replace(' ', '_')}-opt_{c[1]}-param_{c[2]}-clip_{c[3]}" for c in CASES])
+def test_failure_names_block_and_stage(stage, opt, prm, clip, code, tmp_path):
+    r = run_worker(stage, opt, prm, clip, tmp_path)
+    assert r["fired"], r
+    assert r["raised_by"] in ("forward", "backward", "step", "synchronize"), r
+    assert r["stage"] == stage and r["block"] == "2 (layers.0)", r
+    assert f"{stage} of block 2 (layers.0) failed" in r["text"], r
+    assert r["latency"] < 10.0, r
+    if code is not None:    # an OSError with the errno and the file
+        assert r["is_oserror"] and r["errno"] == code, r
+        assert ".swap" in r["text"] or "/injected/" in r["text"], r
+    if stage != "parameter read":                 # a read loses nothing: the engine may go on
+        assert r["after"] == r["text"], r         # every later call raises it again
+    assert all(v == 0 for v in r["in_use"].values()), r
+    assert r["close"] == "returned" and r["close_s"] < 10.0, r
+    assert r["dirs_left"] == [], r
+
+
+def test_stalled_read_times_out_naming_block(tmp_path):
+    """A read that never completes: the wait is bounded (wait_timeout_s = 5 s here; short
+    enough for a test, long enough that the other blocks' real I/O never trips it on a loaded
+    machine)."""
+    r = run_worker("stall", "nvme", "none", 0.0, tmp_path)
+    assert r["stage"] == "state read" and r["block"] == "2 (layers.0)", r
+    assert "not done after 5.0 s" in r["text"] and r["errno"] == 110, r   # ETIMEDOUT
+    assert r["latency"] < 5.0 + 10.0 and r["close"] == "returned" and r["close_s"] < 5.0 + 10.0, r
+    assert r["dirs_left"] == [], r

@@ -1,0 +1,208 @@
+"""The tier protocol: one Loan state machine over NVMe / host / device tiers, its failures and
+bounded waits; and the extent layout shared by both I/O backends."""
+import ctypes
+import errno
+import os
+import time
+import zlib
+
+import pytest
+import torch
+
+from offload.storage import HostPool, NvmeStore
+from offload.storage.layout import PAGE, ExtentLayout
+from offload.storage.tier import (DeviceTier, HostTier, LoanState, NvmeTier, TierIOError, TierTimeout)
+
+BLOCK = 64 << 10
+BACKENDS = [pytest.param({"backend": "native"}, id="native"), pytest.param({"backend": "portable"}, id="portable")]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+    s = NvmeStore(str(tmp_path), block_size=BLOCK, queue_depth=8, threads=2, **request.param)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def pool():
+    p = HostPool([1 << 20] * 2, pin=False, name="lend")
+    yield p
+    p.close()
+
+
+def break_next(store, op_code, stall=False):
+    """The next request of ``op_code`` fails with EBADF in the backend (or never completes)."""
+    b = store._backend
+    real_submit, real_done, real_wait = b.submit, b.done, b.wait
+    held = set()
+
+    def submit(req):
+        if req.op == op_code and not held and not getattr(b, "_broke", False):
+            b._broke = True
+            if stall:
+                held.add(id(req))
+            else:
+                req.fd = -1
+        return real_submit(req)
+    b.submit = submit
+    b.done = lambda req: False if id(req) in held else real_done(req)
+    b.wait = lambda req, t: (time.sleep(min(t or 0.05, 0.2)), False)[1] if id(req) in held else real_wait(req, t)
+
+
+def test_loan_round_trip_and_transitions(store, pool):
+    tier = NvmeTier(store, pool, wait_timeout_s=5)
+    n = 3 * 4096 + 123                        # a body and a tail page
+    tier.reserve({"k": n})
+    loan = tier.loan("k", n, "block 7 (x)")
+    assert loan.state is LoanState.ON_TIER
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    loan.fill().copy_(data)
+    assert loan.state is LoanState.READY
+    loan.commit()
+    assert loan.state is LoanState.WRITING
+    loan.release()
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    assert loan.fetch() and loan.state is LoanState.READING
+    assert torch.equal(loan.acquire(), data) and loan.state is LoanState.READY
+    loan.release()                            # read only: no write
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    with pytest.raises(AssertionError, match="block 7"):
+        loan.commit()                         # verbs are guarded by the state
+    # poll settles without waiting
+    assert loan.fetch()
+    deadline = time.monotonic() + 10
+    while not loan.poll():
+        assert time.monotonic() < deadline
+    assert loan.state is LoanState.READY
+    loan.release()
+
+
+def test_loan_is_dtype_and_size_agnostic(store, pool):
+    tier = NvmeTier(store, pool)
+    tier.reserve({"bf": 1000 * 2, "f32": 77 * 4})
+    for key, t in (("bf", torch.randn(1000).to(torch.bfloat16)), ("f32", torch.randn(77))):
+        loan = tier.loan(key, t.numel() * t.element_size())
+        loan.fill().view(t.dtype).copy_(t)
+        loan.commit()
+        loan.release()
+        assert torch.equal(loan.acquire().view(t.dtype), t)
+        loan.release()
+
+
+@pytest.mark.parametrize("kind", [HostTier, DeviceTier])
+def test_resident_tiers_ignore_every_verb(kind, pool):
+    tier = kind(pool) if kind is HostTier else kind(torch.device("cpu"))
+    loan = tier.loan("k", 4096, "block 1")
+    assert loan.state is LoanState.RESIDENT
+    loan.acquire().fill_(3)
+    assert loan.fetch() and loan.poll()
+    loan.commit()
+    loan.release()
+    assert loan.state is LoanState.RESIDENT and int(loan.acquire()[0]) == 3
+
+
+def test_failed_read_gives_the_buffer_back_and_names_everything(store, pool):
+    from offload._native import IO_READ
+    tier = NvmeTier(store, pool)
+    tier.reserve({"k": 8192})
+    loan = tier.loan("k", 8192, "optimizer state of block 4 (h.3)")
+    loan.fill().fill_(1)
+    loan.commit()
+    loan.release()
+    break_next(store, IO_READ)
+    with pytest.raises(TierIOError) as exc:
+        loan.acquire()
+    e = exc.value
+    assert e.errno == errno.EBADF and e.filename == store._keys["k"].file.path
+    assert "read of optimizer state of block 4 (h.3) failed" in str(e)
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    assert int(loan.acquire()[0]) == 1       # the data is still there: a read failure loses nothing
+    loan.release()
+
+
+def test_failed_write_gives_the_buffer_back_and_the_next_read_says_why(store, pool):
+    from offload._native import IO_WRITE
+    tier = NvmeTier(store, pool)
+    tier.reserve({"k": 8192})
+    loan = tier.loan("k", 8192, "parameters of block 2 (l.0)")
+    break_next(store, IO_WRITE)
+    loan.fill().fill_(1)
+    loan.commit()
+    with pytest.raises(TierIOError, match="write of parameters of block 2 .l.0. failed") as exc:
+        loan.release()
+    assert exc.value.errno == errno.EBADF
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    with pytest.raises(TierIOError, match="holds no data: its last write failed") as exc:
+        loan.acquire()
+    assert exc.value.errno == errno.EBADF and exc.value.filename == store._keys["k"].file.path
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_waits_are_bounded(store, pool):
+    from offload._native import IO_READ
+    tier = NvmeTier(store, pool, wait_timeout_s=0.5)
+    tier.reserve({"a": 1 << 20, "b": 1 << 20, "c": 1 << 20})
+    loans = [tier.loan(k, 1 << 20, f"block {i}") for i, k in enumerate("abc")]
+    for ln in loans:
+        ln.fill().zero_()
+        ln.commit()
+        ln.release()
+    a, b = loans[0].acquire(), loans[1].acquire()   # both pool buffers on loan
+    t0 = time.monotonic()
+    with pytest.raises(TierTimeout, match="block 2: no host buffer free after 0.5 s"):
+        loans[2].acquire()
+    assert time.monotonic() - t0 < 5
+    assert not loans[2].fetch()                     # fetch never waits: False, nothing started
+    loans[0].release()
+    loans[1].release()
+    break_next(store, IO_READ, stall=True)          # a read that never completes
+    t0 = time.monotonic()
+    with pytest.raises(TierTimeout, match="read of block 2 not done after 0.5 s"):
+        loans[2].acquire()
+    assert time.monotonic() - t0 < 5
+    assert loans[2].state is LoanState.ON_TIER      # its buffer stays with the stuck I/O, never lent again
+
+
+# ---- the extent layout, shared by both backends ------------------------------------------------
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12345])
+def test_both_backends_store_the_layout_extents(tmp_path, n):
+    """The native engine (C) and the portable backend (Python, from ExtentLayout) put the same
+    bytes at the same file offsets and checksum the same extents: the ones ExtentLayout lists."""
+    layout = ExtentLayout(BLOCK)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    files, crcs = {}, {}
+    for name in ("native", "portable"):
+        s = NvmeStore(str(tmp_path), block_size=BLOCK, backend=name, name=name)
+        try:
+            s.reserve({"k": n})
+            s.write("k", data).wait()
+            k = s._keys["k"]
+            body, tail = layout.split(n)
+            count = layout.count(body, tail)
+            crcs[name] = list((ctypes.c_uint32 * count).from_address(k.crcs))
+            with open(k.file.path, "rb") as f:
+                f.seek(k.offset)
+                files[name] = f.read(layout.reserved(n))
+            for x in layout.extents(body, tail):
+                chunk = files[name][x.offset:x.offset + x.length]
+                want = data[x.offset:x.offset + x.length].numpy().tobytes()
+                if x.tail:
+                    want = want + bytes(PAGE - len(want))
+                assert chunk == want, (name, x)
+                if name == "portable" and s.checksum_name == "crc32(zlib)":
+                    assert crcs[name][x.index] == zlib.crc32(chunk)
+        finally:
+            s.close()
+    assert files["native"] == files["portable"] and crcs["native"] == crcs["portable"]
+
+
+def test_layout_geometry():
+    L = ExtentLayout(BLOCK)
+    assert L.split(BLOCK + 5) == (BLOCK, 5) and L.reserved(BLOCK + 5) == BLOCK + PAGE
+    xs = list(L.extents(*L.split(2 * BLOCK + 4096 + 7)))
+    assert [(x.offset, x.length, x.tail) for x in xs] == [(0, BLOCK, False), (BLOCK, BLOCK, False),
+                                                          (2 * BLOCK, 4096, False), (2 * BLOCK + 4096, PAGE, True)]
+    assert L.max_extents(2 * BLOCK + 4096 + 7) == 4
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        ExtentLayout(1000)
