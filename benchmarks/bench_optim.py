@@ -24,8 +24,17 @@ B/param) against int8 state (master + 2 int8 rows + scales, 6.03 B/param). Round
 fp32 / int8 (the disk's rate drifts) and the claim is the median of the paired ratios.
 This drives the storage and the rule directly: it is not (yet) the engine's own step.
 
+Part 3, `--gpt-steps N` (300 for the issue's figure; 0, the default, skips it): the accuracy
+cost of int8 state. `offload train`'s GPT (4 layers, d=256, 8 x 128 tokens, its default corpus,
+seed 0, AdamW lr 2e-3 betas (0.9, 0.95) wd 0, 10 % warm-up then cosine to 10 %, as its
+defaults) trained twice in plain torch on the CPU with offload's AdamW rule as a standalone
+optimizer (CPUAdamW), fp32 state against int8 state, same data order. Reports both loss
+curves (every step, in --curve-csv), the final training loss (mean of the last 10 steps, as
+`offload train` reports it) and the validation loss; claim `int8_gpt_final_loss_rel_diff`.
+This is not the engine's `offload train` (the engine does not take state_dtype yet).
+
 Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--nvme-size 64M]
-       [--nvme-path DIR] [--block 4M] [--threads N]
+       [--nvme-path DIR] [--block 4M] [--threads N] [--gpt-steps 300 --curve-csv FILE]
 The last line printed is one JSON object with a `claims` map.
 """
 from __future__ import annotations
@@ -244,6 +253,63 @@ def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
         pool.close()
 
 
+def bench_gpt(steps: int, curve_csv: str | None) -> dict:
+    import math
+    from offload.cli.corpus import Corpus
+    from offload.models.gpt import GPT, GPTConfig
+    from offload.optim import CPUAdamW
+    gcfg = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
+    corpus = Corpus.load(None)
+    warmup = min(30, max(1, steps // 10))
+
+    def lr_at(step):  # offload train's schedule
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    curves, result = {}, {}
+    for state_dtype in ("fp32", "int8"):
+        torch.manual_seed(0)
+        model = GPT(gcfg)
+        gen = torch.Generator().manual_seed(0)
+        eval_gen = torch.Generator().manual_seed(1)
+        evals = [corpus.batch(8, 128, eval_gen, "val") for _ in range(4)]
+        opt = CPUAdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0, state_dtype=state_dtype)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            x, y = corpus.batch(8, 128, gen, "train")
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss))
+            if len(losses) % 25 == 0:
+                print(f"gpt {state_dtype} step {len(losses)} loss {losses[-1]:.4f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        with torch.no_grad():
+            val = sum(float(model(x, y)) for x, y in evals) / len(evals)
+        curves[state_dtype] = losses
+        k = max(1, min(10, steps // 5))
+        result[state_dtype] = {"loss_first": round(sum(losses[:k]) / k, 4), "loss_last": round(sum(losses[-k:]) / k, 4),
+                               "val_loss": round(val, 4), "seconds": round(time.perf_counter() - t0, 1)}
+        print("gpt", state_dtype, json.dumps(result[state_dtype]), flush=True)
+    if curve_csv:
+        with open(curve_csv, "w") as f:
+            f.write("step,loss_fp32_state,loss_int8_state\n")
+            for i, (a, b) in enumerate(zip(curves["fp32"], curves["int8"]), 1):
+                f.write(f"{i},{a:.5f},{b:.5f}\n")
+    a, b = result["fp32"]["loss_last"], result["int8"]["loss_last"]
+    result["steps"] = steps
+    result["int8_gpt_final_loss_rel_diff"] = round(abs(b - a) / a, 4)
+    result["int8_gpt_val_loss_rel_diff"] = round(abs(result["int8"]["val_loss"] - result["fp32"]["val_loss"])
+                                                 / result["fp32"]["val_loss"], 4)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="16M", help="params per kernel benchmark (default 16M)")
@@ -253,6 +319,10 @@ def main() -> None:
     ap.add_argument("--block", default="4M", help="params per block (default 4M)")
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary directory under /tmp)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gpt-steps", type=int, default=0, help="part 3: GPT steps per state dtype (300 for the claim)")
+    ap.add_argument("--curve-csv", default=None, help="part 3: write both loss curves here")
+    ap.add_argument("--skip-kernels", action="store_true", help="run only parts 2 and 3")
+    ap.add_argument("--skip-nvme", action="store_true", help="skip part 2")
     args = ap.parse_args()
     if args.threads:
         set_num_threads(args.threads)
@@ -260,30 +330,34 @@ def main() -> None:
     L = _native.lib()
     n = parse_size(args.size)
     load = os.getloadavg()
-    kernels = bench_kernels(args.rules.split(","), n, args.rounds, L)
-    tmp = None
-    path = args.nvme_path
-    if path is None:
-        tmp = path = tempfile.mkdtemp(prefix="bench_optim.", dir="/tmp")
-    try:
-        nvme = bench_nvme(path, parse_size(args.nvme_size), parse_size(args.block), args.rounds)
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    print("nvme", json.dumps(nvme), flush=True)
+    kernels = {} if args.skip_kernels else bench_kernels(args.rules.split(","), n, args.rounds, L)
     adam = get_rule("AdamW")
-    claims = {
-        "int8_state_bytes_per_param": round(nvme["int8_state_bytes"] / nvme["params"], 3),
-        "int8_vs_fp32_nvme_step": nvme["int8_vs_fp32_nvme_step"],
-        "int8_state_bytes_per_param_rule": round(adam.bytes_per_param("nvme", "int8"), 3),
-    }
+    claims = {"int8_state_bytes_per_param_rule": round(adam.bytes_per_param("nvme", "int8"), 3)}
+    nvme = None
+    if not args.skip_nvme:
+        tmp = None
+        path = args.nvme_path
+        if path is None:
+            tmp = path = tempfile.mkdtemp(prefix="bench_optim.", dir="/tmp")
+        try:
+            nvme = bench_nvme(path, parse_size(args.nvme_size), parse_size(args.block), args.rounds)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print("nvme", json.dumps(nvme), flush=True)
+        claims["int8_state_bytes_per_param"] = round(nvme["int8_state_bytes"] / nvme["params"], 3)
+        claims["int8_vs_fp32_nvme_step"] = nvme["int8_vs_fp32_nvme_step"]
+    gpt = None
+    if args.gpt_steps > 0:
+        gpt = bench_gpt(args.gpt_steps, args.curve_csv)
+        claims["int8_gpt_final_loss_rel_diff"] = gpt["int8_gpt_final_loss_rel_diff"]
     for name, r in kernels.items():
         claims[f"{name.lower()}_vs_torch"] = r["ours_vs_torch"]
         if "ours_vs_probe" in r:
             claims[f"{name.lower()}_vs_probe"] = r["ours_vs_probe"]
     print(json.dumps({"benchmark": "bench_optim", "size": n, "native": _native.native_info(),
                       "load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
-                      "kernels": kernels, "nvme": nvme, "claims": claims}))
+                      "kernels": kernels, "nvme": nvme, "gpt": gpt, "claims": claims}))
 
 
 if __name__ == "__main__":
