@@ -52,7 +52,6 @@ import torch
 
 from offload import _native
 from offload.optim import get_rule, quant, set_num_threads
-from offload.optim.rule import load_row  # noqa: F401  (documents the state layout used below)
 
 PAUSE_S = 0.05
 ADAFACTOR_BYTES = 28
@@ -152,15 +151,15 @@ def bench_kernels(names, n, rounds, L) -> dict:
 
 # ---- part 2: state on NVMe -------------------------------------------------------------------
 class NvmeStateRun:
-    """The AdamW step of `nblocks` blocks of `block` params whose state lives in an NvmeStore."""
+    """The AdamW step of `nblocks` blocks of `block` params whose state lives in an NvmeStore,
+    each block's state one buffer in offload/optim/layout.py's StateLayout."""
 
     def __init__(self, store, pool, nblocks: int, block: int, state_dtype: str):
-        from offload.storage.pinned_pool import HostPool  # noqa: F401  (pool is one)
+        from offload.optim.layout import StateLayout
         self.rule, self.group = get_rule("AdamW"), dict(get_rule("AdamW").defaults, **HP["AdamW"])
         self.store, self.pool, self.n, self.block, self.dtype = store, pool, nblocks, block, state_dtype
-        self.rows = self.rule.rows(self.group)
-        row_bytes = quant.row_bytes(block) if state_dtype == "int8" else 4 * block
-        self.nbytes = 4 * block + len(self.rows) * row_bytes
+        self.layout = StateLayout.for_rule(self.rule, self.group, block, state_dtype)
+        self.nbytes = self.layout.nbytes
         self.keys = [f"{state_dtype}.{i}" for i in range(nblocks)]
         store.reserve({k: self.nbytes for k in self.keys})
         self.grad = torch.randn(block)
@@ -176,22 +175,7 @@ class NvmeStateRun:
             buf.release()
 
     def _views(self, buf):
-        """[master fp32 | row codes or values ... | absmax ...] in one buffer."""
-        b = self.block
-        master = buf.view(torch.float32, b)
-        state, off = {}, 4 * b
-        for r in self.rows:
-            if self.dtype == "int8":
-                state[r.name] = buf.view(torch.uint8, b, off)
-                off += b
-            else:
-                state[r.name] = buf.view(torch.float32, b, off)
-                off += 4 * b
-        if self.dtype == "int8":
-            for r in self.rows:
-                state[r.name + "_absmax"] = buf.view(torch.float32, quant.nblocks(b), off)
-                off += 4 * quant.nblocks(b)
-        return master, state
+        return self.layout.views(buf.view(torch.uint8, self.nbytes))
 
     def run(self) -> float:
         """One optimizer step over every block; returns seconds."""
@@ -229,7 +213,10 @@ def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
         raise SystemExit(f"--nvme-path {path} has {free / 2**30:.1f} GiB free; this run writes "
                          f"{need / 2**30:.1f} GiB: use a smaller --nvme-size or another path")
     store = NvmeStore(path, name="bench_optim")
-    pool = HostPool([12 * block + 4096] * 2 + [quant.row_bytes(block) * 2 + 4 * block + 4096] * 2, name="bench_optim")
+    from offload.optim.layout import StateLayout
+    adam, group = get_rule("AdamW"), dict(get_rule("AdamW").defaults)
+    pool = HostPool([StateLayout.for_rule(adam, group, block, d).nbytes for d in ("fp32", "fp32", "int8", "int8")],
+                    name="bench_optim")
     try:
         runs = {d: NvmeStateRun(store, pool, nblocks, block, d) for d in ("fp32", "int8")}
         for r in runs.values():
@@ -268,40 +255,49 @@ def bench_gpt(steps: int, curve_csv: str | None) -> dict:
         frac = min(1.0, (step - warmup) / max(1, steps - warmup))
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
 
-    curves, result = {}, {}
+    # Both runs in lockstep (same batch each step), so a run cut short compares equal steps.
+    runs = {}
     for state_dtype in ("fp32", "int8"):
         torch.manual_seed(0)
         model = GPT(gcfg)
-        gen = torch.Generator().manual_seed(0)
-        eval_gen = torch.Generator().manual_seed(1)
-        evals = [corpus.batch(8, 128, eval_gen, "val") for _ in range(4)]
         opt = CPUAdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0, state_dtype=state_dtype)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        losses = []
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            x, y = corpus.batch(8, 128, gen, "train")
+        runs[state_dtype] = (model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at))
+    gen = torch.Generator().manual_seed(0)
+    eval_gen = torch.Generator().manual_seed(1)
+    evals = [corpus.batch(8, 128, eval_gen, "val") for _ in range(4)]
+    curves = {d: [] for d in runs}
+    t0 = time.perf_counter()
+
+    def write_curves():
+        if curve_csv:
+            with open(curve_csv, "w") as f:
+                f.write("step,loss_fp32_state,loss_int8_state\n")
+                for i, (a, b) in enumerate(zip(curves["fp32"], curves["int8"]), 1):
+                    f.write(f"{i},{a:.5f},{b:.5f}\n")
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(8, 128, gen, "train")
+        for d, (model, opt, sched) in runs.items():
             loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
-            losses.append(float(loss))
-            if len(losses) % 25 == 0:
-                print(f"gpt {state_dtype} step {len(losses)} loss {losses[-1]:.4f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            curves[d].append(float(loss.detach()))
+        if step % 25 == 0:
+            print(f"gpt step {step}: loss fp32 state {curves['fp32'][-1]:.4f}, int8 state {curves['int8'][-1]:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            write_curves()
+    write_curves()
+    result = {}
+    k = max(1, min(10, steps // 5))
+    for d, (model, _, _) in runs.items():
         with torch.no_grad():
             val = sum(float(model(x, y)) for x, y in evals) / len(evals)
-        curves[state_dtype] = losses
-        k = max(1, min(10, steps // 5))
-        result[state_dtype] = {"loss_first": round(sum(losses[:k]) / k, 4), "loss_last": round(sum(losses[-k:]) / k, 4),
-                               "val_loss": round(val, 4), "seconds": round(time.perf_counter() - t0, 1)}
-        print("gpt", state_dtype, json.dumps(result[state_dtype]), flush=True)
-    if curve_csv:
-        with open(curve_csv, "w") as f:
-            f.write("step,loss_fp32_state,loss_int8_state\n")
-            for i, (a, b) in enumerate(zip(curves["fp32"], curves["int8"]), 1):
-                f.write(f"{i},{a:.5f},{b:.5f}\n")
+        losses = curves[d]
+        result[d] = {"loss_first": round(sum(losses[:k]) / k, 4), "loss_last": round(sum(losses[-k:]) / k, 4),
+                     "val_loss": round(val, 4)}
+        print("gpt", d, json.dumps(result[d]), flush=True)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
     a, b = result["fp32"]["loss_last"], result["int8"]["loss_last"]
     result["steps"] = steps
     result["int8_gpt_final_loss_rel_diff"] = round(abs(b - a) / a, 4)
