@@ -336,3 +336,15 @@ def test_state_layout_views_step_in_place(state_dtype):
         rule.cpu_step(p_ref, g, st_ref, group, step)
     assert torch.equal(master, p_ref) and all(torch.equal(state[k], st_ref[k]) for k in st_ref)
     assert StateLayout.from_description(lay.describe()).describe() == lay.describe()
+
+
+def test_estimate_asks_the_rule():
+    """`offload estimate`'s bytes per tier come from the rule: AdamW fp32 keeps 12 bytes per
+    parameter on NVMe (unchanged), int8 state 6.03, SGD without momentum only the master."""
+    from offload.planner.estimate import placement_bytes, spec_from_counts
+    spec = spec_from_counts(1e8, 1e7)
+    fp32 = placement_bytes(spec, "nvme", "none", "bf16")
+    assert fp32.nvme == 12 * spec.params
+    int8 = placement_bytes(spec, "nvme", "none", "bf16", state_dtype="int8")
+    assert int8.nvme == int(get_rule("AdamW").bytes_per_param("nvme", "int8") * spec.params) < 6.2 * spec.params
+    assert placement_bytes(spec, "cpu", "none", "bf16", rule="SGD").host == (4 + 4) * spec.params
