@@ -212,8 +212,9 @@ I512 f32x16 vabs_16(f32x16 x) { VABS_BODY(f32x16, i32x16) }
 #define vsqrt(a) _Generic((a), f32x8: vsqrt_8, f32x16: vsqrt_16)(a)
 #define vsign(a) _Generic((a), f32x8: vsign_8, f32x16: vsign_16)(a)
 #define vabs(a) _Generic((a), f32x8: vabs_8, f32x16: vabs_16)(a)
-/* A vector with every lane x (a scalar operand of + - * / is broadcast by GCC already). */
-#define vset1(T, x) ((T){0} + (float)(x))
+/* A vector with every lane x, -0.0 included (x - (+0) is x exactly; a scalar operand of
+ * + - * / is broadcast by GCC already). */
+#define vset1(T, x) ((float)(x) - (T){0})
 
 /* ---- AVX2 loads and stores (8 lanes, full vectors only) -------------------------------- */
 I256 f32x8 ld_8(const void *base, int dtype, int64_t i) {
