@@ -177,8 +177,9 @@ class NvmeStateRun:
     def _views(self, buf):
         return self.layout.views(buf.view(torch.uint8, self.nbytes))
 
-    def run(self) -> float:
-        """One optimizer step over every block; returns seconds."""
+    def run(self, compute: bool = True) -> float:
+        """One optimizer step over every block; returns seconds. compute=False moves the same
+        bytes without stepping (the I/O alone, reported beside the step)."""
         t0 = time.perf_counter()
         bufs = [self.pool.acquire(self.nbytes), self.pool.acquire(self.nbytes)]
         writes = [None, None]
@@ -191,8 +192,9 @@ class NvmeStateRun:
                     writes[nxt] = None
                 reads[nxt] = self.store.read(self.keys[i + 1], bufs[nxt].view(torch.uint8, self.nbytes))
             reads[cur].wait()
-            master, state = self._views(bufs[cur])
-            self.rule.cpu_step(master, self.grad, state, self.group, self.step + 1)
+            if compute:
+                master, state = self._views(bufs[cur])
+                self.rule.cpu_step(master, self.grad, state, self.group, self.step + 1)
             writes[cur] = self.store.write(self.keys[i], bufs[cur].view(torch.uint8, self.nbytes))
         for w in writes:
             if w is not None:
@@ -229,7 +231,17 @@ def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
             for d in pair:
                 t[d].append(pair[d])
             ratios.append(pair["fp32"] / pair["int8"])
-        return {"params": nblocks * block, "block": block, "direct_io": store.direct,
+        io = {"fp32": [], "int8": []}
+        io_ratios = []
+        for i in range(rounds):
+            order = ("fp32", "int8") if i % 2 == 0 else ("int8", "fp32")
+            pair = {d: runs[d].run(compute=False) for d in order}
+            for d in pair:
+                io[d].append(pair[d])
+            io_ratios.append(pair["fp32"] / pair["int8"])
+        return {"io_only_fp32_s": round(statistics.median(io["fp32"]), 3),
+                "io_only_int8_s": round(statistics.median(io["int8"]), 3),
+                "io_only_int8_vs_fp32": round(statistics.median(io_ratios), 2),"params": nblocks * block, "block": block, "direct_io": store.direct,
                 "fp32_step_s": round(statistics.median(t["fp32"]), 3),
                 "int8_step_s": round(statistics.median(t["int8"]), 3),
                 "fp32_state_bytes": runs["fp32"].nbytes * nblocks, "int8_state_bytes": runs["int8"].nbytes * nblocks,
