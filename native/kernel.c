@@ -82,7 +82,8 @@ static int valid_dtype(int d, int allow_f16) {
     return d == OFFLOAD_F32 || d == OFFLOAD_BF16 || (allow_f16 && d == OFFLOAD_F16);
 }
 
-int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, int rows_max) {
+int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, int rows_max,
+                    struct q8_table *tables) {
     if (a->n < 0 || a->nrows < rows_min || a->nrows > rows_max) return -EINVAL;
     if (!valid_dtype(a->grad_dtype, 1)) return -EINVAL;
     if (!valid_dtype(a->state_dtype, 0) && a->state_dtype != OFFLOAD_Q8) return -EINVAL;
@@ -107,12 +108,18 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
         if (a->state_dtype != OFFLOAD_Q8) continue;
         if (!a->absmax[r] || !a->qcode[r]) return -EINVAL;
         j->absmax[r] = a->absmax[r];
-        j->qcode[r] = a->qcode[r];
+        struct q8_table *t = &tables[r];
+        memcpy(t->code, a->qcode[r], sizeof t->code);
         for (int k = 0; k < 255; k++) {
-            if (!(a->qcode[r][k] <= a->qcode[r][k + 1])) return -EINVAL; /* sorted, no NaN */
-            j->qmid[r][k] = (a->qcode[r][k] + a->qcode[r][k + 1]) * 0.5f;
+            if (!(t->code[k] <= t->code[k + 1])) return -EINVAL; /* sorted, no NaN */
+            t->mid[k] = (t->code[k] + t->code[k + 1]) * 0.5f;
         }
-        j->qmid[r][255] = INFINITY;
+        t->mid[255] = INFINITY;
+        for (int g = 0; g < 16; g++) {
+            t->last[g] = t->mid[16 * g + 15];
+            for (int k = 0; k < 15; k++) t->mt[k][g] = t->mid[16 * g + k];
+        }
+        j->q8[r] = t;
     }
     return 0;
 }
@@ -138,9 +145,12 @@ int kernel_run(struct kjob *j, void (*range)(const struct kjob *, int64_t, int64
  * scalar and SIMD lookups compute the same products and comparisons, so every ISA stores
  * the same bytes. */
 #ifdef HAVE_X86
-TARGET_f32x16 static int64_t q8_dequant_avx512(const uint8_t *q, const float *code, float scale, int64_t nb, float *out) {
+TARGET_f32x16 static int64_t q8_dequant_avx512(const uint8_t *q, const struct q8_table *tab, float scale,
+                                               int64_t nb, float *out) {
+    struct q8_tables16 t;
+    q8_load_tables16(&t, tab);
     int64_t i = 0;
-    for (; i + 16 <= nb; i += 16) _mm512_storeu_ps(out + i, (__m512)q8_dequant_16(q + i, code, scale));
+    for (; i + 16 <= nb; i += 16) _mm512_storeu_ps(out + i, (__m512)q8_dequant_16(&t, q + i, scale));
     return i;
 }
 TARGET_f32x8 static int64_t q8_dequant_avx2(const uint8_t *q, const float *code, float scale, int64_t nb, float *out) {
@@ -148,11 +158,27 @@ TARGET_f32x8 static int64_t q8_dequant_avx2(const uint8_t *q, const float *code,
     for (; i + 8 <= nb; i += 8) _mm256_storeu_ps(out + i, (__m256)q8_dequant_8(q + i, code, scale));
     return i;
 }
-TARGET_f32x16 static int64_t q8_quant_avx512(uint8_t *q, const float *mid, const float *x, float inv, int64_t nb) {
+TARGET_f32x16 static int64_t q8_quant_avx512(uint8_t *q, const struct q8_table *tab, const float *x,
+                                             float inv, int64_t nb) {
+    struct q8_tables16 t;
+    q8_load_tables16(&t, tab);
     int64_t i = 0;
-    for (; i + 16 <= nb; i += 16) q8_quant_16(q + i, mid, (f32x16)_mm512_loadu_ps(x + i) * inv);
+    for (; i + 16 <= nb; i += 16) q8_quant_16(&t, q + i, (f32x16)_mm512_loadu_ps(x + i) * inv);
     return i;
 }
+/* max |x[i]| over i < nb, NaN ignored (as the scalar loop below): 16 / 8 lanes at a time. */
+TARGET_f32x16 static float q8_absmax_avx512(const float *x, int64_t nb) {
+    __m512 m = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= nb; i += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        m = _mm512_mask_max_ps(m, _mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), m, a);
+    }
+    float absmax = _mm512_reduce_max_ps(m);
+    for (; i < nb; i++) absmax = fabsf(x[i]) > absmax ? fabsf(x[i]) : absmax;
+    return absmax;
+}
+
 TARGET_f32x8 static int64_t q8_quant_avx2(uint8_t *q, const float *mid, const float *x, float inv, int64_t nb) {
     int64_t i = 0;
     for (; i + 8 <= nb; i += 8) q8_quant_8(q + i, mid, (f32x8)_mm256_loadu_ps(x + i) * inv);
@@ -162,10 +188,10 @@ TARGET_f32x8 static int64_t q8_quant_avx2(uint8_t *q, const float *mid, const fl
 
 static void q8_dequant(const struct kjob *j, int r, int64_t b0, int64_t nb, float *out) {
     const uint8_t *q = (const uint8_t *)j->state[r] + b0;
-    const float *code = j->qcode[r], scale = j->absmax[r][b0 / KERNEL_Q8_BLOCK];
+    const float *code = j->q8[r]->code, scale = j->absmax[r][b0 / KERNEL_Q8_BLOCK];
     int64_t i = 0;
 #ifdef HAVE_X86
-    if (j->isa >= OFFLOAD_ISA_AVX512) i = q8_dequant_avx512(q, code, scale, nb, out);
+    if (j->isa >= OFFLOAD_ISA_AVX512) i = q8_dequant_avx512(q, j->q8[r], scale, nb, out);
     else if (j->isa == OFFLOAD_ISA_AVX2) i = q8_dequant_avx2(q, code, scale, nb, out);
 #endif
     for (; i < nb; i++) out[i] = code[q[i]] * scale;
@@ -173,17 +199,21 @@ static void q8_dequant(const struct kjob *j, int r, int64_t b0, int64_t nb, floa
 
 static void q8_quant(const struct kjob *j, int r, int64_t b0, int64_t nb, const float *x) {
     uint8_t *q = (uint8_t *)j->state[r] + b0;
-    const float *mid = j->qmid[r];
+    const float *mid = j->q8[r]->mid;
     float absmax = 0.0f;
-    for (int64_t i = 0; i < nb; i++) {
-        const float a = fabsf(x[i]);
-        absmax = a > absmax ? a : absmax; /* NaN never wins */
-    }
+#ifdef HAVE_X86
+    if (j->isa >= OFFLOAD_ISA_AVX512) absmax = q8_absmax_avx512(x, nb);
+    else
+#endif
+        for (int64_t i = 0; i < nb; i++) {
+            const float a = fabsf(x[i]);
+            absmax = a > absmax ? a : absmax; /* NaN never wins */
+        }
     j->absmax[r][b0 / KERNEL_Q8_BLOCK] = absmax;
     const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
     int64_t i = 0;
 #ifdef HAVE_X86
-    if (j->isa >= OFFLOAD_ISA_AVX512) i = q8_quant_avx512(q, mid, x, inv, nb);
+    if (j->isa >= OFFLOAD_ISA_AVX512) i = q8_quant_avx512(q, j->q8[r], x, inv, nb);
     else if (j->isa == OFFLOAD_ISA_AVX2) i = q8_quant_avx2(q, mid, x, inv, nb);
 #endif
     for (; i < nb; i++) q[i] = q8_index_scalar(mid, x[i] * inv);
@@ -192,7 +222,7 @@ static void q8_quant(const struct kjob *j, int r, int64_t b0, int64_t nb, const 
 void kernel_q8_range(const struct kjob *j, int64_t begin, int64_t end,
                      void (*range)(const struct kjob *, int64_t, int64_t)) {
     _Alignas(64) float scratch[KERNEL_MAX_ROWS][KERNEL_Q8_BLOCK];
-    struct kjob copy = *j, *local = &copy; /* ~2 KiB of stack, per chunk */
+    struct kjob copy = *j, *local = &copy;
     local->state_dtype = OFFLOAD_F32;
     local->copy_dtype = j->copy_dtype;
     for (int r = 0; r < j->nrows; r++) local->state[r] = scratch[r];

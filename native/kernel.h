@@ -105,6 +105,14 @@ KINLINE int dtype_size(int dtype) {
 #define KERNEL_MAX_ROWS 2
 #define KERNEL_HP_BYTES 64 /* room for any rule's hparams struct (checked at compile time) */
 
+/* A row's int8 code, its midpoints, and the midpoints laid out for the 16-lane search. */
+struct q8_table {
+    float code[256];     /* sorted values in [-1, 1] */
+    float mid[256];      /* mid[k] = (code[k] + code[k + 1]) / 2, mid[255] = +inf */
+    float last[16];      /* last[g] = mid[16 g + 15] */
+    float mt[15][16];    /* mt[t][g] = mid[16 g + t] */
+};
+
 struct kjob {
     float *param;
     const void *grad;
@@ -114,13 +122,14 @@ struct kjob {
     int64_t n;
     int grad_dtype, state_dtype, copy_dtype, nrows, isa;
     _Alignas(16) unsigned char hp[KERNEL_HP_BYTES]; /* the rule's hparams struct, by value */
-    const float *qcode[KERNEL_MAX_ROWS];  /* OFFLOAD_Q8: each row's 256-entry code */
-    float qmid[KERNEL_MAX_ROWS][256];     /* midpoints between neighbouring codes, +inf last */
+    const struct q8_table *q8[KERNEL_MAX_ROWS]; /* OFFLOAD_Q8: each row's code tables */
     struct chunking chunks;
 };
 
-/* Checks the arguments and fills a job (the rule's hparams are copied in by the caller). */
-int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, int rows_max);
+/* Checks the arguments and fills a job (the rule's hparams are copied in by the caller);
+ * int8 tables are built in `tables` (the caller's, alive for the call). */
+int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, int rows_max,
+                    struct q8_table *tables);
 /* Runs fn over every chunk of the job on the pool. */
 int kernel_run(struct kjob *j, void (*range)(const struct kjob *, int64_t, int64_t));
 
@@ -159,9 +168,9 @@ int kernel_run(struct kjob *j, void (*range)(const struct kjob *, int64_t, int64
  * handed to the kernel starts on a block boundary of its row. */
 #define KERNEL_Q8_BLOCK 256
 
-KINLINE uint8_t q8_index_scalar(const float *mid, float x) { /* branchless binary search */
-    int k = 0;
-    for (int step = 128; step >= 1; step >>= 1) k += (x > mid[k + step - 1]) ? step : 0;
+KINLINE uint8_t q8_index_scalar(const float *mid, float x) { /* binary search, no branches */
+    unsigned k = 0;
+    for (unsigned step = 128; step >= 1; step >>= 1) k += step & -(unsigned)(x > mid[k + step - 1]);
     return (uint8_t)k;
 }
 
@@ -203,8 +212,9 @@ I512 f32x16 vabs_16(f32x16 x) { VABS_BODY(f32x16, i32x16) }
 #define vsqrt(a) _Generic((a), f32x8: vsqrt_8, f32x16: vsqrt_16)(a)
 #define vsign(a) _Generic((a), f32x8: vsign_8, f32x16: vsign_16)(a)
 #define vabs(a) _Generic((a), f32x8: vabs_8, f32x16: vabs_16)(a)
-/* A vector with every lane x (a scalar operand of + - * / is broadcast by GCC already). */
-#define vset1(T, x) ((T){0} + (float)(x))
+/* A vector with every lane x, -0.0 included (x - (+0) is x exactly; a scalar operand of
+ * + - * / is broadcast by GCC already). */
+#define vset1(T, x) ((float)(x) - (T){0})
 
 /* ---- AVX2 loads and stores (8 lanes, full vectors only) -------------------------------- */
 I256 f32x8 ld_8(const void *base, int dtype, int64_t i) {
@@ -291,18 +301,43 @@ KINLINE int kernel_stream_copy(const struct kjob *j, int64_t begin, int64_t end)
     return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN && ((uintptr_t)j->param_copy & 1) == 0;
 }
 
-/* int8 code lookups: dequantize 16 / 8 codes, and the binary search on 16 / 8 lanes. */
-I512 f32x16 q8_dequant_16(const uint8_t *q, const float *code, float scale) {
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    return (f32x16)_mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), _mm512_set1_ps(scale));
+/* int8 code lookups on 16 lanes without gathers (slow on CPUs with the gather-data-sampling
+ * mitigation): the 256-entry tables sit in registers.
+ * Dequantize: code[q] as one of 8 two-register permutes, picked by q >> 5.
+ * Quantize: q = #{k : x > mid[k]} in two levels: the group g = #{groups whose last midpoint
+ * mid[16 g + 15] is below x} (a 4-step search in one register), then the count of the
+ * group's other 15 midpoints below x, each looked up by g in a transposed register
+ * (mt[t][g] = mid[16 g + t]). The same comparisons as the scalar search: the same index. */
+struct q8_tables16 { __m512 code[16]; __m512 last; __m512 mt[15]; };
+
+I512 void q8_load_tables16(struct q8_tables16 *t, const struct q8_table *q) {
+    for (int k = 0; k < 16; k++) t->code[k] = _mm512_loadu_ps(q->code + 16 * k);
+    t->last = _mm512_loadu_ps(q->last);
+    for (int k = 0; k < 15; k++) t->mt[k] = _mm512_loadu_ps(q->mt[k]);
 }
-I512 void q8_quant_16(uint8_t *q, const float *mid, f32x16 x) {
-    __m512i k = _mm512_setzero_si512();
-    for (int step = 128; step >= 1; step >>= 1) {
-        __m512i probe = _mm512_add_epi32(k, _mm512_set1_epi32(step - 1));
-        __mmask16 gt = _mm512_cmp_ps_mask((__m512)x, _mm512_i32gather_ps(probe, mid, 4), _CMP_GT_OQ);
-        k = _mm512_mask_add_epi32(k, gt, k, _mm512_set1_epi32(step));
+
+I512 f32x16 q8_dequant_16(const struct q8_tables16 *t, const uint8_t *q, float scale) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m512i hi = _mm512_srli_epi32(idx, 5);
+    __m512 v = _mm512_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        const __m512 part = _mm512_permutex2var_ps(t->code[2 * k], idx, t->code[2 * k + 1]); /* uses idx & 31 */
+        v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(hi, _mm512_set1_epi32(k)), part);
     }
+    return (f32x16)_mm512_mul_ps(v, _mm512_set1_ps(scale));
+}
+
+I512 void q8_quant_16(const struct q8_tables16 *t, uint8_t *q, f32x16 xv) {
+    const __m512 x = (__m512)xv;
+    __m512i g = _mm512_setzero_si512();
+    for (int step = 8; step >= 1; step >>= 1) {
+        const __m512 probe = _mm512_permutexvar_ps(_mm512_add_epi32(g, _mm512_set1_epi32(step - 1)), t->last);
+        g = _mm512_mask_add_epi32(g, _mm512_cmp_ps_mask(x, probe, _CMP_GT_OQ), g, _mm512_set1_epi32(step));
+    }
+    __m512i k = _mm512_slli_epi32(g, 4);
+    for (int j = 0; j < 15; j++)
+        k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(g, t->mt[j]), _CMP_GT_OQ), k,
+                                  _mm512_set1_epi32(1));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(k));
 }
 I256 f32x8 q8_dequant_8(const uint8_t *q, const float *code, float scale) {
@@ -475,8 +510,9 @@ void kernel_q8_range(const struct kjob *j, int64_t begin, int64_t end,
     OFFLOAD_API int offload_##RULE##_step(const offload_step_args *a, const HP *hp) {            \
         _Static_assert(sizeof(HP) <= KERNEL_HP_BYTES, "hparams too large for struct kjob");      \
         if (a == NULL || hp == NULL) return -EINVAL;                                             \
-        struct kjob *j = __builtin_alloca(sizeof(struct kjob));                                  \
-        int rc = kernel_job_init(j, a, ROWS_MIN, ROWS_MAX);                                      \
+        struct kjob job, *j = &job;                                                              \
+        struct q8_table tables[KERNEL_MAX_ROWS];                                                 \
+        int rc = kernel_job_init(j, a, ROWS_MIN, ROWS_MAX, tables);                              \
         if (rc != 0 || a->n == 0) return rc;                                                     \
         memcpy(j->hp, hp, sizeof *hp);                                                           \
         return kernel_run(j, RULE##_chunk_range);                                                \

@@ -311,3 +311,40 @@ def test_bad_hyperparameters_name_the_key():
         CPULion([torch.zeros(3, requires_grad=True)], state_dtype="int4")
     with pytest.raises(ValueError, match="Lion"):
         get_rule("Adamax")
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_state_layout_views_step_in_place(state_dtype):
+    """One buffer per shard (state_layout.py): aligned regions, the rule steps its views in place, the
+    description round-trips; int8 Adam with fp32 master is <= 6.2 bytes per parameter."""
+    from offload.optim.state_layout import ALIGN, StateLayout
+    rule = get_rule("AdamW")
+    group = dict(rule.defaults)
+    n = 40960
+    lay = StateLayout.for_rule(rule, group, n, state_dtype)
+    assert all(r.offset % ALIGN == 0 for r in lay.regions)
+    if state_dtype == "int8":
+        assert lay.nbytes / n <= 6.2
+    buf = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    master, state = lay.views(buf)
+    master.copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    p_ref = master.clone()
+    st_ref = rule.init_state(p_ref, group, state_dtype)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    for step in (1, 2):
+        rule.cpu_step(master, g, state, group, step)
+        rule.cpu_step(p_ref, g, st_ref, group, step)
+    assert torch.equal(master, p_ref) and all(torch.equal(state[k], st_ref[k]) for k in st_ref)
+    assert StateLayout.from_description(lay.describe()).describe() == lay.describe()
+
+
+def test_estimate_asks_the_rule():
+    """`offload estimate`'s bytes per tier come from the rule: AdamW fp32 keeps 12 bytes per
+    parameter on NVMe (unchanged), int8 state 6.03, SGD without momentum only the master."""
+    from offload.planner.estimate import placement_bytes, spec_from_counts
+    spec = spec_from_counts(1e8, 1e7)
+    fp32 = placement_bytes(spec, "nvme", "none", "bf16")
+    assert fp32.nvme == 12 * spec.params
+    int8 = placement_bytes(spec, "nvme", "none", "bf16", state_dtype="int8")
+    assert int8.nvme == int(get_rule("AdamW").bytes_per_param("nvme", "int8") * spec.params) < 6.2 * spec.params
+    assert placement_bytes(spec, "cpu", "none", "bf16", rule="SGD").host == (4 + 4) * spec.params

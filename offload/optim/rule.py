@@ -18,7 +18,7 @@ State of one shard (``State``): a dict from row name to tensor. fp32 / bf16 rows
 of that dtype; an int8 row ``name`` is ``name`` (uint8 codes) plus ``name + "_absmax"`` (fp32
 scales, quant.py). Every tensor flat, contiguous, on the CPU.
 
-Adding a rule: a class here-like in its own file (rows, defaults, validate, native_hparams,
+Adding a rule: a subclass of UpdateRule in its own file (rows, defaults, validate, native_hparams,
 reference), its per-element math in native/<rule>.c, and one line ``register(MyRule)`` in
 offload/optim/__init__.py.
 """

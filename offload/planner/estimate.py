@@ -211,8 +211,13 @@ class Placement:
 
 
 def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str = "bf16",
-                    world_size: int = 1, buffer_count: int = 4) -> Placement:
-    """Bytes per tier for one placement (see the module docstring for the formulas)."""
+                    world_size: int = 1, buffer_count: int = 4, *, rule: str = "AdamW",
+                    state_dtype: str = "fp32") -> Placement:
+    """Bytes per tier for one placement (see the module docstring for the formulas). The
+    optimizer's bytes per parameter come from the update rule (offload/optim: AdamW with fp32
+    state keeps 12 on the host / NVMe, 8 beside fp32 parameters on the device)."""
+    from offload.optim import get_rule
+    upd = get_rule(rule)
     if optimizer not in TIERS or param not in TIERS:
         raise EstimateError(f"placement optimizer={optimizer!r} param={param!r}: use none, cpu or nvme")
     if precision not in BYTES_PER_PARAM:
@@ -223,7 +228,9 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     P, B, W = spec.params, spec.largest_block, world_size
     shard = -(-P // W)                      # P' = ceil(P / W)
     block_shard = -(-B // W)
-    state = 12 if p < 4 else 8              # on-device optimizer: (master) + exp_avg + exp_avg_sq
+    # on-device optimizer: (fp32 master when the parameters are not fp32) + the rule's rows
+    state = upd.bytes_per_param("device", state_dtype) + (4 if p < 4 else 0)
+    offloaded_state = upd.bytes_per_param("host", state_dtype)   # fp32 master + rows
     window = 2 * B * p                      # two blocks in flight on the device
 
     params_dev = P * p if param == "none" else window
@@ -237,11 +244,11 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     offloaded = optimizer != "none" or param != "none"
     pinned = 2 * window if offloaded else 0
     pinned += shard * p if param == "cpu" else 0
-    pinned += buffer_count * block_shard * 12 if optimizer == "nvme" else 0
+    pinned += buffer_count * block_shard * offloaded_state if optimizer == "nvme" else 0
     pinned += buffer_count * block_shard * p if param == "nvme" else 0
-    host = (12 * shard if optimizer == "cpu" else 0) + (4 * shard if optimizer != "none" else 0)
-    nvme = (12 * shard if optimizer == "nvme" else 0) + (p * shard if param == "nvme" else 0)
-    return Placement(optimizer, param, device, pinned * W, host * W, nvme * W)
+    host = (offloaded_state * shard if optimizer == "cpu" else 0) + (4 * shard if optimizer != "none" else 0)
+    nvme = (offloaded_state * shard if optimizer == "nvme" else 0) + (p * shard if param == "nvme" else 0)
+    return Placement(optimizer, param, int(device), int(pinned * W), int(host * W), int(nvme * W))
 
 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1,

@@ -382,8 +382,11 @@ class Prediction:
 
 def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compute: Compute,
             precision: str = "fp32", gradient_accumulation_steps: int = 1, clipping: bool = False,
-            overlap_step: bool = True) -> Prediction:
-    """Predicted seconds per optimizer step for one placement (module docstring)."""
+            overlap_step: bool = True, *, rule: str = "AdamW", state_dtype: str = "fp32") -> Prediction:
+    """Predicted seconds per optimizer step for one placement (module docstring). The optimizer
+    state's NVMe bytes per parameter come from the update rule (offload/optim)."""
+    from offload.optim import get_rule
+    state_bytes = get_rule(rule).bytes_per_param("nvme", state_dtype)
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
     grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
@@ -401,8 +404,8 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     # offloaded parameters read from NVMe once per micro-step (the backward's fetch comes from
     # the host copy the forward's read left) and written once per step.
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
-    nvme_read = (12 * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0)
-    nvme_write = (12 * P if opt_nvme else 0) + (P * p if prm_nvme else 0)
+    nvme_read = (state_bytes * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0)
+    nvme_write = (state_bytes * P if opt_nvme else 0) + (P * p if prm_nvme else 0)
     reads = n * ((1 if opt_nvme else 0) + (gas if prm_nvme else 0))
     writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0))
     t_read = nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s

@@ -1,0 +1,372 @@
+"""Update rules on the CPU: each rule's step rate beside its torch counterpart and beside the
+in-place bandwidth probe at the bytes the rule moves; int8 against fp32 state with the
+state on NVMe.
+
+Part 1, kernels (all in one process, same buffers, interleaved round by round, medians):
+  ours        rule.cpu_step on flat fp32 params, fp32 grads, fp32 state (offload/optim)
+  torch       torch.optim.<X>(fused=True) where torch has a fused CPU kernel (AdamW, Adam, SGD,
+              Adagrad); Adafactor: foreach=True (torch has no fused one); Lion: the plain-torch
+              reference with foreach ops (torch has no Lion)
+  probe       offload_bandwidth_probe with the rule's in-place arrays: rw[k] += d for the param
+              and each state row, d standing for the grad (read 1 + k, write k fp32 arrays)
+  vs_probe    ours' bytes/s over the probe's bytes/s, bytes = what the rule reads and writes
+              once per parameter over all its passes (single-pass rules: the probe's traffic)
+  int8        the same rule with int8 state (bytes: param 8, grad 4, rows 2 x 1.016 each)
+Adafactor is not single-pass: besides the factored update it reads the parameter for its
+norm and the update for its norm; its bytes (ADAFACTOR_BYTES) count param 8 + grad 4 (row
+and column sums) + grad 4 + update 8 (built, then its norm) + update 4 (applied) = 28.
+
+Part 2, `int8_vs_fp32_nvme_step`: the optimizer step of a model whose state lives on NVMe,
+block by block as the engine's pipeline runs it (offload/storage NvmeStore, O_DIRECT when
+the filesystem allows, two host buffers: the next block's read is in flight while this block
+steps, its write while the next one steps), with AdamW; fp32 state (master + 2 rows, 12
+B/param) against int8 state (master + 2 int8 rows + scales, 6.03 B/param). Rounds alternate
+fp32 / int8 (the disk's rate drifts) and the claim is the median of the paired ratios.
+This drives the storage and the rule directly: it is not (yet) the engine's own step.
+
+Part 3, `--gpt-steps N` (300 for the issue's figure; 0, the default, skips it): the accuracy
+cost of int8 state. `offload train`'s GPT (4 layers, d=256, 8 x 128 tokens, its default corpus,
+seed 0, AdamW lr 2e-3 betas (0.9, 0.95) wd 0, 10 % warm-up then cosine to 10 %, as its
+defaults) trained twice in plain torch on the CPU with offload's AdamW rule as a standalone
+optimizer (CPUAdamW), fp32 state against int8 state, same data order. Reports both loss
+curves (every step, in --curve-csv), the final training loss (mean of the last 10 steps, as
+`offload train` reports it) and the validation loss; claim `int8_gpt_final_loss_rel_diff`.
+This is not the engine's `offload train` (the engine does not take state_dtype yet).
+
+Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--nvme-size 64M]
+       [--nvme-path DIR] [--block 4M] [--threads N] [--gpt-steps 300 --curve-csv FILE]
+The last line printed is one JSON object with a `claims` map.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from offload import _native
+from offload.optim import get_rule, quant, set_num_threads
+
+PAUSE_S = 0.05
+ADAFACTOR_BYTES = 28
+HP = {"AdamW": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+      "Adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+      "Lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01),
+      "SGD": dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False),
+      "Adagrad": dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10),
+      "Adafactor": dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0)}
+TORCH_FUSED = {"AdamW": "fused", "Adam": "fused", "SGD": "fused", "Adagrad": "fused", "Adafactor": "foreach"}
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(float(text[:-1]) * mult[text[-1].upper()]) if text[-1].upper() in mult else int(text)
+
+
+def timed(fn) -> float:
+    time.sleep(PAUSE_S)  # let other tenants' bursts and the pool's spinning settle
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def kernel_methods(name: str, n: int, L) -> dict:
+    """name -> (callable, bytes per param) for ours, torch, probe and int8."""
+    rule = get_rule(name)
+    group = dict(rule.defaults, **HP[name])
+    shape = (4096, n // 4096) if name == "Adafactor" else (n,)
+    p = torch.randn(shape)
+    g = torch.randn(shape)
+    st = rule.init_state(p, group, "fp32")
+    rows = rule.rows(group, shape)
+    nbytes = ADAFACTOR_BYTES if name == "Adafactor" else 4 * (2 * (1 + len(rows)) + 1)
+    step = [2]  # not the first: SGD's momentum buffer runs its steady-state branch
+
+    def ours():
+        rule.cpu_step(p.view(-1), g.view(-1), st, group, step[0], shape=shape)
+    out = {"ours": (ours, nbytes)}
+
+    param = torch.nn.Parameter(p)  # shares p's storage
+    param.grad = g
+    if name in TORCH_FUSED:
+        cls = getattr(torch.optim, name)
+        kw = {k: v for k, v in HP[name].items()}
+        topt = cls([param], **{TORCH_FUSED[name]: True}, **kw)
+        topt.step()
+        out["torch"] = (topt.step, nbytes)
+    else:  # Lion: the plain-torch reference with foreach ops
+        lst = {"exp_avg": torch.zeros(shape)}
+        out["torch"] = (lambda: rule.device_step([p], [g], [lst], group, [step[0]]), nbytes)
+
+    if L is not None and name != "Adafactor":
+        arrays = [torch.zeros(n) for _ in range(1 + len(rows))]
+        d = torch.zeros(n)
+        out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], d.data_ptr(), n), nbytes)
+    elif L is not None:
+        arrays, d = [torch.zeros(n) for _ in range(3)], torch.zeros(n)
+        out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], d.data_ptr(), n), 28)
+
+    if name != "Adafactor" and rows:
+        p8 = p.clone().view(-1)
+        st8 = rule.init_state(p8, group, "int8")
+
+        def int8():
+            rule.cpu_step(p8, g.view(-1), st8, group, step[0])
+        out["int8"] = (int8, 12 + len(rows) * 2 * (1 + 4 / quant.BLOCK))
+    return out
+
+
+def bench_kernels(names, n, rounds, L) -> dict:
+    results = {}
+    for name in names:
+        methods = kernel_methods(name, n, L)
+        for fn, _ in methods.values():  # warm up: first touch, pool wake-up, torch's state
+            fn()
+        times = {k: [] for k in methods}
+        for _ in range(rounds):
+            for k, (fn, _) in methods.items():
+                times[k].append(timed(fn))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        r = {f"{k}_mparam_s": round(n / med[k] / 1e6, 1) for k in methods}
+        r["ours_vs_torch"] = round(med["torch"] / med["ours"], 2)
+        if "probe" in methods:
+            ours_bps = methods["ours"][1] * n / med["ours"]
+            probe_bps = methods["probe"][1] * n / med["probe"]
+            r["bytes_per_param"] = methods["ours"][1]
+            r["probe_gb_s"] = round(probe_bps / 1e9, 2)
+            r["ours_vs_probe"] = round(ours_bps / probe_bps, 2)
+            if "int8" in methods:
+                r["int8_bytes_per_param"] = round(methods["int8"][1], 2)
+                r["int8_vs_fp32_kernel"] = round(med["ours"] / med["int8"], 2)
+        results[name] = r
+        print(name, json.dumps(r), flush=True)
+    return results
+
+
+# ---- part 2: state on NVMe -------------------------------------------------------------------
+class NvmeStateRun:
+    """The AdamW step of `nblocks` blocks of `block` params whose state lives in an NvmeStore,
+    each block's state one buffer in offload/optim/state_layout.py's StateLayout."""
+
+    def __init__(self, store, pool, nblocks: int, block: int, state_dtype: str):
+        from offload.optim.state_layout import StateLayout
+        self.rule, self.group = get_rule("AdamW"), dict(get_rule("AdamW").defaults, **HP["AdamW"])
+        self.store, self.pool, self.n, self.block, self.dtype = store, pool, nblocks, block, state_dtype
+        self.layout = StateLayout.for_rule(self.rule, self.group, block, state_dtype)
+        self.nbytes = self.layout.nbytes
+        self.keys = [f"{state_dtype}.{i}" for i in range(nblocks)]
+        store.reserve({k: self.nbytes for k in self.keys})
+        self.grad = torch.randn(block)
+        self.step = 1
+        init = torch.randn(block)
+        for k in self.keys:  # every block's state written once (fresh: master + zero rows)
+            buf = pool.acquire(self.nbytes)
+            master, state = self._views(buf)
+            master.copy_(init)
+            for t in state.values():
+                t.zero_()
+            store.write(k, buf.view(torch.uint8, self.nbytes)).wait()
+            buf.release()
+
+    def _views(self, buf):
+        return self.layout.views(buf.view(torch.uint8, self.nbytes))
+
+    def run(self, compute: bool = True) -> float:
+        """One optimizer step over every block; returns seconds. compute=False moves the same
+        bytes without stepping (the I/O alone, reported beside the step)."""
+        t0 = time.perf_counter()
+        bufs = [self.pool.acquire(self.nbytes), self.pool.acquire(self.nbytes)]
+        writes = [None, None]
+        reads = [self.store.read(self.keys[0], bufs[0].view(torch.uint8, self.nbytes)), None]
+        for i in range(self.n):
+            cur, nxt = i % 2, (i + 1) % 2
+            if i + 1 < self.n:  # the next block's read, into the other buffer once its write landed
+                if writes[nxt] is not None:
+                    writes[nxt].wait()
+                    writes[nxt] = None
+                reads[nxt] = self.store.read(self.keys[i + 1], bufs[nxt].view(torch.uint8, self.nbytes))
+            reads[cur].wait()
+            if compute:
+                master, state = self._views(bufs[cur])
+                self.rule.cpu_step(master, self.grad, state, self.group, self.step + 1)
+            writes[cur] = self.store.write(self.keys[i], bufs[cur].view(torch.uint8, self.nbytes))
+        for w in writes:
+            if w is not None:
+                w.wait()
+        for b in bufs:
+            b.release()
+        self.step += 1
+        return time.perf_counter() - t0
+
+
+def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
+    from offload.storage.nvme import NvmeStore
+    from offload.storage.pinned_pool import HostPool
+    nblocks = max(1, total // block)
+    need = nblocks * block * (12 + 6.1) * 1.1
+    free = shutil.disk_usage(path).free
+    if free < need + (1 << 30):
+        raise SystemExit(f"--nvme-path {path} has {free / 2**30:.1f} GiB free; this run writes "
+                         f"{need / 2**30:.1f} GiB: use a smaller --nvme-size or another path")
+    store = NvmeStore(path, name="bench_optim")
+    from offload.optim.state_layout import StateLayout
+    adam, group = get_rule("AdamW"), dict(get_rule("AdamW").defaults)
+    pool = HostPool([StateLayout.for_rule(adam, group, block, d).nbytes for d in ("fp32", "fp32", "int8", "int8")],
+                    name="bench_optim")
+    try:
+        runs = {d: NvmeStateRun(store, pool, nblocks, block, d) for d in ("fp32", "int8")}
+        for r in runs.values():
+            r.run()  # warm
+        t = {"fp32": [], "int8": []}
+        ratios = []
+        for i in range(rounds):
+            order = ("fp32", "int8") if i % 2 == 0 else ("int8", "fp32")
+            pair = {d: runs[d].run() for d in order}
+            for d in pair:
+                t[d].append(pair[d])
+            ratios.append(pair["fp32"] / pair["int8"])
+        io = {"fp32": [], "int8": []}
+        io_ratios = []
+        for i in range(rounds):
+            order = ("fp32", "int8") if i % 2 == 0 else ("int8", "fp32")
+            pair = {d: runs[d].run(compute=False) for d in order}
+            for d in pair:
+                io[d].append(pair[d])
+            io_ratios.append(pair["fp32"] / pair["int8"])
+        return {"io_only_fp32_s": round(statistics.median(io["fp32"]), 3),
+                "io_only_int8_s": round(statistics.median(io["int8"]), 3),
+                "io_only_int8_vs_fp32": round(statistics.median(io_ratios), 2),"params": nblocks * block, "block": block, "direct_io": store.direct,
+                "fp32_step_s": round(statistics.median(t["fp32"]), 3),
+                "int8_step_s": round(statistics.median(t["int8"]), 3),
+                "fp32_state_bytes": runs["fp32"].nbytes * nblocks, "int8_state_bytes": runs["int8"].nbytes * nblocks,
+                "int8_vs_fp32_nvme_step": round(statistics.median(ratios), 2),
+                "ratios": [round(r, 2) for r in ratios]}
+    finally:
+        store.close()
+        pool.close()
+
+
+def bench_gpt(steps: int, curve_csv: str | None) -> dict:
+    import math
+    from offload.cli.corpus import Corpus
+    from offload.models.gpt import GPT, GPTConfig
+    from offload.optim import CPUAdamW
+    gcfg = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
+    corpus = Corpus.load(None)
+    warmup = min(30, max(1, steps // 10))
+
+    def lr_at(step):  # offload train's schedule
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    # Both runs in lockstep (same batch each step), so a run cut short compares equal steps.
+    runs = {}
+    for state_dtype in ("fp32", "int8"):
+        torch.manual_seed(0)
+        model = GPT(gcfg)
+        opt = CPUAdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0, state_dtype=state_dtype)
+        runs[state_dtype] = (model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at))
+    gen = torch.Generator().manual_seed(0)
+    eval_gen = torch.Generator().manual_seed(1)
+    evals = [corpus.batch(8, 128, eval_gen, "val") for _ in range(4)]
+    curves = {d: [] for d in runs}
+    t0 = time.perf_counter()
+
+    def write_curves():
+        if curve_csv:
+            with open(curve_csv, "w") as f:
+                f.write("step,loss_fp32_state,loss_int8_state\n")
+                for i, (a, b) in enumerate(zip(curves["fp32"], curves["int8"]), 1):
+                    f.write(f"{i},{a:.5f},{b:.5f}\n")
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(8, 128, gen, "train")
+        for d, (model, opt, sched) in runs.items():
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            curves[d].append(float(loss.detach()))
+        if step % 25 == 0:
+            print(f"gpt step {step}: loss fp32 state {curves['fp32'][-1]:.4f}, int8 state {curves['int8'][-1]:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            write_curves()
+    write_curves()
+    result = {}
+    k = max(1, min(10, steps // 5))
+    for d, (model, _, _) in runs.items():
+        with torch.no_grad():
+            val = sum(float(model(x, y)) for x, y in evals) / len(evals)
+        losses = curves[d]
+        result[d] = {"loss_first": round(sum(losses[:k]) / k, 4), "loss_last": round(sum(losses[-k:]) / k, 4),
+                     "val_loss": round(val, 4)}
+        print("gpt", d, json.dumps(result[d]), flush=True)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    a, b = result["fp32"]["loss_last"], result["int8"]["loss_last"]
+    result["steps"] = steps
+    result["int8_gpt_final_loss_rel_diff"] = round(abs(b - a) / a, 4)
+    result["int8_gpt_val_loss_rel_diff"] = round(abs(result["int8"]["val_loss"] - result["fp32"]["val_loss"])
+                                                 / result["fp32"]["val_loss"], 4)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="16M", help="params per kernel benchmark (default 16M)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rules", default="AdamW,Adam,Lion,SGD,Adagrad,Adafactor")
+    ap.add_argument("--nvme-size", default="64M", help="params of the NVMe-state model (default 64M)")
+    ap.add_argument("--block", default="4M", help="params per block (default 4M)")
+    ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary directory under /tmp)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gpt-steps", type=int, default=0, help="part 3: GPT steps per state dtype (300 for the claim)")
+    ap.add_argument("--curve-csv", default=None, help="part 3: write both loss curves here")
+    ap.add_argument("--skip-kernels", action="store_true", help="run only parts 2 and 3")
+    ap.add_argument("--skip-nvme", action="store_true", help="skip part 2")
+    args = ap.parse_args()
+    if args.threads:
+        set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or os.cpu_count())
+    L = _native.lib()
+    n = parse_size(args.size)
+    load = os.getloadavg()
+    kernels = {} if args.skip_kernels else bench_kernels(args.rules.split(","), n, args.rounds, L)
+    adam = get_rule("AdamW")
+    claims = {"int8_state_bytes_per_param_rule": round(adam.bytes_per_param("nvme", "int8"), 3)}
+    nvme = None
+    if not args.skip_nvme:
+        tmp = None
+        path = args.nvme_path
+        if path is None:
+            tmp = path = tempfile.mkdtemp(prefix="bench_optim.", dir="/tmp")
+        try:
+            nvme = bench_nvme(path, parse_size(args.nvme_size), parse_size(args.block), args.rounds)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print("nvme", json.dumps(nvme), flush=True)
+        claims["int8_state_bytes_per_param"] = round(nvme["int8_state_bytes"] / nvme["params"], 3)
+        claims["int8_vs_fp32_nvme_step"] = nvme["int8_vs_fp32_nvme_step"]
+    gpt = None
+    if args.gpt_steps > 0:
+        gpt = bench_gpt(args.gpt_steps, args.curve_csv)
+        claims["int8_gpt_final_loss_rel_diff"] = gpt["int8_gpt_final_loss_rel_diff"]
+    for name, r in kernels.items():
+        claims[f"{name.lower()}_vs_torch"] = r["ours_vs_torch"]
+        if "ours_vs_probe" in r:
+            claims[f"{name.lower()}_vs_probe"] = r["ours_vs_probe"]
+    print(json.dumps({"benchmark": "bench_optim", "size": n, "native": _native.native_info(),
+                      "load_before": [round(x, 2) for x in load], "load_after": [round(x, 2) for x in os.getloadavg()],
+                      "kernels": kernels, "nvme": nvme, "gpt": gpt, "claims": claims}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
