@@ -453,6 +453,23 @@ class WeightLoader:
         self.close()
         return total
 
+    def refer(self, t: torch.Tensor, value: Optional[torch.Tensor] = None) -> None:
+        """Record frozen parameter ``t`` as read in place from its safetensors extent (its
+        home is the checkpoint file, nothing is copied): checkpoints then refer to it.
+        ``value``: its bytes if the caller has them (for the checksum), else they are read."""
+        ext = self.source_extent(t)
+        if ext is None:
+            raise ValueError(f"{self._name(t)} is not in a safetensors file of the checkpoint: it cannot be "
+                             f"read in place")
+        if value is None:
+            with open(ext.file, "rb") as f:
+                f.seek(ext.offset)
+                value = torch.frombuffer(bytearray(f.read(ext.length)), dtype=torch.uint8)
+        algo, crc = checksum(value)
+        for name in self._names.get(id(t), []):
+            self._base[name] = {"file": ext.file, "key": self._source[id(t)], algo: crc}
+        self._done.add(id(t))
+
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
         checkpoint's safetensors files (they never change, so a checkpoint may refer to them)."""
