@@ -197,6 +197,10 @@ class WeightFiles:
             raise WeightsError(f"{f} does not hold a state dict (a dict of tensor name -> tensor)")
         self._torch.update(sd)
 
+    def close(self) -> None:
+        """Let go of torch-file memory maps (safetensors files are opened per read)."""
+        self._torch = {}
+
     # ---- what is in it -------------------------------------------------------------------
     def keys(self) -> List[str]:
         return list(self.extents) + list(self._torch)

@@ -490,3 +490,5 @@ class WeightLoader:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self.files is not None:
+            self.files.close()
