@@ -213,6 +213,13 @@ class WeightLoader:
     def schedule(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         """The order in which ``load`` will be called (groups of tensors): the next group's
         bytes are read while the current one is converted."""
+        self._prepare(groups)
+        if self._reader is not None:
+            self._submit_next()
+
+    def _prepare(self, groups) -> None:
+        """The read order and two read buffers of the largest group, their pages touched now
+        (reads then go at the disk's rate instead of faulting pages in)."""
         if self.files is None:
             return
         self._order = [self._keys_of(g) for g in groups]
@@ -221,8 +228,10 @@ class WeightLoader:
         if need:
             from offload.storage.pinned_pool import HostPool
             self._pool = HostPool([need, need], pin=False, name="offload-load")
+            for _ in range(2):
+                with self._pool.acquire(need) as buf:
+                    buf.view(torch.uint8, need).zero_()
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-load")
-            self._submit_next()
 
     def _keys_of(self, tensors) -> List[str]:
         """The checkpoint keys ``load(tensors)`` will read, in its order."""
@@ -438,11 +447,15 @@ class WeightLoader:
             self.load(ps, device=device, dtype=dtype, frozen_reference=True)
             self.load(bs, device=device)
 
-    def read_only(self, groups: Sequence[Sequence[torch.Tensor]]) -> int:
+    def read_only(self, groups: Sequence[Sequence[torch.Tensor]]) -> Tuple[int, float]:
         """Read every group's checkpoint bytes exactly as loading does (planned ranges,
         O_DIRECT, the next group in flight), converting nothing: the read path alone, for
-        benchmarks. Returns the bytes of the tensors read."""
-        self.schedule(groups)
+        benchmarks. Returns the bytes of the tensors read and the seconds from the first
+        read to the last (buffers allocated before)."""
+        self._prepare(groups)
+        t0 = time.perf_counter()
+        if self._reader is not None:
+            self._submit_next()
         total = 0
         for g in groups:
             keys = self._keys_of(g)
@@ -450,8 +463,9 @@ class WeightLoader:
                 grp = self._group(keys)
                 total += grp.nbytes
                 grp.release()
+        seconds = time.perf_counter() - t0
         self.close()
-        return total
+        return total, seconds
 
     def refer(self, t: torch.Tensor, value: Optional[torch.Tensor] = None) -> None:
         """Record frozen parameter ``t`` as read in place from its safetensors extent (its
