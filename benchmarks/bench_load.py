@@ -5,13 +5,14 @@ and host memory during loading against the model's size.
    by shard, random values, never held whole). In the same process, interleaved rounds:
    (a) a raw O_DIRECT read of every file in 64 MiB requests, (b) the loader's read path alone
    (its planned ranges per block, O_DIRECT into its two pool buffers, the next block in
-   flight), medians of each, the ratio paired within rounds (the disk's rate drifts); both read into buffers whose pages were touched before the
-   clock starts. Claim: (b) / (a) >= 0.8. Then (c) the full load through
+   flight), medians of each, the ratio paired within rounds (the disk's rate drifts); both
+   read into buffers whose pages were touched before the clock starts. Claim: (b) / (a) >= 0.8. Then (c) the full load through
    ``offload.initialize(model_on_meta, config, weights=...)``, fp32 masters and state written
    to their tier, reported separately (GB/s of checkpoint bytes over its wall time, and the
    seconds spent converting).
 2. ``rss``: the same load (parameters and optimizer state on NVMe) in a fresh process for a
-   shallow and a deep model of one width (the peak reset before each); the rise of peak RSS over the process's RSS before
+   shallow and a deep model of one width (the peak reset before each); the rise of peak RSS
+   over the process's RSS before
    ``initialize`` must not grow with the checkpoint (claim ``rss_rise_deep_vs_shallow_mib``:
    the difference of the two rises, against the deep model's extra checkpoint bytes).
 
