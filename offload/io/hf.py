@@ -326,9 +326,9 @@ def read_range(path: str, start: int, out: torch.Tensor) -> int:
                     continue
                 raise WeightsError(f"reading {want} bytes at offset {start + done} of {path} failed: "
                                    f"{exc.strerror} (errno {exc.errno})") from None
-            if got == 0:
-                break
             done += got
+            if got < want:                # the end of the file (a regular file reads short only there)
+                break
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
     finally:
