@@ -39,12 +39,12 @@ Frozen parameters loaded from safetensors are remembered with a CRC32C of their 
 """
 from __future__ import annotations
 
-import os
+import collections
+import queue
 import re
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -114,10 +114,12 @@ class WeightLoader:
         self._hf = _hf_roots(model)
         self._hf_of: Optional[Dict[int, nn.Module]] = None
         self._adapters = _adapter_layers(model)
-        self._order: List[List[str]] = []          # scheduled groups of checkpoint keys
-        self._next: Optional[Tuple[List[str], Future]] = None
-        self._pool = None
-        self._reader: Optional[ThreadPoolExecutor] = None
+        self._expected: collections.deque = collections.deque()   # scheduled key lists not yet taken
+        self._work: queue.Queue = queue.Queue()     # key lists for the reader thread (None: stop)
+        self._ready: queue.Queue = queue.Queue()    # its ReadGroups (or exceptions), in order
+        self._pool = None                           # two read buffers of ``_slot`` bytes
+        self._slot = 0
+        self._reader: Optional[threading.Thread] = None
         self._base: Dict[str, dict] = {}           # state_dict key -> base file reference
         self._done = set()                         # ids of tensors given their values
         self.seconds = {"read_wait": 0.0, "convert": 0.0, "init": 0.0}
@@ -210,71 +212,92 @@ class WeightLoader:
         return self.files.extent(k) if k is not None else None
 
     # ---- reading ahead ---------------------------------------------------------------------
+    # One reader thread goes through the scheduled groups in order, each into a free buffer
+    # of a two-slot pool (so it is always one group ahead, without waiting to be asked);
+    # ``_group`` takes the results in the same order. A buffer goes back to the pool when the
+    # group is released, after its values were copied into the model.
     def schedule(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         """The order in which ``load`` will be called (groups of tensors): the next group's
         bytes are read while the current one is converted."""
         self._prepare(groups)
-        if self._reader is not None:
-            self._submit_next()
+        self._enqueue([self._keys_of(g) for g in groups])
 
     def _prepare(self, groups) -> None:
-        """The read order and two read buffers of the largest group, their pages touched now
-        (reads then go at the disk's rate instead of faulting pages in)."""
-        if self.files is None:
+        """Two read buffers of the largest group, their pages touched now (reads then go at
+        the disk's rate instead of faulting pages in), and the reader thread."""
+        if self.files is None or self._reader is not None:
             return
-        self._order = [self._keys_of(g) for g in groups]
-        self._order = [g for g in self._order if g]
-        need = max((self.files.read_bytes_needed(g) for g in self._order), default=0)
+        need = max((self.files.read_bytes_needed(self._keys_of(g)) for g in groups), default=0)
         if need:
             from offload.storage.pinned_pool import HostPool
             self._pool = HostPool([need, need], pin=False, name="offload-load")
+            self._slot = need
             for _ in range(2):
                 with self._pool.acquire(need) as buf:
                     buf.view(torch.uint8, need).zero_()
-            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-load")
+            self._reader = threading.Thread(target=self._produce, name="offload-load", daemon=True)
+            self._reader.start()
+
+    def _enqueue(self, key_lists) -> None:
+        if self._reader is None:
+            return
+        for keys in key_lists:
+            if keys:
+                self._expected.append(keys)
+                self._work.put(keys)
 
     def _keys_of(self, tensors) -> List[str]:
         """The checkpoint keys ``load(tensors)`` will read, in its order."""
         ks = [self._source[id(t)] for t in tensors if id(t) not in self._done and id(t) in self._source]
         return list(dict.fromkeys(ks))
 
-    def _submit_next(self) -> None:
-        if self._order and self._next is None:
-            keys = self._order.pop(0)
-            self._next = (keys, self._reader.submit(self._read, keys))
+    def _produce(self) -> None:
+        """The reader thread: each scheduled group into a pool buffer, in order."""
+        while True:
+            keys = self._work.get()
+            if keys is None:
+                return
+            try:
+                need = self.files.read_bytes_needed(keys)
+                if need > self._slot:
+                    result = self._read_once(keys)
+                else:
+                    result = self.files.read(keys, self._pool.acquire(need, timeout=600) if need else None)
+            except BaseException as exc:       # handed to the consumer, raised there
+                result = exc
+            self._ready.put(result)
 
-    def _read(self, keys: List[str]) -> ReadGroup:
+    def _read_once(self, keys: List[str]) -> ReadGroup:
+        """An unscheduled read, into a buffer of its own (the values are copied out of it)."""
         need = self.files.read_bytes_needed(keys)
-        buf = None
-        if need:
-            if self._pool is None or need > self._pool.capacity_bytes // 2:
-                raise AssertionError("unscheduled read larger than the load buffers")
-            buf = self._pool.acquire(need, timeout=600)
-        return self.files.read(keys, buf)
+        if not need:
+            return self.files.read(keys)
+        from offload.storage.pinned_pool import HostPool
+        pool = HostPool([need], pin=False, name="offload-load-once")
+        try:
+            g = self.files.read(keys, pool.acquire(need))
+            own = {k: v.clone() for k, v in g.tensors.items()}
+            g.release()
+            return ReadGroup(own)
+        finally:
+            pool.close()
 
     def _group(self, keys: List[str]) -> ReadGroup:
-        """The read of ``keys``: the one in flight if it is that, else a read now."""
-        if self._next is not None and self._next[0] == keys:
-            fut = self._next[1]
-            self._next = None
-            t0 = time.perf_counter()
-            group = fut.result()
-            self.seconds["read_wait"] += time.perf_counter() - t0
-            self._submit_next()
-            return group
-        need = self.files.read_bytes_needed(keys)
-        if need:
-            from offload.storage.pinned_pool import HostPool
-            pool = HostPool([need], pin=False, name="offload-load-once")
-            try:
-                buf = pool.acquire(need)
-                g = self.files.read(keys, buf)
-                own = {k: v.clone() for k, v in g.tensors.items()}   # the pool goes with this call
-                g.release()
-                return ReadGroup(own)
-            finally:
-                pool.close()
-        return self.files.read(keys)
+        """The read of ``keys``: from the reader thread if it is the next scheduled group,
+        else a read now."""
+        if not (self._expected and self._expected[0] == keys):
+            return self._read_once(keys)
+        self._expected.popleft()
+        t0 = time.perf_counter()
+        try:
+            result = self._ready.get(timeout=600)
+        except queue.Empty:
+            raise WeightsError(f"reading {len(keys)} tensors of {self.files.path} did not complete within "
+                               f"600 s (first: {keys[0]!r})") from None
+        self.seconds["read_wait"] += time.perf_counter() - t0
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     # ---- loading ---------------------------------------------------------------------------
     def load(self, tensors: Sequence[torch.Tensor], device=None, dtype: Optional[torch.dtype] = None,
@@ -437,12 +460,7 @@ class WeightLoader:
             claimed.update(id(m) for m in mods)
             batches.append(todo(mods))
         batches.append(todo([m for m in model.modules() if id(m) not in claimed]))
-        if self.files is not None and self._reader is None:
-            self.schedule([ps for ps, _ in batches])
-        elif self.files is not None:
-            self._order += [self._keys_of(ps) for ps, _ in batches]
-            self._order = [g for g in self._order if g]
-            self._submit_next()
+        self.schedule([ps for ps, _ in batches])
         for ps, bs in batches:
             self.load(ps, device=device, dtype=dtype, frozen_reference=True)
             self.load(bs, device=device)
@@ -454,8 +472,7 @@ class WeightLoader:
         read to the last (buffers allocated before)."""
         self._prepare(groups)
         t0 = time.perf_counter()
-        if self._reader is not None:
-            self._submit_next()
+        self._enqueue([self._keys_of(g) for g in groups])
         total = 0
         for g in groups:
             keys = self._keys_of(g)
@@ -484,23 +501,36 @@ class WeightLoader:
             self._base[name] = {"file": ext.file, "key": self._source[id(t)], algo: crc}
         self._done.add(id(t))
 
+    def _drain_ready(self) -> None:
+        while True:
+            try:
+                r = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(r, ReadGroup):
+                r.release()
+
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
         checkpoint's safetensors files (they never change, so a checkpoint may refer to them)."""
         return dict(self._base)
 
     def close(self) -> None:
-        """Release the read buffers and the reader thread (the model keeps its values)."""
-        if self._next is not None:
-            try:
-                self._next[1].result().release()
-            except BaseException:
-                pass
-            self._next = None
-        self._order = []
+        """Stop the reader thread and release the read buffers (the model keeps its values)."""
         if self._reader is not None:
-            self._reader.shutdown(wait=True)
+            while True:                   # nothing more to read
+                try:
+                    self._work.get_nowait()
+                except queue.Empty:
+                    break
+            self._work.put(None)
+            deadline = time.monotonic() + 600
+            while self._reader.is_alive() and time.monotonic() < deadline:
+                self._drain_ready()       # frees buffers a blocked read waits for
+                self._reader.join(timeout=0.05)
+            self._drain_ready()
             self._reader = None
+        self._expected.clear()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
