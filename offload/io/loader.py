@@ -5,7 +5,7 @@ initialisation, one group of parameters (a block) at a time.
     loader.schedule([[params of block 0], [params of block 1], ...])   # read ahead in this order
     loader.load(params_of_block_0)        # materialized (if on meta) and filled, identity kept
     ...
-    loader.load_rest(model, device, dtype)   # parameters outside blocks, then buffers
+    loader.load_rest(model, skip_ids, device, dtype)   # parameters outside blocks, then buffers
     loader.close()
 
 Matching (all checked in the constructor, before anything is allocated): every checkpoint key
@@ -39,10 +39,7 @@ Frozen parameters loaded from safetensors are remembered with a CRC32C of their 
 """
 from __future__ import annotations
 
-import collections
-import queue
 import re
-import threading
 import time
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -50,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload.io.hf import ReadGroup, WeightFiles, WeightsError, canonical_key
+from offload.io.hf import ReadAhead, ReadGroup, WeightFiles, WeightsError, canonical_key
 
 
 def checksum(t: torch.Tensor) -> Tuple[str, int]:
@@ -104,7 +101,7 @@ class WeightLoader:
     model's own initialisation. See the module docstring for the rules."""
 
     def __init__(self, model: nn.Module, weights=None, key_map: Optional[Callable[[str], Optional[str]]] = None,
-                 init_fn: Optional[Callable[[nn.Module], None]] = None, read_buffer_bytes: Optional[int] = None):
+                 init_fn: Optional[Callable[[nn.Module], None]] = None):
         self.model = model
         self.init_fn = init_fn
         self.files = WeightFiles(weights) if weights is not None else None
@@ -114,12 +111,7 @@ class WeightLoader:
         self._hf = _hf_roots(model)
         self._hf_of: Optional[Dict[int, nn.Module]] = None
         self._adapters = _adapter_layers(model)
-        self._expected: collections.deque = collections.deque()   # scheduled key lists not yet taken
-        self._work: queue.Queue = queue.Queue()     # key lists for the reader thread (None: stop)
-        self._ready: queue.Queue = queue.Queue()    # its ReadGroups (or exceptions), in order
-        self._pool = None                           # two read buffers of ``_slot`` bytes
-        self._slot = 0
-        self._reader: Optional[threading.Thread] = None
+        self._ahead: Optional[ReadAhead] = None     # the reader thread, once scheduled
         self._base: Dict[str, dict] = {}           # state_dict key -> base file reference
         self._done = set()                         # ids of tensors given their values
         self.seconds = {"read_wait": 0.0, "convert": 0.0, "init": 0.0}
@@ -212,92 +204,26 @@ class WeightLoader:
         return self.files.extent(k) if k is not None else None
 
     # ---- reading ahead ---------------------------------------------------------------------
-    # One reader thread goes through the scheduled groups in order, each into a free buffer
-    # of a two-slot pool (so it is always one group ahead, without waiting to be asked);
-    # ``_group`` takes the results in the same order. A buffer goes back to the pool when the
-    # group is released, after its values were copied into the model.
     def schedule(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         """The order in which ``load`` will be called (groups of tensors): the next group's
         bytes are read while the current one is converted."""
-        self._prepare(groups)
-        self._enqueue([self._keys_of(g) for g in groups])
-
-    def _prepare(self, groups) -> None:
-        """Two read buffers of the largest group, their pages touched now (reads then go at
-        the disk's rate instead of faulting pages in), and the reader thread."""
-        if self.files is None or self._reader is not None:
+        if self.files is None:
             return
-        need = max((self.files.read_bytes_needed(self._keys_of(g)) for g in groups), default=0)
-        if need:
-            from offload.storage.pinned_pool import HostPool
-            self._pool = HostPool([need, need], pin=False, name="offload-load")
-            self._slot = need
-            for _ in range(2):
-                with self._pool.acquire(need) as buf:
-                    buf.view(torch.uint8, need).zero_()
-            self._reader = threading.Thread(target=self._produce, name="offload-load", daemon=True)
-            self._reader.start()
-
-    def _enqueue(self, key_lists) -> None:
-        if self._reader is None:
-            return
-        for keys in key_lists:
-            if keys:
-                self._expected.append(keys)
-                self._work.put(keys)
+        keys = [self._keys_of(g) for g in groups]
+        if self._ahead is None and any(keys):
+            self._ahead = ReadAhead(self.files, max(self.files.read_bytes_needed(k) for k in keys))
+        if self._ahead is not None:
+            self._ahead.enqueue(keys)
 
     def _keys_of(self, tensors) -> List[str]:
         """The checkpoint keys ``load(tensors)`` will read, in its order."""
         ks = [self._source[id(t)] for t in tensors if id(t) not in self._done and id(t) in self._source]
         return list(dict.fromkeys(ks))
 
-    def _produce(self) -> None:
-        """The reader thread: each scheduled group into a pool buffer, in order."""
-        while True:
-            keys = self._work.get()
-            if keys is None:
-                return
-            try:
-                need = self.files.read_bytes_needed(keys)
-                if need > self._slot:
-                    result = self._read_once(keys)
-                else:
-                    result = self.files.read(keys, self._pool.acquire(need, timeout=600) if need else None)
-            except BaseException as exc:       # handed to the consumer, raised there
-                result = exc
-            self._ready.put(result)
-
-    def _read_once(self, keys: List[str]) -> ReadGroup:
-        """An unscheduled read, into a buffer of its own (the values are copied out of it)."""
-        need = self.files.read_bytes_needed(keys)
-        if not need:
-            return self.files.read(keys)
-        from offload.storage.pinned_pool import HostPool
-        pool = HostPool([need], pin=False, name="offload-load-once")
-        try:
-            g = self.files.read(keys, pool.acquire(need))
-            own = {k: v.clone() for k, v in g.tensors.items()}
-            g.release()
-            return ReadGroup(own)
-        finally:
-            pool.close()
-
     def _group(self, keys: List[str]) -> ReadGroup:
-        """The read of ``keys``: from the reader thread if it is the next scheduled group,
-        else a read now."""
-        if not (self._expected and self._expected[0] == keys):
-            return self._read_once(keys)
-        self._expected.popleft()
-        t0 = time.perf_counter()
-        try:
-            result = self._ready.get(timeout=600)
-        except queue.Empty:
-            raise WeightsError(f"reading {len(keys)} tensors of {self.files.path} did not complete within "
-                               f"600 s (first: {keys[0]!r})") from None
-        self.seconds["read_wait"] += time.perf_counter() - t0
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        if self._ahead is not None:
+            return self._ahead.take(keys)
+        return ReadAhead.read_once(self.files, keys)
 
     # ---- loading ---------------------------------------------------------------------------
     def load(self, tensors: Sequence[torch.Tensor], device=None, dtype: Optional[torch.dtype] = None,
@@ -470,19 +396,19 @@ class WeightLoader:
         O_DIRECT, the next group in flight), converting nothing: the read path alone, for
         benchmarks. Returns the bytes of the tensors read and the seconds from the first
         read to the last (buffers allocated before)."""
-        self._prepare(groups)
-        t0 = time.perf_counter()
-        self._enqueue([self._keys_of(g) for g in groups])
-        total = 0
-        for g in groups:
-            keys = self._keys_of(g)
-            if keys:
-                grp = self._group(keys)
+        keys = [k for k in (self._keys_of(g) for g in groups) if k]
+        ahead = ReadAhead(self.files, max(self.files.read_bytes_needed(k) for k in keys))
+        try:
+            t0 = time.perf_counter()
+            ahead.enqueue(keys)
+            total = 0
+            for k in keys:
+                grp = ahead.take(k)
                 total += grp.nbytes
                 grp.release()
-        seconds = time.perf_counter() - t0
-        self.close()
-        return total, seconds
+            return total, time.perf_counter() - t0
+        finally:
+            ahead.close()
 
     def refer(self, t: torch.Tensor, value: Optional[torch.Tensor] = None) -> None:
         """Record frozen parameter ``t`` as read in place from its safetensors extent (its
@@ -501,38 +427,16 @@ class WeightLoader:
             self._base[name] = {"file": ext.file, "key": self._source[id(t)], algo: crc}
         self._done.add(id(t))
 
-    def _drain_ready(self) -> None:
-        while True:
-            try:
-                r = self._ready.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(r, ReadGroup):
-                r.release()
-
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
         checkpoint's safetensors files (they never change, so a checkpoint may refer to them)."""
         return dict(self._base)
 
     def close(self) -> None:
-        """Stop the reader thread and release the read buffers (the model keeps its values)."""
-        if self._reader is not None:
-            while True:                   # nothing more to read
-                try:
-                    self._work.get_nowait()
-                except queue.Empty:
-                    break
-            self._work.put(None)
-            deadline = time.monotonic() + 600
-            while self._reader.is_alive() and time.monotonic() < deadline:
-                self._drain_ready()       # frees buffers a blocked read waits for
-                self._reader.join(timeout=0.05)
-            self._drain_ready()
-            self._reader = None
-        self._expected.clear()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop reading ahead and release the read buffers (the model keeps its values)."""
+        if self._ahead is not None:
+            self.seconds["read_wait"] += self._ahead.wait_seconds
+            self._ahead.close()
+            self._ahead = None
         if self.files is not None:
             self.files.close()
