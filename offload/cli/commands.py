@@ -4,7 +4,7 @@
     offload estimate  bytes per tier for every placement, against this machine
     offload plan      measure this machine, rank the placements by predicted step time
     offload bench     run benchmarks/bench_<name>.py
-    offload export    consolidated fp32 weights from a checkpoint (.pt or .safetensors)
+    offload export    a checkpoint's weights: one fp32 file (.pt / .safetensors) or --format hf (a directory)
 
 Errors in what the user gave (config, flags, paths) print one line, ``offload: error: ...``,
 and exit with status 2; no traceback.

@@ -23,12 +23,16 @@ released, so they stop counting as resident memory.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import mmap
 import os
+import queue
 import re
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -197,6 +201,10 @@ class WeightFiles:
             raise WeightsError(f"{f} does not hold a state dict (a dict of tensor name -> tensor)")
         self._torch.update(sd)
 
+    def close(self) -> None:
+        """Let go of torch-file memory maps (safetensors files are opened per read)."""
+        self._torch = {}
+
     # ---- what is in it -------------------------------------------------------------------
     def keys(self) -> List[str]:
         return list(self.extents) + list(self._torch)
@@ -283,6 +291,110 @@ class WeightFiles:
         return ReadGroup(out, buffer, mapped)
 
 
+class ReadAhead:
+    """One reader thread going through scheduled groups of keys in order, each into a free
+    buffer of a two-slot pool, so it is always one group ahead without waiting to be asked;
+    ``take`` hands the groups out in the same order. A buffer goes back to the pool when its
+    group is released. Pages of both buffers are touched at construction (reads then go at
+    the disk's rate instead of faulting pages in). Every wait is bounded (600 s)."""
+
+    TIMEOUT = 600.0
+
+    def __init__(self, files: "WeightFiles", slot_bytes: int):
+        from offload.storage.pinned_pool import HostPool
+        self.files = files
+        self.slot = max(int(slot_bytes), PAGE)
+        self.pool = HostPool([self.slot, self.slot], pin=False, name="offload-load")
+        for _ in range(2):
+            with self.pool.acquire(self.slot) as buf:
+                buf.view(torch.uint8, self.slot).zero_()
+        self.wait_seconds = 0.0                       # the consumer's waits for reads
+        self._expected: collections.deque = collections.deque()   # scheduled key lists not yet taken
+        self._work: queue.Queue = queue.Queue()       # key lists for the thread (None: stop)
+        self._ready: queue.Queue = queue.Queue()      # its ReadGroups (or exceptions), in order
+        self._thread = threading.Thread(target=self._run, name="offload-load", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, key_lists: Sequence[Sequence[str]]) -> None:
+        for keys in key_lists:
+            if keys:
+                self._expected.append(list(keys))
+                self._work.put(list(keys))
+
+    def take(self, keys: Sequence[str]) -> ReadGroup:
+        """The group of ``keys``: from the thread if it is the next scheduled one, else read now."""
+        keys = list(keys)
+        if not (self._expected and self._expected[0] == keys):
+            return self.read_once(self.files, keys)
+        self._expected.popleft()
+        t0 = time.perf_counter()
+        try:
+            result = self._ready.get(timeout=self.TIMEOUT)
+        except queue.Empty:
+            raise WeightsError(f"reading {len(keys)} tensors of {self.files.path} did not complete within "
+                               f"{self.TIMEOUT:.0f} s (first: {keys[0]!r})") from None
+        self.wait_seconds += time.perf_counter() - t0
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _run(self) -> None:
+        while True:
+            keys = self._work.get()
+            if keys is None:
+                return
+            try:
+                need = self.files.read_bytes_needed(keys)
+                if need > self.slot:
+                    result = self.read_once(self.files, keys)
+                else:
+                    result = self.files.read(keys, self.pool.acquire(need, timeout=self.TIMEOUT) if need else None)
+            except BaseException as exc:         # handed to the consumer, raised there
+                result = exc
+            self._ready.put(result)
+
+    @staticmethod
+    def read_once(files: "WeightFiles", keys: Sequence[str]) -> ReadGroup:
+        """An unscheduled read into a buffer of its own (the values are copied out of it)."""
+        from offload.storage.pinned_pool import HostPool
+        need = files.read_bytes_needed(keys)
+        if not need:
+            return files.read(keys)
+        pool = HostPool([need], pin=False, name="offload-load-once")
+        try:
+            g = files.read(keys, pool.acquire(need))
+            own = {k: v.clone() for k, v in g.tensors.items()}
+            g.release()
+            return ReadGroup(own)
+        finally:
+            pool.close()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                r = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(r, ReadGroup):
+                r.release()
+
+    def close(self) -> None:
+        """Stop the thread (after the read in flight) and free the buffers."""
+        while True:
+            try:
+                self._work.get_nowait()
+            except queue.Empty:
+                break
+        self._work.put(None)
+        deadline = time.monotonic() + self.TIMEOUT
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._drain()                    # frees buffers a blocked read waits for
+            self._thread.join(timeout=0.05)
+        self._drain()
+        self._expected.clear()
+        self.pool.close()
+
+
 # ---- raw I/O -----------------------------------------------------------------------------
 _O_DIRECT_OK: Dict[str, bool] = {}
 
@@ -322,9 +434,9 @@ def read_range(path: str, start: int, out: torch.Tensor) -> int:
                     continue
                 raise WeightsError(f"reading {want} bytes at offset {start + done} of {path} failed: "
                                    f"{exc.strerror} (errno {exc.errno})") from None
-            if got == 0:
-                break
             done += got
+            if got < want:                # the end of the file (a regular file reads short only there)
+                break
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
     finally:

@@ -5,7 +5,7 @@ initialisation, one group of parameters (a block) at a time.
     loader.schedule([[params of block 0], [params of block 1], ...])   # read ahead in this order
     loader.load(params_of_block_0)        # materialized (if on meta) and filled, identity kept
     ...
-    loader.load_rest(model, device, dtype)   # parameters outside blocks, then buffers
+    loader.load_rest(model, skip_ids, device, dtype)   # parameters outside blocks, then buffers
     loader.close()
 
 Matching (all checked in the constructor, before anything is allocated): every checkpoint key
@@ -39,18 +39,15 @@ Frozen parameters loaded from safetensors are remembered with a CRC32C of their 
 """
 from __future__ import annotations
 
-import os
 import re
-import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from offload.io.hf import ReadGroup, WeightFiles, WeightsError, canonical_key
+from offload.io.hf import ReadAhead, ReadGroup, WeightFiles, WeightsError, canonical_key
 
 
 def checksum(t: torch.Tensor) -> Tuple[str, int]:
@@ -104,7 +101,7 @@ class WeightLoader:
     model's own initialisation. See the module docstring for the rules."""
 
     def __init__(self, model: nn.Module, weights=None, key_map: Optional[Callable[[str], Optional[str]]] = None,
-                 init_fn: Optional[Callable[[nn.Module], None]] = None, read_buffer_bytes: Optional[int] = None):
+                 init_fn: Optional[Callable[[nn.Module], None]] = None):
         self.model = model
         self.init_fn = init_fn
         self.files = WeightFiles(weights) if weights is not None else None
@@ -114,10 +111,7 @@ class WeightLoader:
         self._hf = _hf_roots(model)
         self._hf_of: Optional[Dict[int, nn.Module]] = None
         self._adapters = _adapter_layers(model)
-        self._order: List[List[str]] = []          # scheduled groups of checkpoint keys
-        self._next: Optional[Tuple[List[str], Future]] = None
-        self._pool = None
-        self._reader: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[ReadAhead] = None     # the reader thread, once scheduled
         self._base: Dict[str, dict] = {}           # state_dict key -> base file reference
         self._done = set()                         # ids of tensors given their values
         self.seconds = {"read_wait": 0.0, "convert": 0.0, "init": 0.0}
@@ -215,57 +209,21 @@ class WeightLoader:
         bytes are read while the current one is converted."""
         if self.files is None:
             return
-        self._order = [self._keys_of(g) for g in groups]
-        self._order = [g for g in self._order if g]
-        need = max((self.files.read_bytes_needed(g) for g in self._order), default=0)
-        if need:
-            from offload.storage.pinned_pool import HostPool
-            self._pool = HostPool([need, need], pin=False, name="offload-load")
-            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-load")
-            self._submit_next()
+        keys = [self._keys_of(g) for g in groups]
+        if self._ahead is None and any(keys):
+            self._ahead = ReadAhead(self.files, max(self.files.read_bytes_needed(k) for k in keys))
+        if self._ahead is not None:
+            self._ahead.enqueue(keys)
 
     def _keys_of(self, tensors) -> List[str]:
         """The checkpoint keys ``load(tensors)`` will read, in its order."""
         ks = [self._source[id(t)] for t in tensors if id(t) not in self._done and id(t) in self._source]
         return list(dict.fromkeys(ks))
 
-    def _submit_next(self) -> None:
-        if self._order and self._next is None:
-            keys = self._order.pop(0)
-            self._next = (keys, self._reader.submit(self._read, keys))
-
-    def _read(self, keys: List[str]) -> ReadGroup:
-        need = self.files.read_bytes_needed(keys)
-        buf = None
-        if need:
-            if self._pool is None or need > self._pool.capacity_bytes // 2:
-                raise AssertionError("unscheduled read larger than the load buffers")
-            buf = self._pool.acquire(need, timeout=600)
-        return self.files.read(keys, buf)
-
     def _group(self, keys: List[str]) -> ReadGroup:
-        """The read of ``keys``: the one in flight if it is that, else a read now."""
-        if self._next is not None and self._next[0] == keys:
-            fut = self._next[1]
-            self._next = None
-            t0 = time.perf_counter()
-            group = fut.result()
-            self.seconds["read_wait"] += time.perf_counter() - t0
-            self._submit_next()
-            return group
-        need = self.files.read_bytes_needed(keys)
-        if need:
-            from offload.storage.pinned_pool import HostPool
-            pool = HostPool([need], pin=False, name="offload-load-once")
-            try:
-                buf = pool.acquire(need)
-                g = self.files.read(keys, buf)
-                own = {k: v.clone() for k, v in g.tensors.items()}   # the pool goes with this call
-                g.release()
-                return ReadGroup(own)
-            finally:
-                pool.close()
-        return self.files.read(keys)
+        if self._ahead is not None:
+            return self._ahead.take(keys)
+        return ReadAhead.read_once(self.files, keys)
 
     # ---- loading ---------------------------------------------------------------------------
     def load(self, tensors: Sequence[torch.Tensor], device=None, dtype: Optional[torch.dtype] = None,
@@ -428,30 +386,46 @@ class WeightLoader:
             claimed.update(id(m) for m in mods)
             batches.append(todo(mods))
         batches.append(todo([m for m in model.modules() if id(m) not in claimed]))
-        if self.files is not None and self._reader is None:
-            self.schedule([ps for ps, _ in batches])
-        elif self.files is not None:
-            self._order += [self._keys_of(ps) for ps, _ in batches]
-            self._order = [g for g in self._order if g]
-            self._submit_next()
+        self.schedule([ps for ps, _ in batches])
         for ps, bs in batches:
             self.load(ps, device=device, dtype=dtype, frozen_reference=True)
             self.load(bs, device=device)
 
-    def read_only(self, groups: Sequence[Sequence[torch.Tensor]]) -> int:
+    def read_only(self, groups: Sequence[Sequence[torch.Tensor]]) -> Tuple[int, float]:
         """Read every group's checkpoint bytes exactly as loading does (planned ranges,
         O_DIRECT, the next group in flight), converting nothing: the read path alone, for
-        benchmarks. Returns the bytes of the tensors read."""
-        self.schedule(groups)
-        total = 0
-        for g in groups:
-            keys = self._keys_of(g)
-            if keys:
-                grp = self._group(keys)
+        benchmarks. Returns the bytes of the tensors read and the seconds from the first
+        read to the last (buffers allocated before)."""
+        keys = [k for k in (self._keys_of(g) for g in groups) if k]
+        ahead = ReadAhead(self.files, max(self.files.read_bytes_needed(k) for k in keys))
+        try:
+            t0 = time.perf_counter()
+            ahead.enqueue(keys)
+            total = 0
+            for k in keys:
+                grp = ahead.take(k)
                 total += grp.nbytes
                 grp.release()
-        self.close()
-        return total
+            return total, time.perf_counter() - t0
+        finally:
+            ahead.close()
+
+    def refer(self, t: torch.Tensor, value: Optional[torch.Tensor] = None) -> None:
+        """Record frozen parameter ``t`` as read in place from its safetensors extent (its
+        home is the checkpoint file, nothing is copied): checkpoints then refer to it.
+        ``value``: its bytes if the caller has them (for the checksum), else they are read."""
+        ext = self.source_extent(t)
+        if ext is None:
+            raise ValueError(f"{self._name(t)} is not in a safetensors file of the checkpoint: it cannot be "
+                             f"read in place")
+        if value is None:
+            with open(ext.file, "rb") as f:
+                f.seek(ext.offset)
+                value = torch.frombuffer(bytearray(f.read(ext.length)), dtype=torch.uint8)
+        algo, crc = checksum(value)
+        for name in self._names.get(id(t), []):
+            self._base[name] = {"file": ext.file, "key": self._source[id(t)], algo: crc}
+        self._done.add(id(t))
 
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
@@ -459,17 +433,10 @@ class WeightLoader:
         return dict(self._base)
 
     def close(self) -> None:
-        """Release the read buffers and the reader thread (the model keeps its values)."""
-        if self._next is not None:
-            try:
-                self._next[1].result().release()
-            except BaseException:
-                pass
-            self._next = None
-        self._order = []
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)
-            self._reader = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop reading ahead and release the read buffers (the model keeps its values)."""
+        if self._ahead is not None:
+            self.seconds["read_wait"] += self._ahead.wait_seconds
+            self._ahead.close()
+            self._ahead = None
+        if self.files is not None:
+            self.files.close()
