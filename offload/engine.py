@@ -126,6 +126,8 @@ class Engine:
         self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
         self.micro_step = 0       # backward calls
         self._boundary = False    # the current backward closes an accumulation window
+        self._forced_boundary: Optional[bool] = None   # set_gradient_accumulation_boundary
+        self._grad_norm: Optional[float] = None        # the last step's pre-clip global norm
         self._window_submitted = False
         self._completion: List[int] = []       # block completion order in the last backward
         self._arrival: List[int] = []
@@ -426,12 +428,31 @@ class Engine:
     def parameters(self):
         return self.module.parameters()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Whether the following ``backward()`` calls close the accumulation window (True) or
+        not (False), whatever the micro-step count; ``None`` returns to counting
+        gradient_accumulation_steps. For a caller that decides the window itself, e.g.
+        Hugging Face Trainer, whose last window of an epoch may be shorter (DeepSpeed's name)."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be True, False or None, not {is_boundary!r}")
+        self._forced_boundary = is_boundary
+
+    def grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last optimizer step, before clipping and after
+        fp16 unscaling (inf when an fp16 overflow skipped it), as
+        ``torch.nn.utils.clip_grad_norm_`` returns it. None when the engine computed no norm:
+        it does so only when it clips (gradient_clipping > 0) or scales the loss (fp16)."""
+        return self._grad_norm
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss`` averaged over the accumulation window (divided by
-        gradient_accumulation_steps, as DeepSpeed does), scaled for fp16."""
+        gradient_accumulation_steps, as DeepSpeed does), scaled for fp16.
+        ``scale_wrt_gas=False``: the caller already scaled the loss for accumulation (as
+        Hugging Face Trainer does), so it is not divided again."""
         self._check_open()
         gas = self.config.gradient_accumulation_steps
-        self._boundary = (self.micro_step + 1) % gas == 0
+        self._boundary = self._forced_boundary if self._forced_boundary is not None \
+            else (self.micro_step + 1) % gas == 0
         self._window_submitted = False
         self._completion = []             # blocks in the order their collectives were issued
         self._arrival = []                # ... in the order their gradients completed
@@ -444,7 +465,7 @@ class Engine:
                 b.wait_update()           # previous update may still read
         if self._boundary and self._overlap and self.tier is Tier.NVME:
             self.pipeline.set_order(self._last_order or [b.index for b in reversed(self.blocks)])
-        scaled = loss / gas if gas > 1 else loss
+        scaled = loss / gas if gas > 1 and scale_wrt_gas else loss
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
         with self.telemetry.span("offload::backward"):
@@ -576,7 +597,9 @@ class Engine:
             self.comm.all_reduce(sq, "gradient norm")
             total = sq.sqrt()[0].float()
         inv_scale = 1.0 / self.scaler.scale
+        self._grad_norm = float(total) * inv_scale if self.scaler.enabled else float(total)
         if not math.isfinite(total.item()):
+            self._grad_norm = math.inf
             return 1.0, True
         coef = inv_scale
         clip = self.config.gradient_clipping
