@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from offload.cli import commands as cli
+from offload import cli
 from offload.models.gpt import GPT, GPTConfig
 from offload.cli.progress import Progress
 

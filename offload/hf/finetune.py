@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from offload.hf import versions
 
 versions.check("transformers", "accelerate")
 
-from transformers import TrainerCallback  # noqa: E402
+from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 
 LORA_KEYS = {"r": int, "alpha": float, "dropout": float, "targets": str}
 
@@ -83,10 +83,13 @@ class FinetuneSpec:
     lr: float = 2e-4
     warmup: int = 10
     weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     precision: str = "fp32"
     eval_fraction: float = 0.05
+    max_eval: int = 64               # held-out examples evaluated at most (the rest stay out of training)
     log_every: int = 10
     save_steps: int = 0              # 0: no intermediate checkpoints
     max_minutes: float = 0.0         # 0: no limit
@@ -140,11 +143,15 @@ class Deadline(TrainerCallback):
         return control
 
 
-def finetune(spec: FinetuneSpec, offload_config: Any = None, callbacks: Sequence = (),
+def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[Callable] = None,
              say=print) -> Dict[str, Any]:
-    """Train and write the output; returns a summary (losses, eval losses, paths, engine stats)."""
+    """Train and write the output; returns a summary (losses, eval losses, paths, engine stats).
+    ``progress(trainer)``, when given, returns a TrainerCallback added to the trainer (it may
+    read ``trainer.engine``)."""
     from transformers import AutoTokenizer, TrainingArguments
+    from transformers.utils import logging as hf_logging
     from offload.hf.trainer import Trainer
+    hf_logging.disable_progress_bar()        # the weights' load / save bars; training has its own
     check_model_dir(spec.model_dir)
     if spec.merge and spec.lora is None:
         raise FinetuneError("--merge needs --lora (a full fine-tune already writes the whole model)")
@@ -154,6 +161,7 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, callbacks: Sequence
         raise FinetuneError(f"cannot load the tokenizer of {spec.model_dir!r} ({exc}): the directory needs its "
                             "tokenizer files (tokenizer.json / tokenizer_config.json)") from None
     train, held, described = data_mod.load(spec.data, tokenizer, spec.seq_len, spec.eval_fraction, spec.seed)
+    held = data_mod.Rows(held.rows[:spec.max_eval])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
     model = load_model(spec.model_dir)
@@ -170,7 +178,8 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, callbacks: Sequence
         output_dir=spec.out, per_device_train_batch_size=spec.batch_size, per_device_eval_batch_size=spec.batch_size,
         gradient_accumulation_steps=spec.gradient_accumulation_steps, max_steps=spec.steps,
         learning_rate=spec.lr, lr_scheduler_type="cosine", warmup_steps=min(spec.warmup, spec.steps),
-        weight_decay=spec.weight_decay, max_grad_norm=spec.max_grad_norm, logging_steps=spec.log_every,
+        weight_decay=spec.weight_decay, adam_beta1=spec.betas[0], adam_beta2=spec.betas[1], adam_epsilon=spec.eps,
+        max_grad_norm=spec.max_grad_norm, logging_steps=spec.log_every,
         save_strategy="steps" if spec.save_steps else "no", save_steps=spec.save_steps or 500,
         report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), seed=spec.seed,
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16", optim="adamw_torch",
@@ -179,7 +188,10 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, callbacks: Sequence
     deadline = Deadline(spec.max_minutes) if spec.max_minutes > 0 else None
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                       data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
-                      offload_config=offload_config, callbacks=list(callbacks) + ([deadline] if deadline else []))
+                      offload_config=offload_config, callbacks=[deadline] if deadline else None)
+    if progress is not None:             # in place of Trainer's own printer of log dicts
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(progress(trainer))
     try:
         eval_start = trainer.evaluate()["eval_loss"]
         t0 = time.perf_counter()
