@@ -26,10 +26,9 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("ft")
     assert cli.main(["new-model", str(d / "base"), "--hidden", "32", "--layers", "2", "--heads", "2",
                      "--max-positions", "64"]) == 0
-    assert cli.main(["corpus", "pydoc", str(d / "all.txt")]) == 0
+    assert cli.main(["corpus", "--pydoc", str(d / "all.txt"), "--stdlib", str(d / "all_code.txt")]) == 0
     text = (d / "all.txt").read_text()[:40_000]
     (d / "text.txt").write_text(text)
-    assert cli.main(["corpus", "stdlib", str(d / "all_code.txt")]) == 0
     (d / "code.txt").write_text((d / "all_code.txt").read_text()[:40_000])
     return d
 
