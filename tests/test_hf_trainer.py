@@ -208,3 +208,43 @@ def test_untested_transformers_version_fails_clearly(monkeypatch):
     monkeypatch.setattr(versions, "installed", lambda name: "4.40.0")
     with pytest.raises(versions.VersionError, match=r"tested with transformers>=5\.24,<5\.25, found 4\.40\.0"):
         versions.check("transformers")
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    """Under torchrun (2 ranks, gloo, ZeRO-2) on half batches: the same logged losses and
+    weights as plain Trainer in one process on the full batch."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           os.path.join(here, "_hf_ddp_worker.py"), str(tmp_path), "2"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(tmp_path / "stage2.pt", weights_only=False)
+    assert got["world"] == 2
+    refs = []
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        model = tiny_llama()
+        t = transformers.Trainer(model=model, args=args(optim=optim, per_device_train_batch_size=4,
+                                                        gradient_accumulation_steps=2, max_steps=3),
+                                 train_dataset=dataset())
+        t.train()
+        refs.append((train_logs(t), snapshot(model)))
+    (rl, rw), (fl, fw) = refs
+    assert len(got["logs"]) == len(rl) == 3 and all(r["grad_norm"] > 0.5 for r in rl)   # clipping bites
+    bound = 2 * max_diff(rw, fw) + 1e-6
+    assert max_diff(rw, got["weights"]) <= bound
+    for r, f, g in zip(rl, fl, got["logs"]):
+        for k in ("loss", "grad_norm"):
+            assert abs(g[k] - r[k]) <= 2 * abs(r[k] - f[k]) + 1e-6, (k, g, r)
+
+
+def _free_port() -> str:
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return str(port)
