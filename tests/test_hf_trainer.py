@@ -168,7 +168,7 @@ def test_save_model_writes_a_peft_adapter(tmp_path):
     assert any(v.abs().max() > 0 for k, v in want.items() if "lora_B" in k)   # trained, not the zero init
 
 
-@pytest.mark.parametrize("flag,precision", [("bf16", "bf16"), (None, "fp32")])
+@pytest.mark.parametrize("flag,precision", [("bf16", "bf16"), ("fp16", "fp16"), (None, "fp32")])
 def test_precision_flags_map_to_the_engine(flag, precision, tmp_path):
     kw = {flag: True} if flag else {}
     t = Trainer(model=tiny_llama(), args=args(max_steps=3, **kw), train_dataset=dataset(),
@@ -177,7 +177,7 @@ def test_precision_flags_map_to_the_engine(flag, precision, tmp_path):
     assert t.place_model_on_device is False
     t.train()
     try:
-        assert t.engine.dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        assert t.engine.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
         assert next(p for p in t.model.parameters()).dtype == t.engine.dtype
         assert all(torch.isfinite(torch.tensor(l["loss"])) for l in train_logs(t))
     finally:
@@ -248,3 +248,20 @@ def _free_port() -> str:
     port = s.getsockname()[1]
     s.close()
     return str(port)
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule(tmp_path):
+    """A loss scale that overflows every step: the engine skips each update, Trainer's
+    scheduler does not advance (as with Trainer's own fp16), grad_norm logs inf."""
+    before = snapshot(tiny_llama())
+    t = Trainer(model=tiny_llama(), args=args(max_steps=3, fp16=True, warmup_steps=0), train_dataset=dataset(),
+                offload_config={"offload_optimizer": {"device": "cpu"}, "loss_scaler": {"initial_scale": 2.0 ** 40}})
+    try:
+        t.train()
+        logs = train_logs(t)
+        assert t.engine.stats()["skipped_steps"] == 3 and t.lr_scheduler.last_epoch == 0
+        assert [l["learning_rate"] for l in logs] == [1e-2] * 3 and all(l["grad_norm"] == float("inf") for l in logs)
+        after = t.engine.full_state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before if k in after and "weight" in k)
+    finally:
+        t.close()
