@@ -100,6 +100,15 @@ def _placement(d: dict, args, spec_fields: dict, say) -> tuple:
     return d, tmp
 
 
+def quiet_hf() -> None:
+    """The command's own bar and lines only: no progress bars for loading / saving weights, no
+    deprecation warnings raised inside peft / transformers."""
+    import warnings
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
+
+
 def cmd_finetune(args) -> int:
     from offload.hf import data as data_mod
     from offload.hf import finetune as ft
@@ -127,6 +136,7 @@ def cmd_finetune(args) -> int:
                            save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
                            **{"lr": 2e-4, **fields})
     say = print
+    quiet_hf()
     try:
         ft.check_model_dir(spec.model_dir)
         d, tmp = _placement(d, args, fields, say)

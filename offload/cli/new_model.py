@@ -7,7 +7,9 @@ from offload.cli.common import CLIError
 
 
 def cmd_new_model(args) -> int:
+    from offload.cli.finetune import quiet_hf
     from offload.hf.byte_llama import write_byte_llama
+    quiet_hf()
     try:
         out = write_byte_llama(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads,
                                intermediate=args.intermediate, max_positions=args.max_positions, seed=args.seed)

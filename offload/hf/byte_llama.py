@@ -50,8 +50,6 @@ def write_byte_llama(out_dir: str, *, hidden: int = 256, layers: int = 4, heads:
     safetensors) with the byte-level tokenizer to ``out_dir``; returns ``out_dir``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
     if hidden % heads:
         raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
     tok = byte_tokenizer()

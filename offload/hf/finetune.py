@@ -17,7 +17,6 @@ import json
 import math
 import os
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -150,10 +149,7 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
     ``progress(trainer)``, when given, returns a TrainerCallback added to the trainer (it may
     read ``trainer.engine``)."""
     from transformers import AutoTokenizer, TrainingArguments
-    from transformers.utils import logging as hf_logging
     from offload.hf.trainer import Trainer
-    hf_logging.disable_progress_bar()        # the weights' load / save bars; training has its own
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft's
     check_model_dir(spec.model_dir)
     if spec.merge and spec.lora is None:
         raise FinetuneError("--merge needs --lora (a full fine-tune already writes the whole model)")

@@ -136,6 +136,10 @@ class Trainer(transformers.Trainer):
         if str(self.args.optim) not in _ADAMW and getattr(self.args.optim, "value", None) not in _ADAMW:
             raise ValueError(f"offload.hf.Trainer: optim={self.args.optim!r} is not run by the engine: use "
                              f"optim='adamw_torch' (the engine runs AdamW on its tiers)")
+        if self.args.load_best_model_at_end:
+            raise ValueError("offload.hf.Trainer: load_best_model_at_end is not supported (the best weights would "
+                             "bypass the engine's master copy): pick the checkpoint from trainer_state.json and "
+                             "resume_from_checkpoint or from_pretrained it")
         self.offload_config = engine_config(offload_config, self.args)   # fails here, before training
 
     # ---- the accelerator and device placement -------------------------------------------
@@ -153,6 +157,8 @@ class Trainer(transformers.Trainer):
             return self.optimizer
         import offload
         model = self.model
+        if self.engine is not None:      # model_init gave a new model: the old engine's buffers go
+            self.engine.close()
         decay = set(self.get_decay_parameter_names(model))
         groups = [
             {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
