@@ -37,7 +37,9 @@ def _train_config(args) -> tuple:
                 tmp = tempfile.mkdtemp(prefix="nvme-tier-")   # not "offload-*": that is the store's run-dir prefix
             sec["nvme_path"] = tmp
     try:
-        return config_mod.build_config(d), tmp
+        cfg = config_mod.build_config(d)
+        cfg.check_paths()      # before any model memory: the same messages initialize gives
+        return cfg, tmp
     except BaseException:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
