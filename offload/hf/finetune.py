@@ -100,8 +100,16 @@ class FinetuneError(ValueError):
     """The model directory, data or options cannot be used; the message says which and why."""
 
 
+def build_model(model_dir: str):
+    """The model's structure on the meta device (no memory): the engine streams the weights
+    from ``model_dir`` into it block by block (``Trainer(weights=model_dir)``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+
+
 def load_model(model_dir: str):
-    """The model to train, materialised in host memory (fp32)."""
+    """The whole model in host memory (fp32), for merging an adapter into it."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
@@ -162,7 +170,7 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
     held = data_mod.Rows(held.rows[:spec.max_eval])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
-    model = load_model(spec.model_dir)
+    model = build_model(spec.model_dir)
     if spec.lora is not None:
         model = _lora_model(model, spec.lora)
     n_all = sum(p.numel() for p in model.parameters())
@@ -186,7 +194,8 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
     deadline = Deadline(spec.max_minutes) if spec.max_minutes > 0 else None
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                       data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
-                      offload_config=offload_config, callbacks=[deadline] if deadline else None)
+                      offload_config=offload_config, weights=spec.model_dir,
+                      callbacks=[deadline] if deadline else None)
     if progress is not None:             # in place of Trainer's own printer of log dicts
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(progress(trainer))

@@ -21,7 +21,8 @@ How it plugs in, the way transformers' DeepSpeed integration does:
 - Checkpoints: Trainer's ``checkpoint-N`` folders hold the engine's checkpoint in
   ``offload/`` (weights, optimizer state, counters: resume is bit-exact) beside the model in
   Hugging Face layout, the scheduler, RNG and trainer state.
-- The model is never moved to the device whole (``place_model_on_device`` off).
+- The model is never moved to the device whole (``place_model_on_device`` off); with
+  ``weights=`` it may be built on the meta device and is filled by the engine's streamed load.
 """
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ from offload.hf import versions
 versions.check("transformers", "accelerate")
 
 import transformers  # noqa: E402
-from transformers.trainer import SCHEDULER_NAME  # noqa: E402
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME  # noqa: E402
 
 from offload.hf.config import engine_config  # noqa: E402
-from offload.hf.weights import trained_state_dict  # noqa: E402
+from offload.hf.weights import save_hf  # noqa: E402
 
 ENGINE_DIR = "offload"    # the engine's checkpoint inside a Trainer checkpoint folder
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
@@ -119,11 +120,15 @@ class Trainer(transformers.Trainer):
     the learning rate, Adam betas / epsilon, weight decay, ``gradient_accumulation_steps``,
     ``max_grad_norm`` and bf16 / fp16 (see ``offload.hf.config``). ``args.optim`` must be an
     AdamW (``adamw_torch`` or ``adamw_torch_fused``): the engine runs AdamW itself.
+    ``weights``: a pretrained checkpoint (a Hugging Face model directory, safetensors, an index)
+    streamed by the engine into the model block by block (``offload.initialize(weights=)``), so
+    the model may be built on the meta device and never exist whole in host memory.
     ``engine`` is the live engine once training (or evaluation) started; ``close()`` frees its
     host buffers and swap files."""
 
-    def __init__(self, *args, offload_config: Any = None, **kwargs):
+    def __init__(self, *args, offload_config: Any = None, weights: Optional[str] = None, **kwargs):
         self.engine = None
+        self.offload_weights = weights
         super().__init__(*args, **kwargs)
         if _is_peft(self.model):
             versions.check("peft")
@@ -169,7 +174,7 @@ class Trainer(transformers.Trainer):
         groups = [g for g in groups if g["params"]]
         if not groups:
             raise ValueError("offload.hf.Trainer: the model has no parameter with requires_grad: nothing to train")
-        self.engine = offload.initialize(model, self.offload_config, param_groups=groups)
+        self.engine = offload.initialize(model, self.offload_config, param_groups=groups, weights=self.offload_weights)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
@@ -185,13 +190,18 @@ class Trainer(transformers.Trainer):
 
     # ---- saving and resuming --------------------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Hugging Face layout: ``save_pretrained`` with the engine's trained weights (fp32
-        master); a PEFT model writes its adapter in PEFT's layout."""
+        """Hugging Face layout from the engine's trained weights (fp32 masters; sharded
+        safetensors + config.json, ``offload.export_hf``), a PEFT model's adapter in PEFT's
+        layout; the tokenizer / processor and the training arguments beside them, as Trainer
+        writes them."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = trained_state_dict(self.engine)     # a collective with ZeRO >= 1: every rank
-        self._save(output_dir, state_dict=state_dict)
+        save_hf(self.engine, output_dir, is_main=self.args.should_save)   # every rank: the checkpoint is per rank
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
