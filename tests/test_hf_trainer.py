@@ -123,7 +123,7 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path):
     for name in ("checkpoint-4", "checkpoint-6"):
         folder = os.path.join(out, name)
         assert os.path.isdir(os.path.join(folder, "offload"))             # the engine's checkpoint inside
-        assert os.path.isfile(os.path.join(folder, "model.safetensors"))
+        assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))   # HF layout beside it
     resumed = Trainer(model=tiny_llama(seed=5), args=args(out), train_dataset=dataset(), offload_config=cfg)
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
     got = resumed.engine.full_state_dict()
@@ -268,3 +268,22 @@ def test_fp16_overflow_skips_the_step_and_the_schedule(tmp_path):
         assert all(torch.equal(after[k], before[k]) for k in before if k in after and "weight" in k)
     finally:
         t.close()
+
+
+def test_weights_streamed_into_a_meta_model(tmp_path):
+    """Trainer(weights=DIR) on a model built on the meta device trains exactly as the same
+    weights loaded with from_pretrained."""
+    tiny_llama().save_pretrained(tmp_path / "base")
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path / "base")
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    runs = []
+    for model, weights in ((meta, str(tmp_path / "base")),
+                           (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), None)):
+        t = Trainer(model=model, args=args(max_steps=2), train_dataset=dataset(), weights=weights,
+                    offload_config={"offload_optimizer": {"device": "cpu"}})
+        t.train()
+        runs.append((train_logs(t), t.engine.full_state_dict()))
+        t.close()
+    (la, wa), (lb, wb) = runs
+    assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wb)
