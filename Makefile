@@ -42,10 +42,10 @@ train: setup
 	$(OFFLOAD) corpus --pydoc $(RUN)/pretrain.txt --stdlib $(RUN)/finetune.txt
 	$(OFFLOAD) new-model $(RUN)/base-init --hidden 128 --layers 4 --heads 4 --max-positions 256
 	$(OFFLOAD) finetune $(RUN)/base-init --data $(RUN)/pretrain.txt --out $(RUN)/base \
-	    --steps 150 --batch-size 16 --seq-len 128 --lr 3e-3 --warmup 10 --offload-optimizer cpu --max-minutes 1.5
+	    --steps 150 --batch-size 16 --seq-len 128 --lr 3e-3 --warmup 10 --log-steps 5 --offload-optimizer cpu --max-minutes 1.5
 	$(OFFLOAD) finetune $(RUN)/base --data $(RUN)/finetune.txt --out $(RUN)/adapter \
 	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj \
-	    --steps 80 --batch-size 8 --seq-len 128 --lr 5e-3 --warmup 5 \
+	    --steps 80 --batch-size 8 --seq-len 128 --lr 5e-3 --warmup 5 --log-steps 5 \
 	    --offload-param nvme --offload-optimizer nvme --max-minutes 1
 
 bench: setup

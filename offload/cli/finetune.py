@@ -153,8 +153,9 @@ def cmd_finetune(args) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    first, last = ft.loss_fell(s["losses"])
-    say(f"loss {first:.3f} -> {last:.3f} (first / last logged); held-out {s['eval_loss_start']:.3f} -> "
+    fell = ft.loss_fell(s["losses"])
+    say((f"loss {fell[0]:.3f} -> {fell[1]:.3f} (first / last logged)" if fell else "no training loss logged")
+        + f"; held-out {s['eval_loss_start']:.3f} -> "
         f"{s['eval_loss_end']:.3f}; {s['train_seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s"
         + ("; stopped early: --max-minutes reached" if s["stopped_early"] else ""))
     for line in format_summary(s["stats"]):

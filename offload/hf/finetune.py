@@ -148,6 +148,7 @@ class Deadline(TrainerCallback):
         if time.perf_counter() > self.end and state.global_step < state.max_steps:
             self.hit = True
             control.should_training_stop = True
+            control.should_log = True        # the last step's loss, whatever --log-steps
         return control
 
 
@@ -244,8 +245,10 @@ def _finish_output(spec: FinetuneSpec, tokenizer) -> List[str]:
     return sorted(f for f in os.listdir(spec.out) if not f.startswith("checkpoint-"))
 
 
-def loss_fell(losses: Sequence[tuple], k: int = 3) -> tuple:
-    """(mean of the first k logged losses, mean of the last k)."""
+def loss_fell(losses: Sequence[tuple], k: int = 3) -> Optional[tuple]:
+    """(mean of the first k logged losses, mean of the last k); None when none was logged."""
     vals = [l for _, l in losses if math.isfinite(l)]
+    if not vals:
+        return None
     k = max(1, min(k, len(vals) // 2)) if vals else 1
     return sum(vals[:k]) / k, sum(vals[-k:]) / k
