@@ -28,8 +28,25 @@ native: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# make train: the job this project is for, in two stages, nothing downloaded (README, "make train").
+#  1. pretrain: a fresh small Llama with a byte-level tokenizer (offload new-model), trained briefly
+#     on the help topics of Python's pydoc_data (offload finetune, full), saved in Hugging Face layout;
+#  2. fine-tune: LoRA on a second local text (standard-library source) through offload finetune,
+#     parameters and optimizer state on NVMe; writes the adapter (PEFT layout).
+# Each stage is bounded by --max-minutes (the run is still saved). RUN=dir to choose the output.
+RUN     := $(or $(RUN),runs/$(shell date +%Y%m%d-%H%M%S))
+OFFLOAD := $(PY) -m offload.cli
+
 train: setup
-	$(PY) -m offload.cli train
+	mkdir -p $(RUN)
+	$(OFFLOAD) corpus --pydoc $(RUN)/pretrain.txt --stdlib $(RUN)/finetune.txt
+	$(OFFLOAD) new-model $(RUN)/base-init --hidden 128 --layers 4 --heads 4 --max-positions 256
+	$(OFFLOAD) finetune $(RUN)/base-init --data $(RUN)/pretrain.txt --out $(RUN)/base \
+	    --steps 150 --batch-size 16 --seq-len 128 --lr 3e-3 --warmup 10 --log-steps 5 --offload-optimizer cpu --max-minutes 1.5
+	$(OFFLOAD) finetune $(RUN)/base --data $(RUN)/finetune.txt --out $(RUN)/adapter \
+	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj \
+	    --steps 80 --batch-size 8 --seq-len 128 --lr 5e-3 --warmup 5 --log-steps 5 \
+	    --offload-param nvme --offload-optimizer nvme --max-minutes 1
 
 bench: setup
 	$(PY) benchmarks/bench_adam.py

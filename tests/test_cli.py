@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from offload.cli import commands as cli
+from offload import cli
 from offload.models.gpt import GPT, GPTConfig
 from offload.cli.progress import Progress
 
@@ -78,8 +78,8 @@ def test_train_summary_from_stats(trained):
 
 def test_progress_lines_when_not_a_tty(trained):
     _, text, _, _ = trained
-    bars = [ln for ln in text.splitlines() if ln.startswith("[")]
-    assert len(bars) >= 2 and "tok/s" in bars[-1] and "40/40" in bars[-1]
+    bars = [ln for ln in text.splitlines() if "/40 [" in ln]      # tqdm lines, one per refresh
+    assert len(bars) >= 2 and "\r" not in text and "tok/s" in bars[-1] and "40/40" in bars[-1]
 
 
 def test_export_pt_matches_checkpoint(trained, tmp_path, capsys):
@@ -240,4 +240,15 @@ def test_progress_tty_redraws_in_place():
         bar.update(i, loss=1.0, tok_s=10.0, tiers={"device": 1 << 20, "nvme": 0})
     bar.close()
     text = s.getvalue()
-    assert text.count("\r") == 3 and text.endswith("\n") and "device 1MiB" in text and "nvme" not in text
+    assert "\n" not in text.rstrip("\n") and text.endswith("\n")     # redrawn in place, one line
+    assert "3/3" in text and "loss 1.000" in text and "device 1MiB" in text and "nvme" not in text
+
+
+def test_progress_log_file_gets_whole_lines():
+    s = io.StringIO()
+    bar = Progress(3, stream=s, tty=False, interval=1e9)
+    for i in range(1, 4):
+        bar.update(i, loss=2.0, tok_s=5.0)
+    bar.close()
+    lines = s.getvalue().splitlines()
+    assert "\r" not in s.getvalue() and lines and lines[-1].startswith("100%") and "loss 2.000" in lines[-1]

@@ -271,7 +271,7 @@ def test_export_hf_loads_with_from_pretrained(pretrained, tmp_path, offload_para
     engine.save_checkpoint(str(tmp_path / "ck"))
     sd = engine.full_state_dict()
     engine.close()
-    from offload.cli import commands as cli
+    from offload import cli
     assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--format", "hf",
                      "--max-shard-size", "40000"]) == 0
     assert "wrote" in capsys.readouterr().out

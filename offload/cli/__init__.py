@@ -1,4 +1,6 @@
-"""The ``offload`` command (commands.py), with its corpus and progress display."""
-from offload.cli.commands import main
+"""The ``offload`` command (main.py), one module per subcommand, with its corpus and
+progress display."""
+from offload.cli.common import REPO_ROOT
+from offload.cli.main import main
 
-__all__ = ["main"]
+__all__ = ["main", "REPO_ROOT"]

@@ -34,10 +34,18 @@ def default_text() -> Tuple[str, str]:
     except ImportError:
         pass
     # Stripped distributions still ship the standard library's sources: use a few of them.
+    return stdlib_source()
+
+
+def stdlib_source() -> Tuple[str, str]:
+    """(name, text): the Python source of a few standard-library modules (about 400 KB)."""
     import inspect
     import argparse, difflib, textwrap, dataclasses, typing  # noqa: E401
     mods = (argparse, difflib, textwrap, dataclasses, typing)
     return "stdlib sources", "\n\n".join(inspect.getsource(m) for m in mods)
+
+
+TEXTS = {"pydoc": default_text, "stdlib": stdlib_source}
 
 
 class Corpus:

@@ -1,8 +1,9 @@
-"""A small progress bar with no dependencies.
+"""The progress bar of ``offload train`` and ``offload finetune``: a ``tqdm`` bar whose
+postfix shows the loss, tokens/s and bytes per tier.
 
-On a terminal it redraws one line in place (``\\r``) at most ``refresh`` times a second; when the
-stream is not a TTY (a log file, CI) it prints a complete line every ``interval`` seconds and at
-the end, so logs stay readable.
+On a terminal tqdm redraws one line in place; when the stream is not a TTY (a log file, CI)
+each refresh becomes one complete line, at most every ``interval`` seconds and at the end, so
+logs stay readable.
 
     bar = Progress(total=300)
     for step in range(300):
@@ -15,6 +16,8 @@ import sys
 import time
 from typing import Mapping, Optional, TextIO
 
+from tqdm import tqdm
+
 
 def fmt_bytes(n: float) -> str:
     """1536 -> '1.5KiB' (binary units, 3 significant figures)."""
@@ -26,72 +29,65 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.3g}TiB"
 
 
-def fmt_seconds(s: float) -> str:
-    s = max(0.0, s)
-    m, sec = divmod(int(round(s)), 60)
-    return f"{m}:{sec:02d}"
+def postfix(loss: Optional[float] = None, tok_s: Optional[float] = None,
+            tiers: Optional[Mapping[str, int]] = None) -> str:
+    """'loss 2.310 | 6,500 tok/s | device 1MiB nvme 40MiB' (tiers holding nothing left out)."""
+    parts = []
+    if loss is not None:
+        parts.append(f"loss {loss:.3f}")
+    if tok_s is not None:
+        parts.append(f"{tok_s:,.0f} tok/s")
+    if tiers:
+        held = " ".join(f"{k} {fmt_bytes(v)}" for k, v in tiers.items() if v)
+        if held:
+            parts.append(held)
+    return " | ".join(parts)
+
+
+class _Lines:
+    """A non-TTY stream for tqdm: each redraw (``\\r`` + text) becomes one line."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        text = s.replace("\r", "").rstrip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class Progress:
-    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24,
-                 interval: float = 10.0, refresh: float = 4.0, tty: Optional[bool] = None):
-        self.total = max(int(total), 1)
-        self.stream = stream if stream is not None else sys.stdout
-        self.width = width
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval = interval             # non-TTY: seconds between printed lines
-        self.min_redraw = 1.0 / refresh      # TTY: seconds between redraws
-        self.start = time.perf_counter()
+    def __init__(self, total: int, stream: Optional[TextIO] = None, interval: float = 10.0,
+                 refresh: float = 4.0, tty: Optional[bool] = None, desc: Optional[str] = None):
+        stream = stream if stream is not None else sys.stdout
+        self.tty = stream.isatty() if tty is None else tty
+        self.min_wait = 1.0 / refresh if self.tty else interval
         self._last = float("-inf")
-        self._line = ""
+        self._bar = tqdm(total=max(int(total), 1), file=stream if self.tty else _Lines(stream), desc=desc,
+                         mininterval=0, miniters=1, dynamic_ncols=self.tty, ncols=None if self.tty else 120,
+                         ascii=not self.tty, unit="step", leave=True)
         self._done = False
-
-    def line(self, n: int, loss: Optional[float] = None, tok_s: Optional[float] = None,
-             tiers: Optional[Mapping[str, int]] = None) -> str:
-        """The status text for step ``n``."""
-        frac = min(n / self.total, 1.0)
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        filled = int(round(frac * self.width))
-        parts = [f"[{'#' * filled}{'.' * (self.width - filled)}] {n}/{self.total}",
-                 f"{fmt_seconds(elapsed)}<{fmt_seconds(eta)}"]
-        if loss is not None:
-            parts.append(f"loss {loss:.3f}")
-        if tok_s is not None:
-            parts.append(f"{tok_s:,.0f} tok/s")
-        if tiers:
-            parts.append(" ".join(f"{k} {fmt_bytes(v)}" for k, v in tiers.items() if v))
-        return " | ".join(parts)
 
     def due(self, n: int) -> bool:
         """Whether ``update(n)`` would draw now (to skip computing its fields otherwise)."""
-        wait = self.min_redraw if self.tty else self.interval
-        return n >= self.total or time.perf_counter() - self._last >= wait
+        return n >= self._bar.total or time.perf_counter() - self._last >= self.min_wait
 
     def update(self, n: int, force: bool = False, **fields) -> None:
+        """Move the bar to step ``n`` and show ``fields`` (loss, tok_s, tiers) when due."""
         if not (force or self.due(n)):
             return
         self._last = time.perf_counter()
-        text = self.line(n, **fields)
-        if self.tty:
-            pad = max(len(self._line) - len(text), 0)
-            self.stream.write("\r" + text + " " * pad)
-        else:
-            self.stream.write(text + "\n")
-        self._line = text
-        self.stream.flush()
+        self._bar.set_postfix_str(postfix(**fields), refresh=False)
+        self._bar.update(n - self._bar.n)
 
     def write(self, message: str) -> None:
         """Print a message line without garbling the bar."""
-        if self.tty and self._line:
-            self.stream.write("\r" + " " * len(self._line) + "\r")
-        self.stream.write(message + "\n")
-        if self.tty and self._line:
-            self.stream.write(self._line)
-        self.stream.flush()
+        self._bar.write(message)
 
     def close(self) -> None:
-        if not self._done and self.tty and self._line:
-            self.stream.write("\n")
-            self.stream.flush()
+        if not self._done:
+            self._bar.close()
         self._done = True

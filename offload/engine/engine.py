@@ -478,14 +478,25 @@ class Engine:
         self._check_open()
         return self.module.parameters()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss`` into the accumulation window: gradients leave the device block
         by block and are summed in the window's buffers. The loss is divided by
         gradient_accumulation_steps (DeepSpeed's convention: pass the micro-batch's mean
         loss) and scaled for fp16. Never changes the weights, the optimizer state or the
-        step counters; several calls before one step() sum into one micro-step."""
+        step counters; several calls before one step() sum into one micro-step.
+        ``scale_wrt_gas=False``: the caller already scaled the loss for accumulation (as
+        Hugging Face Trainer does), so it is not divided again (DeepSpeed's argument)."""
         self._check_ok()
-        self.control.backward(loss)
+        self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Whether the next step() closes the accumulation window (True) or not (False),
+        whatever the micro-step count; ``None`` returns to counting
+        gradient_accumulation_steps. For a caller that decides the window itself, e.g.
+        Hugging Face Trainer, whose last window of an epoch may be shorter (DeepSpeed's name).
+        Set it before the window's last backward(), which prepares the commit."""
+        self._check_ok()
+        self.control.set_boundary(is_boundary)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients of the open accumulation window (every micro-step since the

@@ -85,6 +85,7 @@ class StepControl:
         self.micro_step = 0                   # step() calls
         self.last_grad_norm: Optional[float] = None
         self._boundary = False                # the current micro-step closes the window
+        self._forced: Optional[bool] = None   # set_boundary(): the caller decides the window
         self._arrival: List[int] = []         # block completion order of the last backward
         self._backwards = 0                   # backward() calls in the current micro-step
         self._warned_multi = False
@@ -93,16 +94,26 @@ class StepControl:
     # ---- queries ------------------------------------------------------------------------
     def at_boundary(self) -> bool:
         """Whether the next step() closes the accumulation window."""
+        if self._forced is not None:
+            return self._forced
         return (self.micro_step + 1) % self.gas == 0
+
+    def set_boundary(self, is_boundary: Optional[bool]) -> None:
+        """The caller decides whether the next step() closes the window (None: count
+        gradient_accumulation_steps again)."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be True, False or None, not {is_boundary!r}")
+        self._forced = is_boundary
 
     @property
     def needs_norm(self) -> bool:
         return self.clip > 0 or self.scaler.enabled
 
     # ---- backward -------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Land ``loss``'s gradients in the window: ``loss / gradient_accumulation_steps``
-        (DeepSpeed's convention), times the fp16 loss scale."""
+        (DeepSpeed's convention; not divided with ``scale_wrt_gas=False``), times the fp16
+        loss scale."""
         if self.state is Window.BACKWARD:
             raise RuntimeError("backward() called from inside backward(): one backward at a time")
         if self.state is Window.COMMITTING:
@@ -127,7 +138,7 @@ class StepControl:
             (b.landing or b.grad).begin_backward()
         if self._boundary and self._read_ahead:   # the commit will queue blocks in forward order
             self.pipeline.set_order([b.index for b in self.blocks])
-        scaled = loss / self.gas if self.gas > 1 else loss
+        scaled = loss / self.gas if self.gas > 1 and scale_wrt_gas else loss
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
         self.state = Window.BACKWARD

@@ -1,0 +1,54 @@
+"""``offload estimate``: bytes per tier for every placement, against this machine."""
+from __future__ import annotations
+
+import json
+
+from offload.cli.common import add_model_args, fmt_bytes, model_spec, parse_size
+
+
+def cmd_estimate(args) -> int:
+    from offload.planner import estimate as est
+    spec = model_spec(args)
+    machine = est.this_machine(args.nvme_path, parse_size(args.device_memory, "--device-memory"))
+    rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count)
+    if args.json:
+        print(json.dumps({"model": spec.__dict__, "machine": machine.__dict__, "placements": [
+            {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
+            "deepspeed_reference": est.deepspeed_reference(spec, args.world_size)}, indent=2))
+        return 0
+    print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}"
+          + ("" if spec.exact else "; largest layer assumed params/12 (give --largest-layer)"))
+    print("bytes per tier for each placement (model states only: activations come on top, on the device;"
+          "\n device per rank, host and nvme per node):")
+    hdr = f"  {'optimizer':<10}{'param':<7}{'device':>11}{'pinned':>11}{'host':>11}{'host total':>12}{'nvme':>11}  fits"
+    print(hdr)
+    for r in rows:
+        fit = est.check_fit(r, machine)
+        verdict = "yes" if est.fits(r, machine) else "no (" + ", ".join(k for k, v in fit.items() if v is False) + ")"
+        if fit["device"] is None and est.fits(r, machine):
+            verdict = "yes, if the device has room"
+        print(f"  {r.optimizer:<10}{r.param:<7}{fmt_bytes(r.device):>11}{fmt_bytes(r.pinned):>11}"
+              f"{fmt_bytes(r.host):>11}{fmt_bytes(r.host_total):>12}{fmt_bytes(r.nvme):>11}  {verdict}")
+    dev = ("unknown (no accelerator; give --device-memory)" if machine.device_bytes is None
+           else f"{fmt_bytes(machine.device_bytes)} ({machine.device_name})")
+    print(f"this machine: device {dev}; host {fmt_bytes(machine.host_available)} available; "
+          f"nvme {fmt_bytes(machine.nvme_free)} free at {machine.nvme_path}")
+    print(f"  (fits: under {est.DEVICE_MARGIN:.0%} of the device, {est.HOST_MARGIN:.0%} of available host "
+          f"memory, {est.NVME_MARGIN:.0%} of free disk)")
+    if args.deepspeed:
+        print("DeepSpeed's estimators for comparison (buffer factor 1.5 on host):")
+        for k, v in est.deepspeed_reference(spec, args.world_size).items():
+            print(f"  {k:<34} device {fmt_bytes(v['device']):>10}  host {fmt_bytes(v['host']):>10}")
+    return 0
+
+
+def register(sub) -> None:
+    e = sub.add_parser("estimate", help="bytes per tier for each placement, against this machine")
+    e.set_defaults(func=cmd_estimate, _parser=e)
+    add_model_args(e, gpt_defaults=False)
+    e.add_argument("--world-size", type=int, default=1, help="data-parallel ranks on this node")
+    e.add_argument("--buffer-count", type=int, default=4, help="swap slots per NVMe tier")
+    e.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
+    e.add_argument("--nvme-path", metavar="DIR", help="where the NVMe tier would live (free space is checked)")
+    e.add_argument("--deepspeed", action="store_true", help="also print DeepSpeed's estimator figures")
+    e.add_argument("--json", action="store_true")

@@ -1,0 +1,194 @@
+"""``offload finetune MODEL_DIR --data FILE --out DIR``: fine-tune a Hugging Face model
+directory (config.json, safetensors, tokenizer files) on a local text or JSONL file through
+``offload.hf.Trainer``, full or LoRA, and write the result in Hugging Face layout.
+
+The placement flags are those of ``offload train``; with none (and no ``--config``) the
+planner measures this machine and chooses, and the choice is printed with its reason. The
+optimizer flags (``--lr``, ``--precision``, ``--gradient-accumulation-steps``,
+``--gradient-clipping``, ``--weight-decay``, ``--betas``, ``--eps``) set Trainer's arguments.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from offload import config as config_mod
+from offload.cli.common import CLIError, format_summary
+from offload.cli.progress import Progress
+
+# engine keys that TrainingArguments owns: (dotted key, FinetuneSpec field)
+_OWNED = (("optimizer.lr", "lr"), ("precision", "precision"),
+          ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+          ("gradient_clipping", "max_grad_norm"), ("optimizer.weight_decay", "weight_decay"),
+          ("optimizer.betas", "betas"), ("optimizer.eps", "eps"))
+_PLACEMENT = ("offload_optimizer", "offload_param")
+
+
+def _pop(d: dict, dotted: str):
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        d = d.get(p)
+        if not isinstance(d, dict):
+            return None
+    return d.pop(parts[-1], None)
+
+
+def progress_callback(log_every_s: float):
+    """A factory for ``finetune(progress=...)``: a tqdm bar with the loss, tokens/s and
+    bytes per tier, and one line per logged loss."""
+    from transformers import TrainerCallback
+
+    class ProgressCallback(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = trainer
+            self.bar = None
+            self.loss = None
+            self.t0 = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.bar = Progress(state.max_steps, interval=log_every_s)
+            self.t0 = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if self.bar is None or not logs or "loss" not in logs:
+                return
+            self.loss = logs["loss"]
+            self.bar.write(f"  step {state.global_step:>5}: loss {logs['loss']:.4f}  lr {logs['learning_rate']:.3g}"
+                           + (f"  grad_norm {logs['grad_norm']:.3f}" if logs.get("grad_norm") is not None else ""))
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.bar is None or not self.bar.due(state.global_step):
+                return
+            elapsed = max(time.perf_counter() - self.t0, 1e-9)
+            engine = self.trainer.engine
+            self.bar.update(state.global_step, loss=self.loss, tok_s=state.num_input_tokens_seen / elapsed,
+                            tiers=engine.stats()["tier_bytes"] if engine is not None else None)
+
+        def on_train_end(self, args, state, control, **kw):
+            if self.bar is not None:
+                self.bar.close()
+    return ProgressCallback
+
+
+def _placement(d: dict, args, spec_fields: dict, say) -> tuple:
+    """(engine config dict, temporary NVMe dir or None): the user's placement, or the
+    planner's when none is given."""
+    tmp = None
+    if not args.config and not any(k in d for k in _PLACEMENT):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        import torch
+        from offload.planner.choose import choose
+        say("placement: none given, asking the planner (measures this machine, a few seconds) ...")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
+        choice = choose(model, tokens=args.batch_size * args.seq_len, precision=spec_fields.get("precision", "fp32"),
+                        gradient_accumulation_steps=spec_fields.get("gradient_accumulation_steps", 1),
+                        clipping=spec_fields.get("max_grad_norm", 1.0) > 0, nvme_path=args.nvme_path_for_plan,
+                        name=os.path.basename(os.path.normpath(args.model_dir)))
+        say(f"placement (planner): --offload-optimizer {choice.optimizer} --offload-param {choice.param}: "
+            f"{choice.reason}")
+        d["offload_optimizer"] = {"device": choice.optimizer}
+        d["offload_param"] = {"device": choice.param}
+    for tier in _PLACEMENT:
+        sec = d.get(tier) or {}
+        if sec.get("device") == "nvme" and not sec.get("nvme_path"):
+            if tmp is None:
+                tmp = tempfile.mkdtemp(prefix="nvme-tier-")
+            sec["nvme_path"] = tmp
+    return d, tmp
+
+
+def quiet_hf() -> None:
+    """The command's own bar and lines only: no progress bars for loading / saving weights, no
+    deprecation warnings raised inside peft / transformers."""
+    import warnings
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
+
+
+def cmd_finetune(args) -> int:
+    from offload.hf import data as data_mod
+    from offload.hf import finetune as ft
+    from offload.hf.versions import VersionError
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
+        raise CLIError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
+    d = config_mod.flags_to_dict(args)
+    fields = {}
+    for key, field in _OWNED:
+        v = _pop(d, key)
+        if v is not None:
+            fields[field] = tuple(v) if field == "betas" else v
+    if d.get("optimizer") == {}:
+        d.pop("optimizer")
+    if "type" in (d.get("optimizer") or {}) and d["optimizer"]["type"] != "AdamW":
+        raise CLIError("offload finetune runs AdamW (Trainer's optimizer): leave --optimizer out")
+    args.nvme_path_for_plan = (d.get("offload_optimizer") or {}).get("nvme_path") or args.plan_nvme_path
+    try:
+        lora = ft.parse_lora(args.lora) if args.lora is not None else None
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    spec = ft.FinetuneSpec(model_dir=args.model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
+                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                           warmup=args.warmup, eval_fraction=args.eval_fraction, log_every=args.log_steps,
+                           save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
+                           **{"lr": 2e-4, **fields})
+    say = print
+    quiet_hf()
+    try:
+        ft.check_model_dir(spec.model_dir)
+        d, tmp = _placement(d, args, fields, say)
+    except (ft.FinetuneError, VersionError) as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        cfg = config_mod.build_config(d)   # validated before any model memory is allocated
+        say(f"tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> {cfg.offload_param.device}"
+            + (f", nvme path {tmp} (temporary)" if tmp else ""))
+        try:
+            s = ft.finetune(spec, offload_config=d, progress=progress_callback(args.log_every), say=say)
+        except (ft.FinetuneError, data_mod.DataError, VersionError) as exc:
+            raise CLIError(str(exc)) from None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    fell = ft.loss_fell(s["losses"])
+    say((f"loss {fell[0]:.3f} -> {fell[1]:.3f} (first / last logged)" if fell else "no training loss logged")
+        + f"; held-out {s['eval_loss_start']:.3f} -> "
+        f"{s['eval_loss_end']:.3f}; {s['train_seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s"
+        + ("; stopped early: --max-minutes reached" if s["stopped_early"] else ""))
+    for line in format_summary(s["stats"]):
+        say(line)
+    what = {"full": "the fine-tuned model", "lora-adapter": "the LoRA adapter (PEFT layout)",
+            "lora-merged": "the base with the LoRA adapter merged in"}[s["mode"]]
+    say(f"wrote {spec.out}/: {what}: {', '.join(s['written'])}")
+    return 0
+
+
+def register(sub) -> None:
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory on a local text or JSONL file",
+                       description="Fine-tune MODEL_DIR (config.json, safetensors, tokenizer files) through the "
+                                   "engine with Hugging Face Trainer; full or LoRA; Hugging Face output.")
+    f.set_defaults(func=cmd_finetune, _parser=f)
+    f.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by save_pretrained")
+    f.add_argument("--data", required=True, metavar="FILE",
+                   help="a text file (packed into --seq-len rows) or .jsonl with {\"text\"} or "
+                        "{\"prompt\", \"completion\"} per line (loss on the completion only)")
+    f.add_argument("--out", required=True, metavar="DIR", help="output directory (Hugging Face layout)")
+    f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj")
+    f.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")
+    f.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    f.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step")
+    f.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    f.add_argument("--warmup", type=int, default=10, help="LR warm-up steps (then cosine decay)")
+    f.add_argument("--eval-fraction", type=float, default=0.05, help="share of the data held out for evaluation")
+    f.add_argument("--log-steps", type=int, default=10, help="steps between logged losses")
+    f.add_argument("--log-every", type=float, default=10.0, metavar="S",
+                   help="seconds between progress lines when stdout is not a terminal")
+    f.add_argument("--save-steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: none)")
+    f.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long (0: no limit); still saved")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--plan-nvme-path", metavar="DIR", default=None,
+                   help="where the planner measures the disk when no placement is given (default: the temp dir)")
+    config_mod.add_config_arguments(f)

@@ -1,0 +1,191 @@
+"""``offload plan``: measure this machine, rank the placements by predicted step time
+(``--check``: against measured engine steps)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, fmt_bytes, model_spec, parse_size)
+
+
+def _gpt_case(args):
+    import torch
+    from offload.planner import estimate as est
+    from offload.models.gpt import GPT, GPTConfig
+    from offload.planner.plan import CheckCase
+    gcfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():
+        x = torch.randint(0, gcfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+        return x, torch.roll(x, -1, 1)
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(gcfg)
+    with torch.device("meta"):
+        spec = est.spec_from_module(GPT(gcfg), f"GPT {gcfg.n_layer}x{gcfg.n_embd}")
+    return CheckCase(spec.name, build, batch, spec)
+
+
+def _bench_step_case(layers=12, numel=1 << 20, fwd_ms=3.0, bwd_ms=6.0):
+    """benchmarks/bench_step.py's model (compute simulated by GIL-free waits), when present."""
+    import importlib.util
+    import torch
+    from offload.planner import estimate as est
+    from offload.planner.plan import CheckCase, Compute
+    path = os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")
+    if not os.path.isfile(path):
+        return None
+    spec_ = importlib.util.spec_from_file_location("_offload_bench_step", path)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+
+    def build():
+        torch.manual_seed(0)
+        return mod.Stack(layers, numel, fwd_ms / 1e3, bwd_ms / 1e3)
+    x = torch.ones(8, requires_grad=True)
+    spec = est.ModelSpec(layers * numel, numel, numel, f"bench_step {layers}x{numel / 1e6:.0f}M", layers)
+    compute = Compute(layers * fwd_ms / 1e3, layers * bwd_ms / 1e3, False, False)
+    return CheckCase(spec.name, build, lambda: (x,), spec, compute)
+
+
+def cmd_plan(args) -> int:
+    import torch
+    from offload.planner import estimate as est
+    from offload.planner import plan
+    nvme_path = args.nvme_path or tempfile.gettempdir()
+    if not os.path.isdir(nvme_path):
+        raise CLIError(f"--nvme-path {nvme_path!r} does not exist: give an existing directory")
+    if args.profile:
+        try:
+            profile = plan.Profile.load(args.profile)
+        except (FileNotFoundError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+        print(f"profile {args.profile} (measured {profile.created} on {profile.device})")
+    else:
+        print("measuring this machine (CPU Adam, copies, NVMe, matmul; a few seconds) ...", flush=True)
+        profile = plan.measure_profile(nvme_path)
+        if args.save_profile:
+            profile.save(args.save_profile)
+            print(f"saved the profile to {args.save_profile}")
+    print(f"  CPU Adam {profile.adam_params_per_s / 1e9:.2f} Gparam/s ({profile.adam_backend}); device Adam "
+          f"{profile.device_adam_params_per_s / 1e9:.2f} Gparam/s; h2d {profile.h2d_gbps:.1f} GB/s, d2h "
+          f"{profile.d2h_gbps:.1f} GB/s" + (" (host memcpy: no accelerator)" if not profile.cuda else "")
+          + f"; nvme read {profile.nvme_read_gbps:.2f} GB/s, write {profile.nvme_write_gbps:.2f} GB/s "
+          f"({profile.io_backend}, {profile.nvme_read_latency_s * 1e3:.2f}/{profile.nvme_write_latency_s * 1e3:.2f} ms per request, duplex {profile.nvme_duplex:.0%}); matmul {profile.matmul_tflops:.2f} TFLOP/s")
+
+    if args.check:
+        return _plan_check(args, profile, nvme_path)
+
+    spec = model_spec(args, default_gpt=True)
+    tokens = args.batch_size * args.seq_len
+    if spec is None:      # the built-in GPT (offload train's model): measure its compute
+        case = _gpt_case(args)
+        spec = case.spec
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        compute = plan.measure_compute(case.build(), case.make_batch, device)
+    else:
+        compute = plan.flops_compute(spec, tokens, profile)
+    machine = est.this_machine(nvme_path, parse_size(args.device_memory, "--device-memory"))
+    ranked = plan.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
+                       args.gradient_clipping > 0)
+    print(spec.describe() + f"; {tokens} tokens per micro-step, precision {args.precision}")
+    print(f"compute (forward+backward) {compute.total_s * 1e3:.1f} ms per micro-step, "
+          + ("measured on the device without offload" if compute.measured
+             else "from 6 x params x tokens at the measured matmul rate"))
+    print(f"  {'rank':<5}{'optimizer':<10}{'param':<7}{'step':>10}{'tokens/s':>11}  {'bottleneck':<11}"
+          f"{'device':>10}{'host':>10}{'nvme':>10}  fits")
+    for i, r in enumerate(ranked, 1):
+        p, m = r.prediction, r.memory
+        fit = "yes" if r.fits and r.fit["device"] else ("yes, if the device has room" if r.fits else
+              "no (" + ", ".join(k for k, v in r.fit.items() if v is False) + ")")
+        tok_s = tokens * args.gradient_accumulation_steps / p.step_s
+        print(f"  {i:<5}{m.optimizer:<10}{m.param:<7}{p.step_s * 1e3:>8.1f}ms{tok_s:>11,.0f}  {p.bottleneck:<11}"
+              f"{fmt_bytes(m.device):>10}{fmt_bytes(m.host_total):>10}{fmt_bytes(m.nvme):>10}  {fit}")
+    base = plan.fits_without_offload(ranked)
+    if base is not None:
+        slowest = max(ranked, key=lambda r: r.prediction.step_s)
+        print(f"the model fits on the device without offload ({fmt_bytes(base.memory.device)} of "
+              f"{fmt_bytes(machine.device_bytes)}): train with offload_optimizer none, offload_param none. "
+              f"Offloading it only slows it down (up to {slowest.prediction.step_s / base.prediction.step_s:.1f}x "
+              "slower per step here).")
+    elif machine.device_bytes is None:
+        print("no accelerator memory size known: give --device-memory (e.g. 24GiB) to check the device tier")
+    else:
+        best = next((r for r in ranked if r.fits), None)
+        if best is None:
+            print("no placement fits this machine: more host memory, disk, or ranks (--world-size in estimate)")
+        else:
+            print(f"best placement that fits: --offload-optimizer {best.memory.optimizer} "
+                  f"--offload-param {best.memory.param} ({best.prediction.step_s * 1e3:.1f} ms per step)")
+    print("model: step = max over resources + the rest / blocks (exposed first fetch and last update); "
+          "see `python -c 'import offload.planner.plan; help(offload.planner.plan)'`")
+    return 0
+
+
+def est_tiers():
+    from offload.planner.estimate import TIERS
+    return TIERS
+
+
+def _plan_check(args, profile, nvme_path) -> int:
+    from offload.planner import plan
+    cases = []
+    for name in args.check_models.split(","):
+        name = name.strip()
+        if name == "gpt":
+            cases.append(_gpt_case(args))
+        elif name == "bench_step":
+            bench = _bench_step_case()
+            if bench is None:
+                print("  (benchmarks/bench_step.py is not there: its model is skipped)")
+            else:
+                cases.append(bench)
+        else:
+            raise CLIError(f"--check-models {name!r}: use gpt or bench_step")
+    placements = []
+    for item in args.check_placements.split(","):
+        o, _, prm = item.strip().partition("/")
+        if o not in est_tiers() or (prm or "none") not in est_tiers():
+            raise CLIError(f"--check-placements item {item!r} must be OPTIMIZER/PARAM with none, cpu or nvme, "
+                           "e.g. cpu/none")
+        placements.append((o, prm or "none"))
+    print(f"checking predictions against measured engine steps ({args.check_rounds} rounds per placement) ...",
+          flush=True)
+    results = plan.check(cases, profile, placements, nvme_path, rounds=args.check_rounds,
+                         log=lambda s: print("  " + s, flush=True))
+    if not results:
+        raise CLIError("no placement could be measured")
+    worst = max(r.error for r in results)
+    mean = sum(r.error for r in results) / len(results)
+    ok = worst <= args.tolerance
+    print(f"prediction error: mean {mean:.0%}, worst {worst:.0%} (goal <= {args.tolerance:.0%}): "
+          + ("OK" if ok else "OVER"))
+    if args.json:
+        print(json.dumps([{**r.__dict__, "error": r.error} for r in results]))
+    return 0 if ok else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="measure this machine and rank the placements by predicted step time")
+    p.set_defaults(func=cmd_plan, _parser=p)
+    add_model_args(p, gpt_defaults=True)
+    add_gpt_args(p)
+    p.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--gradient-clipping", type=float, default=0.0)
+    p.add_argument("--nvme-path", metavar="DIR", help="where to measure NVMe bandwidth (default: the temp dir)")
+    p.add_argument("--profile", metavar="FILE", help="read the machine profile instead of measuring")
+    p.add_argument("--save-profile", metavar="FILE", help="save the measured profile as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="run the GPT (and bench_step's model) through the engine at several placements and "
+                        "compare measured with predicted step times")
+    p.add_argument("--check-rounds", type=int, default=5, help="measured rounds per placement (--check)")
+    p.add_argument("--check-placements", default="none/none,cpu/none,nvme/none,cpu/cpu,nvme/nvme",
+                   metavar="O/P,...", help="placements --check runs (optimizer/param)")
+    p.add_argument("--check-models", default="gpt,bench_step", metavar="NAME,...",
+                   help="models --check runs: gpt (offload train's model), bench_step (benchmarks/bench_step.py's)")
+    p.add_argument("--tolerance", type=float, default=0.25, help="--check fails above this relative error")
+    p.add_argument("--json", action="store_true")

@@ -1,0 +1,136 @@
+"""Fine-tuning data from a local file, tokenized with the model's own tokenizer.
+
+- A text file (any name not ending in ``.jsonl``): the whole text is tokenized and packed into
+  rows of ``seq_len`` tokens (the remainder is dropped); the loss is on every token.
+- A JSONL file: one object per line, either ``{"text": ...}`` (loss on every token) or
+  ``{"prompt": ..., "completion": ...}`` (loss on the completion only: the prompt's labels
+  are -100). Each example ends with the tokenizer's EOS token, is cut at ``seq_len`` tokens
+  and padded in its batch.
+
+The held-out split is the tail of the rows (text: the end of the file, so no training window
+overlaps it) or of the examples after a seeded shuffle (JSONL).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Dict, List, Tuple
+
+import torch
+
+IGNORE = -100
+
+
+class DataError(ValueError):
+    """The data file cannot be used; the message names the file, the line and the fix."""
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: List[Dict[str, torch.Tensor]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+class PadCollator:
+    """Pads a batch to its longest example: input_ids with ``pad_id``, labels with -100,
+    attention_mask 0 on padding."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, batch: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        n = max(len(b["input_ids"]) for b in batch)
+        out = {"input_ids": torch.full((len(batch), n), self.pad_id, dtype=torch.long),
+               "labels": torch.full((len(batch), n), IGNORE, dtype=torch.long),
+               "attention_mask": torch.zeros((len(batch), n), dtype=torch.long)}
+        for i, b in enumerate(batch):
+            k = len(b["input_ids"])
+            out["input_ids"][i, :k] = b["input_ids"]
+            out["labels"][i, :k] = b["labels"]
+            out["attention_mask"][i, :k] = 1
+        return out
+
+
+def load(path: str, tokenizer, seq_len: int, eval_fraction: float = 0.05, seed: int = 0) -> Tuple[Rows, Rows, str]:
+    """(train, held-out, description)."""
+    if not os.path.isfile(path):
+        raise DataError(f"--data {path!r} does not exist: give a .txt or .jsonl file")
+    if seq_len < 2:
+        raise DataError(f"seq_len={seq_len} must be >= 2")
+    if not 0.0 < eval_fraction < 1.0:
+        raise DataError(f"eval_fraction={eval_fraction} must be in (0, 1)")
+    if path.endswith(".jsonl"):
+        rows, kind = _jsonl_rows(path, tokenizer, seq_len)
+        random.Random(seed).shuffle(rows)
+    else:
+        rows, kind = _packed_rows(path, tokenizer, seq_len)
+    if len(rows) < 2:
+        raise DataError(f"{path} gives {len(rows)} training example(s) of at most {seq_len} tokens: give more "
+                        "data or a smaller --seq-len")
+    n_eval = max(1, int(round(eval_fraction * len(rows))))
+    train, held = rows[:-n_eval], rows[-n_eval:]
+    tokens = sum(int((r["labels"] != IGNORE).sum()) for r in rows)
+    return Rows(train), Rows(held), f"{kind}: {len(train)} train / {len(held)} held-out examples, {tokens:,} target tokens"
+
+
+def _packed_rows(path: str, tokenizer, seq_len: int):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    n = ids.numel() // seq_len
+    rows = [{"input_ids": r, "labels": r.clone(), "attention_mask": torch.ones_like(r)}
+            for r in ids[:n * seq_len].view(n, seq_len)]
+    return rows, f"text packed into {seq_len}-token rows"
+
+
+def _jsonl_rows(path: str, tokenizer, seq_len: int):
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token: JSONL examples need one to end them")
+    rows, kinds, cut = [], set(), 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object")
+            if "prompt" in obj or "completion" in obj:
+                if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("completion"), str):
+                    raise DataError(f"{path}:{lineno}: give both \"prompt\" and \"completion\" as strings")
+                p = tokenizer(obj["prompt"], add_special_tokens=False)["input_ids"]
+                c = tokenizer(obj["completion"], add_special_tokens=False)["input_ids"] + [eos]
+                ids, labels = p + c, [IGNORE] * len(p) + c
+                kinds.add("prompt/completion")
+            elif isinstance(obj.get("text"), str):
+                ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"] + [eos]
+                labels = list(ids)
+                kinds.add("text")
+            else:
+                raise DataError(f"{path}:{lineno}: expected {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}, "
+                                f"got keys {sorted(obj)}")
+            if len(ids) > seq_len:
+                cut += 1
+                ids, labels = ids[:seq_len], labels[:seq_len]
+            if all(l == IGNORE for l in labels[1:]):
+                raise DataError(f"{path}:{lineno}: the prompt fills all {seq_len} tokens, nothing of the completion "
+                                f"is left to learn: raise --seq-len or shorten the prompt")
+            ids_t = torch.tensor(ids, dtype=torch.long)
+            rows.append({"input_ids": ids_t, "labels": torch.tensor(labels, dtype=torch.long)})
+    if len(kinds) > 1:
+        raise DataError(f"{path}: mixes {{\"text\"}} and {{\"prompt\", \"completion\"}} lines: use one kind per file")
+    kind = "JSONL " + (kinds.pop() if kinds else "(empty)")
+    if kinds == {"prompt/completion"} or "prompt" in kind:
+        kind += " (loss on the completion only)"
+    if cut:
+        kind += f", {cut} example(s) cut at {seq_len} tokens"
+    return rows, kind

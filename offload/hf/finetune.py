@@ -1,0 +1,254 @@
+"""Fine-tune a Hugging Face model directory on a local file through ``offload.hf.Trainer``
+(what ``offload finetune`` runs).
+
+    result = finetune(FinetuneSpec(model_dir="base", data="notes.txt", out="out",
+                                   lora=parse_lora("r=16,alpha=32,targets=q_proj,v_proj")),
+                      offload_config={"offload_param": {"device": "nvme", "nvme_path": "/mnt/nvme"}})
+
+The model directory holds ``config.json``, the weights (safetensors) and the tokenizer files.
+The output directory receives the Hugging Face result: the full model (``config.json`` and
+safetensors), or the LoRA adapter in PEFT's layout, or with ``merge`` the base with the
+adapter merged in; the tokenizer is saved beside it either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from offload.hf import data as data_mod
+from offload.hf import versions
+
+versions.check("transformers", "accelerate")
+
+from transformers import PrinterCallback, TrainerCallback  # noqa: E402
+
+LORA_KEYS = {"r": int, "alpha": float, "dropout": float, "targets": str}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple = ("q_proj", "v_proj")
+
+
+def parse_lora(text: str) -> LoraSpec:
+    """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas)."""
+    fields: Dict[str, Any] = {}
+    key = None
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        k, sep, v = part.partition("=")
+        if sep:
+            key = k.strip()
+            if key not in LORA_KEYS:
+                raise ValueError(f"--lora key {key!r} is unknown: use {', '.join(LORA_KEYS)}, "
+                                 "e.g. r=16,alpha=32,targets=q_proj,v_proj")
+            fields.setdefault(key, []).append(v.strip())
+        elif key == "targets":
+            fields[key].append(part)
+        else:
+            raise ValueError(f"--lora {text!r}: {part!r} is not KEY=VALUE (only targets= takes a list)")
+    out = {}
+    for k, vals in fields.items():
+        if k == "targets":
+            out[k] = tuple(vals)
+            continue
+        try:
+            out[k] = LORA_KEYS[k](vals[-1])
+        except ValueError:
+            raise ValueError(f"--lora {k}={vals[-1]!r} must be a number") from None
+    spec = LoraSpec(**out)
+    if spec.r < 1 or spec.alpha <= 0 or not 0.0 <= spec.dropout < 1.0 or not spec.targets:
+        raise ValueError(f"--lora: need r >= 1, alpha > 0, 0 <= dropout < 1 and targets (got {spec})")
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneSpec:
+    model_dir: str
+    data: str
+    out: str
+    lora: Optional[LoraSpec] = None
+    merge: bool = False              # LoRA: write the base with the adapter merged in
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-4
+    warmup: int = 10
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    precision: str = "fp32"
+    eval_fraction: float = 0.05
+    max_eval: int = 64               # held-out examples evaluated at most (the rest stay out of training)
+    log_every: int = 10
+    save_steps: int = 0              # 0: no intermediate checkpoints
+    max_minutes: float = 0.0         # 0: no limit
+    seed: int = 0
+
+
+class FinetuneError(ValueError):
+    """The model directory, data or options cannot be used; the message says which and why."""
+
+
+def build_model(model_dir: str):
+    """The model's structure on the meta device (no memory): the engine streams the weights
+    from ``model_dir`` into it block by block (``Trainer(weights=model_dir)``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+
+
+def load_model(model_dir: str):
+    """The whole model in host memory (fp32), for merging an adapter into it."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def check_model_dir(model_dir: str) -> None:
+    if not os.path.isdir(model_dir):
+        raise FinetuneError(f"model directory {model_dir!r} does not exist: give a directory written by "
+                            "save_pretrained (config.json, safetensors, tokenizer files)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FinetuneError(f"{model_dir!r} has no config.json: give a Hugging Face model directory")
+    if not any(f.endswith(".safetensors") or f.endswith(".bin") for f in os.listdir(model_dir)):
+        raise FinetuneError(f"{model_dir!r} holds no weights (*.safetensors): give a directory written by save_pretrained")
+
+
+def _lora_model(model, spec: LoraSpec):
+    import peft
+    versions.check("peft")
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in spec.targets if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise FinetuneError(f"--lora targets {missing} are not modules of this model: choose from {', '.join(linear)}")
+    cfg = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                          target_modules=list(spec.targets), task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, cfg)
+
+
+class Deadline(TrainerCallback):
+    """Stops training after ``minutes`` (the run is still evaluated and saved)."""
+
+    def __init__(self, minutes: float):
+        self.end = time.perf_counter() + minutes * 60
+        self.hit = False
+
+    def on_step_end(self, args, state, control, **kw):
+        if time.perf_counter() > self.end and state.global_step < state.max_steps:
+            self.hit = True
+            control.should_training_stop = True
+            control.should_log = True        # the last step's loss, whatever --log-steps
+        return control
+
+
+def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[Callable] = None,
+             say=print) -> Dict[str, Any]:
+    """Train and write the output; returns a summary (losses, eval losses, paths, engine stats).
+    ``progress(trainer)``, when given, returns a TrainerCallback added to the trainer (it may
+    read ``trainer.engine``)."""
+    from transformers import AutoTokenizer, TrainingArguments
+    from offload.hf.trainer import Trainer
+    check_model_dir(spec.model_dir)
+    if spec.merge and spec.lora is None:
+        raise FinetuneError("--merge needs --lora (a full fine-tune already writes the whole model)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(f"cannot load the tokenizer of {spec.model_dir!r} ({exc}): the directory needs its "
+                            "tokenizer files (tokenizer.json / tokenizer_config.json)") from None
+    train, held, described = data_mod.load(spec.data, tokenizer, spec.seq_len, spec.eval_fraction, spec.seed)
+    held = data_mod.Rows(held.rows[:spec.max_eval])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model_dir)
+    if spec.lora is not None:
+        model = _lora_model(model, spec.lora)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    say(f"model {spec.model_dir}: {n_all / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trained"
+        + (f" (LoRA r={spec.lora.r} alpha={spec.lora.alpha:g} on {','.join(spec.lora.targets)})" if spec.lora else
+           " (full fine-tune)"))
+    say(f"data {spec.data}: {described}")
+    os.makedirs(spec.out, exist_ok=True)
+    args = TrainingArguments(
+        output_dir=spec.out, per_device_train_batch_size=spec.batch_size, per_device_eval_batch_size=spec.batch_size,
+        gradient_accumulation_steps=spec.gradient_accumulation_steps, max_steps=spec.steps,
+        learning_rate=spec.lr, lr_scheduler_type="cosine", warmup_steps=min(spec.warmup, spec.steps),
+        weight_decay=spec.weight_decay, adam_beta1=spec.betas[0], adam_beta2=spec.betas[1], adam_epsilon=spec.eps,
+        max_grad_norm=spec.max_grad_norm, logging_steps=spec.log_every,
+        save_strategy="steps" if spec.save_steps else "no", save_steps=spec.save_steps or 500,
+        report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), seed=spec.seed,
+        bf16=spec.precision == "bf16", fp16=spec.precision == "fp16", optim="adamw_torch",
+        remove_unused_columns=False, include_num_input_tokens_seen="non_padding", dataloader_num_workers=0,
+        log_level="error")
+    deadline = Deadline(spec.max_minutes) if spec.max_minutes > 0 else None
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
+                      data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
+                      offload_config=offload_config, weights=spec.model_dir,
+                      callbacks=[deadline] if deadline else None)
+    if progress is not None:             # in place of Trainer's own printer of log dicts
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(progress(trainer))
+    try:
+        eval_start = trainer.evaluate()["eval_loss"]
+        t0 = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t0
+        eval_end = trainer.evaluate()["eval_loss"]
+        stats = trainer.engine.stats()
+        trainer.save_model(spec.out)
+    finally:
+        trainer.close()
+    written = _finish_output(spec, tokenizer)
+    losses = [(l["step"], l["loss"]) for l in trainer.state.log_history if "loss" in l and "step" in l]
+    summary = {"model_dir": spec.model_dir, "data": spec.data, "out": spec.out, "mode": _mode(spec),
+               "steps": trainer.state.global_step, "train_seconds": train_s,
+               "tokens": trainer.state.num_input_tokens_seen,
+               "tokens_per_s": trainer.state.num_input_tokens_seen / train_s if train_s > 0 else 0.0,
+               "losses": losses, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
+               "stopped_early": bool(deadline and deadline.hit), "written": written,
+               "placement": {"optimizer": trainer.offload_config.offload_optimizer.device,
+                             "param": trainer.offload_config.offload_param.device},
+               "stats": stats}
+    with open(os.path.join(spec.out, "finetune_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return summary
+
+
+def _mode(spec: FinetuneSpec) -> str:
+    return "full" if spec.lora is None else ("lora-merged" if spec.merge else "lora-adapter")
+
+
+def _finish_output(spec: FinetuneSpec, tokenizer) -> List[str]:
+    """The tokenizer beside the weights; with ``merge`` the adapter merged into a fresh copy of
+    the base (written in place of the adapter)."""
+    if spec.merge:
+        import peft
+        base = load_model(spec.model_dir)
+        merged = peft.PeftModel.from_pretrained(base, spec.out).merge_and_unload()
+        for f in ("adapter_model.safetensors", "adapter_config.json"):
+            if os.path.exists(os.path.join(spec.out, f)):
+                os.remove(os.path.join(spec.out, f))
+        merged.save_pretrained(spec.out)
+    tokenizer.save_pretrained(spec.out)
+    return sorted(f for f in os.listdir(spec.out) if not f.startswith("checkpoint-"))
+
+
+def loss_fell(losses: Sequence[tuple], k: int = 3) -> Optional[tuple]:
+    """(mean of the first k logged losses, mean of the last k); None when none was logged."""
+    vals = [l for _, l in losses if math.isfinite(l)]
+    if not vals:
+        return None
+    k = max(1, min(k, len(vals) // 2)) if vals else 1
+    return sum(vals[:k]) / k, sum(vals[-k:]) / k

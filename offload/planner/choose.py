@@ -1,0 +1,63 @@
+"""The planner's choice of one placement for a model, with the reason in words (what
+``offload finetune`` uses when the user gives no placement).
+
+    choice = choose(model, tokens=8 * 256, precision="fp32")
+    print(choice.optimizer, choice.param, choice.reason)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from offload.planner import estimate as est
+from offload.planner import plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    optimizer: str          # offload_optimizer.device
+    param: str              # offload_param.device
+    reason: str
+    step_s: float           # predicted seconds per optimizer step
+
+
+def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_steps: int = 1,
+           clipping: bool = False, nvme_path: Optional[str] = None, device_memory: Optional[int] = None,
+           profile: Optional[plan.Profile] = None, name: str = "model") -> Choice:
+    """Measure this machine (a few seconds; or use ``profile``), rank every placement for
+    ``model`` (a built module, the meta device is fine) at ``tokens`` per micro-step, and pick:
+    no offload when the model's states fit on the device, else the fastest placement that fits
+    the device, host memory and disk. Every parameter is counted as trained (a LoRA model's
+    frozen base is over-counted for optimizer state, so the choice errs towards offloading)."""
+    spec = est.spec_from_module(model, name)
+    profile = profile or plan.measure_profile(nvme_path)
+    compute = plan.flops_compute(spec, tokens, profile)
+    machine = est.this_machine(nvme_path, device_memory)
+    ranked = plan.rank(spec, profile, compute, machine, precision, gradient_accumulation_steps, clipping)
+    base = plan.fits_without_offload(ranked)
+    if base is not None:
+        return Choice("none", "none", f"the model's states ({est_bytes(base.memory.device)}) fit on the device "
+                      f"({est_bytes(machine.device_bytes)}): offloading would only slow it down",
+                      base.prediction.step_s)
+    best = next((r for r in ranked if r.fits), None)
+    if best is None:
+        raise est.EstimateError(f"no placement fits this machine for {spec.describe()}: more host memory, "
+                                "disk (--nvme-path), or a smaller model")
+    p, m = best.prediction, best.memory
+    device = ("device size unknown (no accelerator): assumed to have room" if machine.device_bytes is None
+              else f"device {est_bytes(m.device)} of {est_bytes(machine.device_bytes)}")
+    return Choice(m.optimizer, m.param, f"fastest placement that fits: predicted {p.step_s * 1e3:.0f} ms per step, "
+                  f"bottleneck {p.bottleneck}; {device}, host {est_bytes(m.host_total)}, nvme {est_bytes(m.nvme)}",
+                  p.step_s)
+
+
+def est_bytes(n) -> str:
+    """1536 -> '1.5KiB'; None -> '?'."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.3g}{unit}"
+        n /= 1024
+    return f"{n:.3g}TiB"

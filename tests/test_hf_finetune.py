@@ -1,0 +1,147 @@
+"""offload finetune / offload new-model / offload corpus on a model directory written by
+save_pretrained: full and LoRA, the loss falls, the output loads with transformers / PEFT."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from offload import cli  # noqa: E402
+from offload.hf import data as data_mod  # noqa: E402
+from offload.hf.finetune import LoraSpec, parse_lora  # noqa: E402
+
+
+def run(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A fresh byte-level Llama written by `offload new-model`, and a ~40 KB text."""
+    d = tmp_path_factory.mktemp("ft")
+    assert cli.main(["new-model", str(d / "base"), "--hidden", "32", "--layers", "2", "--heads", "2",
+                     "--max-positions", "64"]) == 0
+    assert cli.main(["corpus", "--pydoc", str(d / "all.txt"), "--stdlib", str(d / "all_code.txt")]) == 0
+    text = (d / "all.txt").read_text()[:40_000]
+    (d / "text.txt").write_text(text)
+    (d / "code.txt").write_text((d / "all_code.txt").read_text()[:40_000])
+    return d
+
+
+def summary(out):
+    return json.load(open(os.path.join(out, "finetune_summary.json")))
+
+
+def test_new_model_loads_with_auto_classes(base):
+    tok = transformers.AutoTokenizer.from_pretrained(base / "base")
+    s = "déjà vu: def f(x):\n\treturn x"
+    assert tok.decode(tok(s)["input_ids"]) == s and len(tok) == 259
+    m = transformers.AutoModelForCausalLM.from_pretrained(base / "base")
+    assert m.config.vocab_size == 259 and m.config.num_hidden_layers == 2
+
+
+@pytest.fixture(scope="module")
+def full_run(base):
+    """Full fine-tune of the fresh model on prose, placement left to the planner."""
+    import contextlib
+    import io
+    out, buf = base / "full", io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main([str(a) for a in ["finetune", base / "base", "--data", base / "text.txt", "--out", out,
+                                          "--steps", 30, "--batch-size", 4, "--seq-len", 32, "--lr", "1e-2",
+                                          "--warmup", 3, "--log-steps", 5]])
+    return code, buf.getvalue(), out
+
+
+def test_full_finetune_planner_chooses_and_loss_falls(base, full_run):
+    code, text, out = full_run
+    assert code == 0, text
+    assert "placement (planner): --offload-optimizer" in text      # no placement given: the planner's, with reason
+    s = summary(out)
+    assert s["mode"] == "full" and s["steps"] == 30
+    losses = [l for _, l in s["losses"]]
+    assert losses[-1] < losses[0] - 0.5 and s["eval_loss_end"] < s["eval_loss_start"] - 0.5, s["losses"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert os.path.isfile(out / "config.json") and len(tok) == 259
+    base_w = transformers.AutoModelForCausalLM.from_pretrained(base / "base").state_dict()
+    assert any(not torch.equal(v, base_w[k]) for k, v in loaded.state_dict().items())
+
+
+def test_lora_base_on_nvme_writes_adapter(base, full_run, capsys, tmp_path):
+    """LoRA on the prose model, on code: the loss falls; the adapter loads with PEFT."""
+    pretrained, out = full_run[2], base / "lora"
+    code, text, err = run(["finetune", pretrained, "--data", base / "code.txt", "--out", out, "--steps", 30,
+                           "--batch-size", 4, "--seq-len", 32, "--lr", "2e-2", "--warmup", 3, "--log-steps", 5,
+                           "--lora", "r=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj",
+                           "--offload-optimizer", "nvme", "--offload-param", "nvme", "--nvme-path", tmp_path], capsys)
+    assert code == 0, err
+    assert "parameters -> nvme" in text and "LoRA adapter" in text and "nvme " in text   # bar shows the nvme tier
+    s = summary(out)
+    losses = [l for _, l in s["losses"]]
+    assert losses[-1] < losses[0] - 0.3 and s["eval_loss_end"] < s["eval_loss_start"], s["losses"]
+    assert os.path.isfile(out / "adapter_config.json") and os.path.isfile(out / "tokenizer.json")
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(pretrained), out)
+    lora_b = [v for k, v in model.state_dict().items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)
+    assert not os.listdir(tmp_path) or all(not f.startswith("offload-") for f in os.listdir(tmp_path))
+
+
+def test_lora_merge_and_prompt_completion_jsonl(base, capsys):
+    rows = [{"prompt": f"Q: {i} + {i}?\nA: ", "completion": str(2 * i)} for i in range(40)]
+    path = base / "qa.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = base / "merged"
+    code, text, err = run(["finetune", base / "base", "--data", path, "--out", out, "--steps", 4, "--batch-size", 4,
+                           "--seq-len", 32, "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--merge",
+                           "--offload-optimizer", "cpu", "--log-steps", 2], capsys)
+    assert code == 0, err
+    assert "loss on the completion only" in text and "merged in" in text
+    assert not os.path.exists(out / "adapter_config.json")
+    m = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in k for k in m.state_dict())
+
+
+def test_prompt_tokens_carry_no_loss(base):
+    tok = transformers.AutoTokenizer.from_pretrained(base / "base")
+    path = base / "pc.jsonl"
+    path.write_text('{"prompt": "abc", "completion": "de"}\n{"prompt": "x", "completion": "yz"}\n'
+                    '{"prompt": "p", "completion": "q"}\n')
+    train, held, desc = data_mod.load(str(path), tok, seq_len=16, eval_fraction=0.3)
+    for r in list(train) + list(held):
+        n_prompt = {6: 3, 4: 1, 3: 1}[len(r["input_ids"])]   # prompt + completion + EOS
+        assert (r["labels"][:n_prompt] == -100).all() and (r["labels"][n_prompt:] == r["input_ids"][n_prompt:]).all()
+    batch = data_mod.PadCollator(tok.pad_token_id)([train[0], held[0]])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--lora", "r=4,rank=3"], "--lora key 'rank' is unknown"),
+    (["--lora", "r=4,targets=nope"], "are not modules of this model: choose from"),
+    (["--merge"], "--merge needs --lora"),
+])
+def test_finetune_errors_name_the_fix(base, capsys, argv, msg):
+    code, _, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", base / "err", "--steps", 1,
+                        "--offload-optimizer", "cpu", *argv], capsys)
+    assert code == 2 and msg in err, err
+
+
+def test_finetune_input_errors(base, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "typo"}\n')
+    code, _, err = run(["finetune", base / "base", "--data", bad, "--out", tmp_path / "o", "--offload-optimizer", "cpu"],
+                       capsys)
+    assert code == 2 and "bad.jsonl:2: expected" in err
+    code, _, err = run(["finetune", tmp_path / "nope", "--data", bad, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_parse_lora():
+    assert parse_lora("r=16,alpha=32,targets=q_proj,v_proj") == LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj"))
+    with pytest.raises(ValueError, match="must be a number"):
+        parse_lora("r=x")
