@@ -368,3 +368,35 @@ def test_parse_bytes(text, n):
 def test_parse_bytes_bad(text):
     with pytest.raises(ConfigError):
         parse_bytes(text)
+
+
+# ---- DeepSpeed optimizer fidelity --------------------------------------------------------------------
+@pytest.mark.parametrize("ds_type, params, expect", [
+    ("Adam", {}, "AdamW"),                              # DeepSpeed's default adam_w_mode=True
+    ("Adam", {"adam_w_mode": True}, "AdamW"),
+    ("Adam", {"adam_w_mode": False}, "Adam"),           # L2 added to the gradient
+    ("AdamW", {}, "AdamW"),
+    ("AdamW", {"adam_w_mode": False}, "AdamW"),          # AdamW is decoupled whatever it says
+])
+def test_deepspeed_adam_follows_adam_w_mode(ds_type, params, expect):
+    ds = {"train_batch_size": 8, "optimizer": {"type": ds_type, "params": dict(params, lr=1e-4, weight_decay=0.1)}}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg = Config.from_any(ds)
+    assert all("optimizer" not in str(x.message) for x in w)   # honoured keys are not named as ignored
+    assert cfg.optimizer.type == expect and cfg.optimizer.weight_decay == 0.1 and cfg.optimizer.lr == 1e-4
+
+
+@pytest.mark.parametrize("key, value", [("amsgrad", True), ("bias_correction", False)])
+def test_deepspeed_adam_options_that_change_the_math_fail(key, value):
+    msg = err({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, key: value}}})
+    assert f"optimizer.params.{key}" in msg and "not supported" in msg
+
+
+def test_deepspeed_adam_implementation_choices_named_in_warning():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        Config.from_any({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"torch_adam": True,
+                                                                                          "fused": True}}})
+    assert len(w) == 1 and "optimizer.params.torch_adam" in str(w[0].message) \
+        and "optimizer.params.fused" in str(w[0].message)

@@ -118,14 +118,7 @@ def translate_deepspeed(ds: Mapping[str, Any]) -> dict:
                     out["loss_scaler"] = ls
             ignored.extend(f"{k}.{x}" for x in sec)
         elif k == "optimizer":
-            opt = mapping(v, k)
-            o = take(opt.pop("params", {}), {"lr": "lr", "betas": "betas", "eps": "eps",
-                                             "weight_decay": "weight_decay"}, "optimizer.params.")
-            if "type" in opt:
-                t = str(opt.pop("type"))
-                o["type"] = {"adamw": "AdamW", "adam": "Adam", "cpuadam": "AdamW"}.get(t.lower(), t)
-            ignored.extend(f"optimizer.{x}" for x in opt)
-            out["optimizer"] = o
+            out["optimizer"] = _optimizer(mapping(v, k), mapping(v, k).get("params", {}), take, ignored)
         elif k in ("gradient_clipping", "gradient_accumulation_steps"):
             out[k] = v
         else:
@@ -141,3 +134,30 @@ def translate_deepspeed(ds: Mapping[str, Any]) -> dict:
     if ignored:
         warnings.warn("DeepSpeed config keys not used by offload: " + ", ".join(ignored), stacklevel=4)
     return out
+
+
+def _optimizer(opt: dict, params, take, ignored: list) -> dict:
+    """DeepSpeed's optimizer section as DeepSpeed reads it. ``Adam`` follows ``adam_w_mode``
+    (default true: decoupled weight decay, i.e. AdamW; false: L2 added to the gradient), and
+    ``AdamW`` is decoupled whatever it says. Options that change the arithmetic and that this
+    engine does not implement (``amsgrad: true``, ``bias_correction: false``) fail instead of
+    being dropped; implementation choices (``torch_adam``, ``fused``) are named in the warning."""
+    params = dict(params) if isinstance(params, Mapping) else params
+    mode = params.pop("adam_w_mode", True) if isinstance(params, dict) else True
+    for key, unsupported in (("amsgrad", True), ("bias_correction", False)):
+        if isinstance(params, dict) and key in params and bool(params[key]) is unsupported:
+            raise ConfigError(f"optimizer.params.{key}={params[key]!r} is not supported by offload's Adam: "
+                              f"remove it (offload implements Adam with bias correction, without AMSGrad)")
+        if isinstance(params, dict) and key in params:
+            params.pop(key)       # the default behaviour, stated explicitly: nothing to warn about
+    o = take(params, {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
+             "optimizer.params.")
+    opt.pop("params", None)
+    if "type" in opt:
+        t = str(opt.pop("type"))
+        name = {"adamw": "AdamW", "adam": "Adam", "cpuadam": "Adam", "fusedadam": "Adam"}.get(t.lower(), t)
+        if name == "Adam" and bool(mode):
+            name = "AdamW"        # DeepSpeed's Adam defaults to adam_w_mode=True
+        o["type"] = name
+    ignored.extend(f"optimizer.{x}" for x in opt)
+    return o
