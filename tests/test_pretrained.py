@@ -378,4 +378,6 @@ def test_loading_rss_does_not_grow_with_the_checkpoint(tmp_path):
     shallow, deep = bench_load.rss_rise(512, [2, 8], 1376, 1024, str(tmp_path))
     extra = deep["checkpoint_bytes"] - shallow["checkpoint_bytes"]     # 6 layers of bf16: ~38 MB
     assert deep["bytes_read"] == deep["checkpoint_bytes"]
-    assert deep["rise"] - shallow["rise"] < 0.25 * extra, (shallow, deep)
+    # holding the deep model's extra checkpoint bytes would add at least 1.0x ``extra`` (its
+    # fp32 masters 2.0x); what remains is heap fragmentation from sub-4-MiB tensors (a few MB)
+    assert deep["rise"] - shallow["rise"] < 0.5 * extra, (shallow, deep)
