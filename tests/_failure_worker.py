@@ -134,7 +134,7 @@ def main():
         eng.pipeline.wait_all()
     except Exception:   # noqa: BLE001 - the same failure again
         pass
-    out["in_use"] = {p.name: p.stats()["in_use_bytes"] for p in (eng._swap_pool, getattr(eng, "_grad_pool", None)) if p is not None}
+    out["in_use"] = {p.name: p.stats()["in_use_bytes"] for p in (eng._swap_pool,) if p is not None}
     t0 = time.monotonic()
     try:
         eng.close()

@@ -53,7 +53,11 @@ def test_failure_names_block_and_stage(stage, opt, prm, clip, code, tmp_path):
     if stage != "parameter read":                 # a read loses nothing: the engine may go on
         assert r["after"] == r["text"], r         # every later call raises it again
     assert all(v == 0 for v in r["in_use"].values()), r
-    assert r["close"] == "returned" and r["close_s"] < 10.0, r
+    if stage == "parameter read":   # close() restores the parameters: the still-broken read raises again
+        assert r["close"] == "returned" or "parameter read of block 2" in r["close"], r
+    else:
+        assert r["close"] == "returned", r
+    assert r["close_s"] < 10.0, r
     assert r["dirs_left"] == [], r
 
 
