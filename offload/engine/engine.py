@@ -41,12 +41,43 @@ from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.engine.grads import GradBuffer
+from offload.engine.hooks import Hooks
 from offload.engine.loss_scaler import LossScaler
 from offload.optim.state import OptimState, Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.engine.telemetry import Telemetry
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _UpdateAndGrads:
+    """The engine's part of each block's lifecycle (a participant of engine/hooks.py): a
+    block's update lands before any module reads its parameters (its own module and modules
+    sharing a tied parameter); each parameter's gradient leaves the device as it accumulates,
+    and a block whose gradients are all in is complete."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def pre_forward(self, i: int) -> None:
+        b = self.engine.blocks[i]
+        if b.pending is not None or b.update_event is not None:
+            with self.engine.telemetry.span("offload::wait_update"):
+                b.wait_update()
+
+    def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> bool:
+        e = self.engine
+        block = e.blocks[i]
+        seg = block.layout.segments[k]
+        grad = param.grad
+        buf = block.landing or block.grad    # full-size either way: land at the flat offset
+        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+            buf.land(k, seg.offset, grad, e._d2h)
+        param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
+        return buf.complete
+
+    def post_backward(self, i: int) -> None:
+        self.engine._on_block_complete(self.engine.blocks[i])
 
 
 class _ParamGroups(torch.optim.Optimizer):
@@ -100,15 +131,15 @@ class Engine:
         self._param_write_pool = None
         self.param_offload = None
         self.blocks: List[BlockShard] = []
-        self._hooks = []
+        self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
         self._closed = False
         try:
             self._build_storage()
             self._build_param_homes()
             self._build_blocks()
             self._move_rest(model)
-            self._install_hooks()
             self._start_param_offload()
+            self._install_hooks()
         except BaseException:
             self._release_storage()
             raise
@@ -378,38 +409,13 @@ class Engine:
                     m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
 
     def _install_hooks(self) -> None:
-        # Each block's update must land before any module that reads its parameters runs:
-        # its own module, and modules that share a parameter with it (tied weights).
-        owner = {id(s.param): b for b in self.blocks for s in b.layout.segments}
-        for m in self.module.modules():
-            waits = {owner[id(p)].index: owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
-            for b in self.blocks:
-                if b.layout.module is m:
-                    waits[b.index] = b
-            if waits:
-                self._hooks.append(m.register_forward_pre_hook(self._make_wait_hook(list(waits.values()))))
-        for b in self.blocks:
-            for i, s in enumerate(b.layout.segments):
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(b, i, s)))
-
-    def _make_wait_hook(self, blocks: List[BlockShard]):
-        def hook(module, args):
-            for b in blocks:
-                if b.pending is not None or b.update_event is not None:
-                    with self.telemetry.span("offload::wait_update"):
-                        b.wait_update()
-        return hook
-
-    def _make_grad_hook(self, block: BlockShard, index: int, seg: blk.Segment):
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            buf = block.landing or block.grad    # full-size either way: land at the flat offset
-            with self.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
-                buf.land(index, seg.offset, grad, self._d2h)
-            param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
-            if buf.complete:
-                self._on_block_complete(block)
-        return hook
+        """One owner installs every hook (engine/hooks.py); each feature joins as a participant:
+        the engine's own part first, parameter offload after it."""
+        self.hooks = Hooks(self.module, self.layouts)
+        self.hooks.join(_UpdateAndGrads(self))
+        if self.param_offload is not None:
+            self.hooks.join(self.param_offload)
+        self.hooks.install()
 
     # ---- training -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -454,7 +460,7 @@ class Engine:
             buf = b.landing or b.grad
             if not buf.complete:
                 buf.arrived = buf.num_segments
-                self._on_block_complete(b)
+                self.hooks.post_backward(b.index)
         if self._boundary:
             self._last_order = list(self._completion)
         else:
@@ -462,8 +468,6 @@ class Engine:
 
     def _on_block_complete(self, block: BlockShard) -> None:
         self._arrival.append(block.index)
-        if self.param_offload is not None:
-            self.param_offload.on_grads_complete(block.index)
         for b in self.grad_sync.ready(block):    # collectives issued in the fixed block order
             self._completion.append(b.index)
             if self._boundary and self._overlap:
@@ -683,11 +687,10 @@ class Engine:
         finally:
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
+            if self.hooks is not None:
+                self.hooks.remove()
             if self.param_offload is not None:
                 self.param_offload.close()
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
             self._release_storage()
 
     def _release_storage(self) -> None:
