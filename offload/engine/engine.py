@@ -45,6 +45,7 @@ from offload.engine.hooks import Hooks
 from offload.engine.loss_scaler import LossScaler
 from offload.optim.state import OptimState, Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
+from offload.params.writeback import ParamWriteBack
 from offload.engine.telemetry import Telemetry
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,8 +152,12 @@ class Engine:
             self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-gather")
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
-                                     compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync)
+                                     compute_device=self.device, grad_sync=self.grad_sync,
+                                     params=ParamWriteBack(compute_device=self.device,
+                                                           copy_param=self.dtype == torch.float32,
+                                                           state_on_device=self.tier is Tier.DEVICE,
+                                                           write_pool=self._param_write_pool,
+                                                           telemetry=self.telemetry))
         self._d2h = dev.new_stream(self.device)
         self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
         self.micro_step = 0       # backward calls
