@@ -131,6 +131,8 @@ class Engine:
         self._param_stage_pool = None
         self._param_write_pool = None
         self.param_offload = None
+        self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
+        self._act_store = None
         self.blocks: List[BlockShard] = []
         self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
         self._closed = False
@@ -140,6 +142,7 @@ class Engine:
             self._build_blocks()
             self._move_rest(model)
             self._start_param_offload()
+            self._start_activation_offload()
             self._install_hooks()
         except BaseException:
             self._release_storage()
@@ -333,6 +336,22 @@ class Engine:
             p.numel() * p.element_size() for p in self.module.parameters()
             if not any(p is s.param for b in self.blocks for s in b.layout.segments))
 
+    def _start_activation_offload(self) -> None:
+        from offload.engine.activations import ActivationOffload
+        ac = self.config.offload_activations
+        if ac.device == "none":
+            return
+        if ac.device == "nvme":
+            from offload.storage.nvme import NvmeStore
+            a = self.config.aio
+            self._act_store = NvmeStore(ac.nvme_path, backend=a.backend, block_size=a.block_size,
+                                        queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
+                                        name="activations")
+        self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
+                                             min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
+                                             pin=ac.pin_memory and dev.can_pin(), store=self._act_store,
+                                             telemetry=self.telemetry)
+
     def _overlap_possible(self) -> bool:
         c = self.config
         return c.overlap_step and c.gradient_clipping == 0.0 and c.precision != "fp16"
@@ -415,11 +434,13 @@ class Engine:
 
     def _install_hooks(self) -> None:
         """One owner installs every hook (engine/hooks.py); each feature joins as a participant:
-        the engine's own part first, parameter offload after it."""
+        the engine's own part first, then parameter offload, then activation offload."""
         self.hooks = Hooks(self.module, self.layouts)
         self.hooks.join(_UpdateAndGrads(self))
         if self.param_offload is not None:
             self.hooks.join(self.param_offload)
+        if self.activations is not None:      # after parameter offload: parameters are its handles
+            self.hooks.join(self.activations)
         self.hooks.install()
 
     # ---- training -------------------------------------------------------------------------
@@ -649,6 +670,8 @@ class Engine:
             "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
+        if self.activations is not None:
+            snap["activations"] = self.activations.stats()
         # NVMe links from the stores themselves: bytes that reached the disk over the time
         # requests were in flight (the engine's own spans only see the waits)
         for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
@@ -673,8 +696,8 @@ class Engine:
 
     def swap_dirs(self) -> Dict[str, str]:
         """The run directories of the NVMe swap stores in use ({"optimizer": ..., "params": ...})."""
-        return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store))
-                if st is not None}
+        return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store),
+                                            ("activations", self._act_store)) if st is not None}
 
     # ---- teardown -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -696,13 +719,17 @@ class Engine:
                 self.hooks.remove()
             if self.param_offload is not None:
                 self.param_offload.close()
+            if self.activations is not None:
+                self.activations.close()
             self._release_storage()
 
     def _release_storage(self) -> None:
         for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
-                  self._param_stage_pool, self._param_write_pool, getattr(self, "_grad_pool", None)):
+                  self._param_stage_pool, self._param_write_pool, getattr(self, "_grad_pool", None),
+                  self._act_store):
             if r is not None:
                 r.close()
+        self._act_store = None
         self._store = self._swap_pool = self._host_pool = self._param_store = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
