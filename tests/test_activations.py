@@ -57,6 +57,7 @@ def train(arch, model, cfg, data):
     eng = offload.initialize(model, cfg)
     snaps = []
     for x, y in data:
+        x, y = x.to(eng.device), y.to(eng.device)      # on a GPU machine too (gpu_check.sh)
         eng.backward(loss_of(arch, eng, x, y))
         eng.step()
         snaps.append(eng.full_state_dict())
@@ -114,7 +115,8 @@ def test_moves_what_torch_saves_and_only_checkpoint_boundaries(ckpt, tmp_path):
     cfg["offload_param"] = {"device": "none"}
     model = clone(base)
     eng = offload.initialize(model, cfg)
-    eng.backward(loss_of(arch, eng, x, x))
+    xd = x.to(eng.device)
+    eng.backward(loss_of(arch, eng, xd, xd))
     eng.step()
     st = eng.stats()["activations"]
     eng.close()
@@ -139,7 +141,7 @@ def test_parameters_are_never_copied(tmp_path):
     model = SavesParams()
     cfg = {"offload_optimizer": {"device": "cpu"}, "offload_activations": {"device": "cpu", "min_bytes": 1}}
     eng = offload.initialize(model, cfg)
-    x = torch.randn(64, 64)
+    x = torch.randn(64, 64, device=eng.device)
     loss = eng(x)
     eng.backward(loss)
     eng.step()

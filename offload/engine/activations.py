@@ -130,7 +130,13 @@ class ActivationOffload:
         self._param_storages: set = set()
         self._records: List[weakref.ref] = []        # this forward's records, pack order
         self._by_src: Dict[int, weakref.ref] = {}    # id(tensor) -> record (saved twice)
+        self._copying = collections.deque()          # records with a D2H in flight (CUDA), oldest first
         self._writing = collections.deque()          # records with an NVMe write in flight
+        # nvme: host copies that went to disk come back here for the next pack of the same
+        # size (no fresh pages to fault in per tensor); at most lookahead_bytes are kept
+        self._spare: Dict[int, List[torch.Tensor]] = collections.defaultdict(list)
+        self._spare_bytes = 0
+        self._in_forward = False
         self._writing_bytes = 0
         self._order: Optional[List[int]] = None      # expected unpack order (record indices)
         self._unpacked: List[int] = []               # this backward's unpack order
@@ -144,6 +150,7 @@ class ActivationOffload:
     def begin_forward(self, recompute: bool) -> None:
         if recompute:
             return
+        self._in_forward = True
         if self._unpacked and len(self._unpacked) == len(self._records):
             self._order = list(self._unpacked)       # the order the last backward used
         elif self._records:
@@ -158,6 +165,9 @@ class ActivationOffload:
         """Copies of this forward are off the device; the first tensors backward needs start
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
+        self._in_forward = False
+        self._spare.clear()                          # no packs until the next forward
+        self._spare_bytes = 0
         if torch.is_grad_enabled() and self._records:
             self._prefetch()
 
@@ -178,7 +188,7 @@ class ActivationOffload:
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         with self.telemetry.span("offload::act_d2h", "act_d2h", rec.nbytes):
-            rec.host = _aligned_host(rec.nbytes, self.pin)
+            rec.host = self._host_buffer(rec.nbytes)
             dst = rec.host.view(rec.dtype) if rec.nbytes else rec.host
             src = t if rec.dense else t.contiguous()
             rec.event = dev.copy_to_host_async(dst, src.reshape(-1), self._d2h)
@@ -190,6 +200,7 @@ class ActivationOffload:
             self.telemetry.peak("act_host_bytes", self.host_bytes)
         if rec.event is not None:
             self._device_hold(rec.nbytes)            # until the D2H ends, its memory is held
+            self._copying.append(rec)
         else:
             rec.state = SavedState.ON_HOST
             self._write(rec)
@@ -202,13 +213,14 @@ class ActivationOffload:
             self.telemetry.peak("act_device_bytes", self.device_bytes)
 
     def _pump(self, final: bool = False) -> None:
-        """Advance transfers started in forward: finished D2H copies go on to NVMe; finished
-        writes give their host copies back; more than ``lookahead_bytes`` in flight to NVMe
-        (or ``final``: the forward ended) waits for the oldest."""
-        for ref in self._records[-64:] if not final else self._records:
-            rec = ref()
-            if rec is not None and rec.state is SavedState.COPYING_OUT and \
-                    (final or rec.event.query()):
+        """Advance transfers started in forward: finished D2H copies go on to NVMe (more than
+        ``lookahead_bytes`` of D2H in flight, or ``final``: the forward ended, waits for the
+        oldest, so the device holds at most that much beyond what the forward itself keeps);
+        finished writes give their host copies back; more than ``lookahead_bytes`` in flight
+        to NVMe waits for the oldest."""
+        while self._copying and (final or self.device_bytes > self.lookahead or self._copying[0].event.query()):
+            rec = self._copying.popleft()
+            if rec.state is SavedState.COPYING_OUT:
                 dev.sync_event(rec.event)
                 rec.event = None
                 rec.state = SavedState.ON_HOST
@@ -244,13 +256,25 @@ class ActivationOffload:
             rec.io.wait(_WAIT_S)
         rec.io = None
         rec.state = SavedState.ON_NVME
-        self._drop_host(rec)
+        self._drop_host(rec, reuse=True)
 
-    def _drop_host(self, rec: _Saved) -> None:
-        if rec.host is not None:
-            rec.host = None
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        spare = self._spare.get(nbytes)
+        if spare:
+            self._spare_bytes -= nbytes
+            return spare.pop()
+        return _aligned_host(nbytes, self.pin)
+
+    def _drop_host(self, rec: _Saved, reuse: bool = False) -> None:
+        """The host copy goes; with ``reuse`` (nobody else holds it: its write is durable)
+        it is kept for the next pack of the same size, within lookahead_bytes."""
+        host, rec.host = rec.host, None
+        if host is not None:
             with self._lock:
                 self.host_bytes -= rec.nbytes
+            if reuse and self._in_forward and self._spare_bytes + rec.nbytes <= self.lookahead:
+                self._spare[rec.nbytes].append(host)
+                self._spare_bytes += rec.nbytes
 
     # ---- NVMe keys -----------------------------------------------------------------------------
     @staticmethod
@@ -352,7 +376,14 @@ class ActivationOffload:
                 self._to_device(rec)
 
     def _fetch(self, rec: _Saved) -> None:
-        """ON_HOST stays; ON_NVME -> READING (a host buffer, the read in flight)."""
+        """ON_HOST (or still COPYING_OUT / WRITING: the host copy is here) -> STAGED;
+        ON_NVME -> READING (a host buffer, the read in flight)."""
+        if rec.state is SavedState.COPYING_OUT:      # unpacked before its forward ended
+            dev.sync_event(rec.event)
+            rec.event = None
+            self._device_hold(-rec.nbytes)
+            rec.state = SavedState.STAGED             # _pump only dequeues it
+            return
         if rec.state is SavedState.WRITING:
             self._writing_bytes -= rec.nbytes         # finished here; _pump only dequeues it
             with self.telemetry.span("offload::act_nvme_wait"):
@@ -402,7 +433,7 @@ class ActivationOffload:
             return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
 
     def _restore(self, rec: _Saved) -> torch.Tensor:
-        if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
+        if rec.state in (SavedState.COPYING_OUT, SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
             self._fetch(rec)
         if rec.state is SavedState.READING:
             self._staged(rec)
