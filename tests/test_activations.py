@@ -162,3 +162,23 @@ def test_config_flag_and_deepspeed_mapping(tmp_path):
         offload.Config.from_any({"offload_activations": {"device": "gpu"}})
     with pytest.raises(offload.config.ConfigError, match="offload_activations.nvme_path"):
         offload.Config.from_any({"offload_activations": {"device": "nvme"}})
+
+
+def test_block_phases_and_one_saved_tensor_chain(tmp_path):
+    """The hook owner drives every block FORWARD_DONE after forward and IDLE after backward;
+    parameter offload and activation offload share one saved-tensor chain, parameters first."""
+    from offload.engine.hooks import BlockPhase
+    from _models import make_model
+    model = make_model()
+    eng = offload.initialize(model, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                     "offload_activations": {"device": "cpu", "min_bytes": 1}})
+    assert eng.hooks.saved.handlers == [eng.param_offload, eng.activations]
+    x, y = batches(1)[0]
+    loss = eng(x, y)
+    assert all(p is BlockPhase.FORWARD_DONE for p in eng.hooks.phase)
+    eng.backward(loss)
+    assert all(p is BlockPhase.IDLE for p in eng.hooks.phase)
+    eng.step()
+    st = eng.stats()
+    eng.close()
+    assert st["activations"]["tensors"] > 0 and st["prefetch"]["hits"] + st["prefetch"]["misses"] > 0

@@ -67,6 +67,21 @@ def _aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+def _layout(shape, stride) -> str:
+    """"dense" (contiguous up to a permutation of dims), "gapped" (no element shared, gaps
+    between them: a slice) or "overlapping" (an expanded view; not moved: its restore could
+    not be written element by element). Sufficient test: dims sorted by stride each step
+    past the furthest element the smaller dims reach."""
+    reach, expect, dense = 0, 1, True
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
+        if st <= reach:
+            return "overlapping"
+        dense = dense and st == expect
+        reach += (sz - 1) * st
+        expect = st * sz
+    return "dense" if dense else "gapped"
+
+
 class _Saved:
     """One offloaded saved tensor: its metadata, where its bytes are, and its transfers."""
 
@@ -74,12 +89,12 @@ class _Saved:
                  "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
                  "__weakref__")
 
-    def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor):
+    def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool):
         self.owner = owner
         self.index = index                 # pack order within its forward
         self.nbytes = t.numel() * t.element_size()
         self.dtype, self.shape, self.stride = t.dtype, tuple(t.shape), tuple(t.stride())
-        self.dense = t.is_contiguous()     # else restored with empty_strided + copy
+        self.dense = dense                 # bytes copied in memory order; else gapped: element by element
         self.device = t.device
         self.state = SavedState.COPYING_OUT
         self.host: Optional[torch.Tensor] = None     # 1-D uint8 host copy
@@ -176,22 +191,26 @@ class ActivationOffload:
         if (t.layout is not torch.strided or t.device.type == "meta" or isinstance(t, nn.Parameter)
                 or t.numel() * t.element_size() < self.min_bytes or in_backward()):
             return NOT_MINE
-        if t.untyped_storage().data_ptr() in self._param_storages:
-            return NOT_MINE                          # a parameter, a view of one, or a buffer
+        if t.device != self.device or t.untyped_storage().data_ptr() in self._param_storages:
+            return NOT_MINE                          # not on the device; a parameter, a view of one, a buffer
         ref = self._by_src.get(id(t))
         rec = ref() if ref is not None else None
         if rec is not None and rec.src() is t and rec.version == t._version:
             self.stats_["saved_twice"] += 1
             rec.handles += 1
             return rec                               # the same tensor again: one copy
-        rec = _Saved(self, len(self._records), t)
+        layout = _layout(t.shape, t.stride())
+        if layout == "overlapping":
+            return NOT_MINE
+        rec = _Saved(self, len(self._records), t, layout == "dense")
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         with self.telemetry.span("offload::act_d2h", "act_d2h", rec.nbytes):
             rec.host = self._host_buffer(rec.nbytes)
             dst = rec.host.view(rec.dtype) if rec.nbytes else rec.host
-            src = t if rec.dense else t.contiguous()
-            rec.event = dev.copy_to_host_async(dst, src.reshape(-1), self._d2h)
+            # dense: its bytes in memory order (any permutation of dims); gapped: packed
+            src = t.as_strided((t.numel(),), (1,)) if rec.dense else t.contiguous().view(-1)
+            rec.event = dev.copy_to_host_async(dst, src, self._d2h)
         with self._lock:
             self.host_bytes += rec.nbytes
             self.stats_["saved_bytes"] += rec.nbytes
@@ -415,8 +434,12 @@ class ActivationOffload:
             if self.device.type == "cpu" and self.tier == "nvme" and rec.dense:
                 t = host.as_strided(rec.shape, rec.stride)   # read from NVMe straight into it
                 ev = None
+            elif rec.dense:
+                flat = self._empty_on_h2d(rec, (host.numel(),), (1,))
+                ev = dev.copy_(flat, host, self._h2d)
+                t = flat.as_strided(rec.shape, rec.stride)
             else:
-                t = self._empty_on_h2d(rec)
+                t = self._empty_on_h2d(rec, rec.shape, rec.stride)
                 ev = dev.copy_(t, host.view(rec.shape), self._h2d)
         rec.restored, rec.event = t, ev
         rec.state = SavedState.COPYING_IN if ev is not None else SavedState.ON_DEVICE
@@ -426,11 +449,12 @@ class ActivationOffload:
         if self.tier == "nvme" and ev is None:
             self._drop_host(rec)                     # the NVMe copy remains for a second unpack
 
-    def _empty_on_h2d(self, rec: _Saved) -> torch.Tensor:
+    def _empty_on_h2d(self, rec: _Saved, shape, stride) -> torch.Tensor:
+        """Device memory from the H2D stream's share of the caching allocator (device.py)."""
         if self._h2d is None:
-            return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
+            return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
         with torch.cuda.stream(self._h2d):
-            return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
+            return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
 
     def _restore(self, rec: _Saved) -> torch.Tensor:
         if rec.state in (SavedState.COPYING_OUT, SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
