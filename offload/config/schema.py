@@ -147,11 +147,12 @@ class OffloadActivationsConfig:
     lookahead_bytes: int = 256 << 20
 
     def __post_init__(self):
+        _check_finite(self, "offload_activations.")
         _check_choice("offload_activations.device", self.device, TIER_DEVICES)
         _check_positive("offload_activations.min_bytes", self.min_bytes, allow_zero=True)
         _check_positive("offload_activations.lookahead_bytes", self.lookahead_bytes, allow_zero=True)
         if self.device == "nvme":
-            check_nvme_path("offload_activations.nvme_path", self.nvme_path)
+            _require_nvme_path("offload_activations.nvme_path", self.nvme_path)
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ class Config:
         """Check the directories this config names (exist, are directories, accept a new
         file). Touches the disk, so construction never calls it: ``initialize`` does, and
         the command line before it starts anything."""
-        for tier in ("offload_optimizer", "offload_param"):
+        for tier in ("offload_optimizer", "offload_param", "offload_activations"):
             sec = getattr(self, tier)
             if sec.device == "nvme":
                 check_nvme_path(f"{tier}.nvme_path", sec.nvme_path)
