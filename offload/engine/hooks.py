@@ -9,11 +9,13 @@ parameter offload, activation offload), in the order they joined::
     pre_forward(i)               a module that reads block i's parameters starts
     post_forward(i)              ... and ends (always called, also when it raised)
     param_read(param)            a parameter reached a torch function outside its module
+                                 (watched in a forward when a participant's wants_reads() says so)
     pre_backward(i)              block i's first gradient of this backward exists
     grad_ready(i, seg)           a parameter's gradient exists, before it accumulates
-    grad_accumulated(i, seg, p)  after it accumulated; True from the participant that
-                                 owns gradients when block i's gradients are complete
-    post_backward(i)             all of block i's gradients have landed
+    grad_accumulated(i, seg, p)  after it accumulated
+    post_backward(i)             all of block i's gradients have landed (called through
+                                 ``Hooks.post_backward`` by the owner of the gradient window,
+                                 engine/step_control.py, also for blocks a backward skipped)
     end_forward()                the root forward ends
 
 A participant implements only the verbs it needs. ``pre_*``, ``begin_*`` and the gradient
@@ -137,6 +139,9 @@ class Hooks:
         model = self.model
         self._pre, self._post = self._each("pre_forward"), self._each("post_forward")[::-1]
         self._reads = self._each("param_read")
+        # a participant with param_read and no wants_reads wants every forward's reads
+        self._watch = [getattr(p, "wants_reads", lambda: True) for p in self.participants
+                       if getattr(p, "param_read", None) is not None]
         self._grad_ready, self._grad_acc = self._each("grad_ready"), self._each("grad_accumulated")
         self._pre_bwd, self._post_bwd = self._each("pre_backward"), self._each("post_backward")[::-1]
         self._begin, self._end = self._each("begin_forward"), self._each("end_forward")[::-1]
@@ -176,7 +181,8 @@ class Hooks:
             self._context.__enter__()
         else:
             self._context = False                # marks "inside" without a context
-        if self._reads:
+        # the mode costs a check per torch call: only when a participant wants this forward's reads
+        if self._reads and any(f() for f in self._watch):
             self._mode = _OutsideReads(self)
             self._mode.__enter__()
 
@@ -237,16 +243,12 @@ class Hooks:
     def _make_grad_accumulated(self, i: int, k: int):
         def hook(param):
             self._enter_backward(i)
-            complete = False
             for f in self._grad_acc:
-                complete = bool(f(i, k, param)) or complete
-            if complete:
-                self.post_backward(i)
+                f(i, k, param)
         return hook
 
     def post_backward(self, i: int) -> None:
-        """Block ``i``'s gradients are complete (also called by the engine for blocks that took
-        no part in a backward)."""
+        """Block ``i``'s gradients of this backward are complete (or it took no part in it)."""
         self.phase[i] = BlockPhase.IDLE
         for f in self._post_bwd:
             f(i)

@@ -79,11 +79,10 @@ class ParamOffload:
             seg = bp.layout.segments[k]
             seg.param.data = torch.zeros((), dtype=bp.dtype, device=bp.device).expand(seg.shape)
 
-    def grad_accumulated(self, i: int, k: int, param) -> bool:
+    def grad_accumulated(self, i: int, k: int, param) -> None:
         bp = self.params[i]
         if bp is not None and bp.state is not ParamState.ON_DEVICE:
             param.data = bp.placeholder
-        return False                      # gradients are the engine's: it says when they are complete
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
