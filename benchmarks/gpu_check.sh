@@ -22,4 +22,8 @@ echo "== engine tests on the GPU machine (CPU paths too)"; timeout 120 $PY -m py
 echo "== bench_step"; timeout 60 $PY benchmarks/bench_step.py --rounds 2 | tail -6
 echo "== bench_prefetch"; timeout 90 $PY benchmarks/bench_prefetch.py --rounds 3 | tail -8
 echo "== bench_adam"; timeout 60 $PY benchmarks/bench_adam.py | tail -4
+# activation offload (issue 13): claims gpu_step_overhead <= 1.05, gpu_saved_device_peak_vs_bound <= 1
+echo "== activation offload tests + bench_activations --device-check"
+timeout 120 $PY -m pytest -q -x tests/test_activations.py -k "bit_exact and gpt and not gpt2" || rc=1
+timeout 120 $PY benchmarks/bench_activations.py --device-check --rounds 5 | tail -3
 exit $rc

@@ -15,7 +15,7 @@ from offload.config.schema import Config, ConfigError, _build
 _DS_MARKERS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "bf16", "fp16")
 # Top-level keys of this engine's own layout that DeepSpeed does not have: their presence
 # means "native", even next to `zero_optimization` (which both layouts share).
-_NATIVE_ONLY = ("precision", "offload_optimizer", "offload_param", "prefetch", "loss_scaler",
+_NATIVE_ONLY = ("precision", "offload_optimizer", "offload_param", "offload_activations", "prefetch", "loss_scaler",
                 "blocks", "optimizer_workers", "overlap_step")
 # Keys DeepSpeed knows that this engine ignores (named in the warning). An ignored key that is
 # in none of these lists but close to a known one is a misspelling and fails instead.
@@ -43,6 +43,9 @@ _DS_KNOWN = {
                                              "pipeline_read", "pipeline_write", "fast_init", "ratio"),
     "zero_optimization.offload_param.": ("device", "nvme_path", "buffer_count", "buffer_size",
                                          "max_in_cpu", "pin_memory"),
+    "activation_checkpointing.": ("partition_activations", "contiguous_memory_optimization",
+                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile",
+                                  "cpu_checkpointing"),
     "aio.": ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events",
              "intra_op_parallelism", "use_gds"),
     "fp16.": ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
@@ -119,6 +122,14 @@ def translate_deepspeed(ds: Mapping[str, Any]) -> dict:
             ignored.extend(f"{k}.{x}" for x in sec)
         elif k == "optimizer":
             out["optimizer"] = _optimizer(mapping(v, k), mapping(v, k).get("params", {}), take, ignored)
+        elif k == "activation_checkpointing":
+            # cpu_checkpointing moves the saved activations to host memory; as in DeepSpeed it
+            # does not turn checkpointing on (the model does that: torch.utils.checkpoint, or
+            # Hugging Face's gradient_checkpointing_enable())
+            ac = mapping(v, k)
+            if ac.pop("cpu_checkpointing", False) is True:
+                out["offload_activations"] = {"device": "cpu"}
+            ignored.extend(f"activation_checkpointing.{x}" for x in ac)
         elif k in ("gradient_clipping", "gradient_accumulation_steps"):
             out[k] = v
         else:

@@ -42,7 +42,9 @@ _FLAGS = (
     ("--gradient-clipping", "gradient_clipping", float, "max global grad norm (0: off)"),
     ("--offload-optimizer", "offload_optimizer.device", str, "none | cpu | nvme: where Adam state lives"),
     ("--offload-param", "offload_param.device", str, "none | cpu | nvme: where parameters live"),
-    ("--nvme-path", "*.nvme_path", str, "directory for the NVMe swap files (both tiers)"),
+    ("--offload-activations", "offload_activations.device", str,
+     "none | cpu | nvme: where tensors saved for backward wait"),
+    ("--nvme-path", "*.nvme_path", str, "directory for the NVMe swap files (every tier)"),
     ("--buffer-count", "offload_optimizer.buffer_count", int, "optimizer blocks read ahead (nvme)"),
     ("--device-budget", "offload_param.device_budget_bytes", "bytes", "peak offloaded param bytes on device"),
     ("--aio-backend", "aio.backend", str, "native | portable"),
@@ -145,7 +147,7 @@ def flags_to_dict(ns, base: "Mapping[str, Any] | None" = None) -> dict:
 
 def _expand(key: str):
     if key.startswith("*."):
-        return [f"offload_optimizer.{key[2:]}", f"offload_param.{key[2:]}"]
+        return [f"offload_optimizer.{key[2:]}", f"offload_param.{key[2:]}", f"offload_activations.{key[2:]}"]
     return [key]
 
 

@@ -132,6 +132,30 @@ class OffloadParamConfig:
 
 
 @dataclass(frozen=True)
+class OffloadActivationsConfig:
+    """Where tensors saved for backward wait between their forward and their backward use.
+
+    ``none`` keeps them on the device; ``cpu`` copies each saved tensor of at least
+    ``min_bytes`` to host memory during forward (a side stream on CUDA) and brings it back
+    ahead of its use in backward; ``nvme`` moves it on to a swap file under ``nvme_path``.
+    ``lookahead_bytes`` bounds the bytes brought back ahead of use and the bytes in flight to
+    NVMe. Parameters (and views of them) are never copied; a tensor saved twice moves once."""
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+    min_bytes: int = 1 << 20
+    lookahead_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        _check_finite(self, "offload_activations.")
+        _check_choice("offload_activations.device", self.device, TIER_DEVICES)
+        _check_positive("offload_activations.min_bytes", self.min_bytes, allow_zero=True)
+        _check_positive("offload_activations.lookahead_bytes", self.lookahead_bytes, allow_zero=True)
+        if self.device == "nvme":
+            _require_nvme_path("offload_activations.nvme_path", self.nvme_path)
+
+
+@dataclass(frozen=True)
 class PrefetchConfig:
     """Bytes kept in flight ahead of use on each link; None derives them from the budgets."""
     enabled: bool = True
@@ -205,6 +229,7 @@ class Config:
     gradient_clipping: float = 0.0
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    offload_activations: OffloadActivationsConfig = field(default_factory=OffloadActivationsConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
@@ -272,7 +297,7 @@ class Config:
         """Check the directories this config names (exist, are directories, accept a new
         file). Touches the disk, so construction never calls it: ``initialize`` does, and
         the command line before it starts anything."""
-        for tier in ("offload_optimizer", "offload_param"):
+        for tier in ("offload_optimizer", "offload_param", "offload_activations"):
             sec = getattr(self, tier)
             if sec.device == "nvme":
                 check_nvme_path(f"{tier}.nvme_path", sec.nvme_path)

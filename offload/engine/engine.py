@@ -50,14 +50,45 @@ from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.engine.grads import GradBuffer
+from offload.engine.hooks import Hooks
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
 from offload.optim.state import OptimState, Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
+from offload.params.writeback import ParamWriteBack
 from offload.engine.telemetry import Telemetry
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _UpdateAndGrads:
+    """The engine's part of each block's lifecycle (a participant of engine/hooks.py): a
+    block's update lands before any module reads its parameters (its own module and modules
+    sharing a tied parameter); each parameter's gradient leaves the device as it accumulates,
+    and a block whose gradients are all in is complete (StepControl is told; it tells the hook
+    owner's post_backward)."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def pre_forward(self, i: int) -> None:
+        b = self.engine.blocks[i]
+        if b.pending is not None or b.update_event is not None:
+            with self.engine.telemetry.span("offload::wait_update"):
+                b.wait_update()
+
+    def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
+        e = self.engine
+        block = e.blocks[i]
+        seg = block.layout.segments[k]
+        grad = param.grad
+        buf = block.landing or block.grad    # full-size either way: land at the flat offset
+        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+            buf.land(k, seg.offset, grad, e._d2h)
+        param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
+        if buf.complete:
+            e.control.on_block_complete(block)
 
 
 class _ParamGroups(torch.optim.Optimizer):
@@ -134,17 +165,20 @@ class Engine:
         self._param_stage_pool = None
         self._param_write_pool = None
         self.param_offload = None
+        self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
+        self._act_store = None
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
-        self._hooks = []
+        self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
         self._closed = False
         try:
             self._build_storage()
             self._build_param_homes()
             self._build_blocks()
             self._move_rest(model)
-            self._install_hooks()
             self._start_param_offload()
+            self._start_activation_offload()
+            self._install_hooks()
         except BaseException:
             self._release_storage()
             raise
@@ -157,18 +191,22 @@ class Engine:
             self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-gather")
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
-                                     compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                     param_write_pool=self._param_write_pool, grad_sync=self.grad_sync,
-                                     wait_timeout_s=config.wait_timeout_s)
+                                     compute_device=self.device, grad_sync=self.grad_sync,
+                                     wait_timeout_s=config.wait_timeout_s,
+                                     params=ParamWriteBack(compute_device=self.device,
+                                                           copy_param=self.dtype == torch.float32,
+                                                           state_on_device=self.tier is Tier.DEVICE,
+                                                           write_pool=self._param_write_pool,
+                                                           telemetry=self.telemetry,
+                                                           wait_timeout_s=config.wait_timeout_s))
         self._d2h = dev.new_stream(self.device)
-        po = self.param_offload
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
             scaler=self.scaler, telemetry=self.telemetry,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             gradient_clipping=config.gradient_clipping, param_order=self._param_order,
             read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
-            on_block_complete=po.on_grads_complete if po is not None else None)
+            on_block_complete=self.hooks.post_backward)   # every participant's post_backward
 
     # The counters a checkpoint records (StepControl owns them; they move at step() only).
     @property
@@ -349,6 +387,22 @@ class Engine:
             p.numel() * p.element_size() for p in self.module.parameters()
             if not any(p is s.param for b in self.blocks for s in b.layout.segments))
 
+    def _start_activation_offload(self) -> None:
+        from offload.engine.activations import ActivationOffload
+        ac = self.config.offload_activations
+        if ac.device == "none":
+            return
+        if ac.device == "nvme":
+            from offload.storage.nvme import NvmeStore
+            a = self.config.aio
+            self._act_store = NvmeStore(ac.nvme_path, backend=a.backend, block_size=a.block_size,
+                                        queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
+                                        name="activations")
+        self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
+                                             min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
+                                             pin=ac.pin_memory and dev.can_pin(), store=self._act_store,
+                                             telemetry=self.telemetry)
+
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
         # kernel reads it directly; with accumulation the host sums in fp32.
@@ -425,40 +479,19 @@ class Engine:
                     m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
 
     def _install_hooks(self) -> None:
-        # Each block's update must land before any module that reads its parameters runs:
-        # its own module, and modules that share a parameter with it (tied weights).
-        owner = {id(s.param): b for b in self.blocks for s in b.layout.segments}
-        for m in self.module.modules():
-            waits = {owner[id(p)].index: owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
-            for b in self.blocks:
-                if b.layout.module is m:
-                    waits[b.index] = b
-            if waits:
-                self._hooks.append(m.register_forward_pre_hook(self._make_wait_hook(list(waits.values()))))
-        for b in self.blocks:
-            for i, s in enumerate(b.layout.segments):
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(b, i, s)))
-        if self._param_home_device() == "none":   # (parameter offload waits on every use itself)
-            self._hooks += UpdateWaits(self.blocks, self.telemetry).root_hooks(self.module)
-
-    def _make_wait_hook(self, blocks: List[BlockShard]):
-        def hook(module, args):
-            for b in blocks:
-                if b.pending is not None or b.update_event is not None:
-                    with self.telemetry.span("offload::wait_update"):
-                        b.wait_update()
-        return hook
-
-    def _make_grad_hook(self, block: BlockShard, index: int, seg: blk.Segment):
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            buf = block.landing or block.grad    # full-size either way: land at the flat offset
-            with self.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
-                buf.land(index, seg.offset, grad, self._d2h)
-            param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
-            if buf.complete:
-                self.control.on_block_complete(block)
-        return hook
+        """One owner installs every hook (engine/hooks.py); each feature joins as a participant:
+        the engine's own part first, then the update waits for reads outside a block's modules
+        (without parameter offload, whose materialize waits itself), parameter offload,
+        activation offload."""
+        self.hooks = Hooks(self.module, self.layouts)
+        self.hooks.join(_UpdateAndGrads(self))
+        if self.param_offload is None:
+            self.hooks.join(UpdateWaits(self.blocks, self.telemetry))
+        else:
+            self.hooks.join(self.param_offload)
+        if self.activations is not None:      # after parameter offload: parameters are its handles
+            self.hooks.join(self.activations)
+        self.hooks.install()
 
     # ---- training -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -617,6 +650,8 @@ class Engine:
             "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
+        if self.activations is not None:
+            snap["activations"] = self.activations.stats()
         # NVMe links from the stores themselves: bytes that reached the disk over the time
         # requests were in flight (the engine's own spans only see the waits)
         for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
@@ -642,8 +677,8 @@ class Engine:
     def swap_dirs(self) -> Dict[str, str]:
         """The run directories of the NVMe swap stores in use ({"optimizer": ..., "params": ...})."""
         self._check_open()
-        return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store))
-                if st is not None}
+        return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store),
+                                            ("activations", self._act_store)) if st is not None}
 
     # ---- teardown -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -693,11 +728,12 @@ class Engine:
         finally:
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
+            if self.hooks is not None:
+                self.hooks.remove()
             if self.param_offload is not None:
                 self.param_offload.close()
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
+            if self.activations is not None:
+                self.activations.close()
             self._release_storage()
         for seg, t in restored or ():
             seg.param.data = t
@@ -724,7 +760,7 @@ class Engine:
 
     def _release_storage(self) -> None:
         clean = True
-        for r in (self._store, self._param_store):
+        for r in (self._store, self._param_store, self._act_store):
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
@@ -735,6 +771,7 @@ class Engine:
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
+        self._act_store = None
         self._store = self._swap_pool = self._host_pool = self._param_store = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 

@@ -2,8 +2,8 @@
 
 One update job per block shard::
 
-    read state (NVMe, ahead) -> Adam with fused unscale/clip -> parameters back to the device
-                              -> write state back (NVMe) -> gradient window reset
+    read state (NVMe, ahead) -> Adam with fused unscale/clip -> parameter write-back
+    (params/writeback.py) -> write state back (NVMe) -> gradient window reset
 
 Jobs run on ``workers`` threads while the main thread goes on with backward or the next
 forward; the native kernel releases the GIL and has its own thread pool. Reads run ahead of
@@ -30,7 +30,6 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from offload import device as dev
 from offload.engine.block_shard import BlockShard
 from offload.errors import BlockError, block_error
 from offload.optim.state import Residency, Tier
@@ -52,7 +51,7 @@ class StepArgs:
 
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
-                 compute_device: torch.device, copy_param: bool, param_write_pool=None, grad_sync=None,
+                 compute_device: torch.device, params, grad_sync=None,
                  wait_timeout_s: float = DEFAULT_WAIT_S):
         self.blocks = list(blocks)
         self.telemetry = telemetry
@@ -66,10 +65,7 @@ class StepPipeline:
         self._writing = collections.deque()       # (block, OptimState) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
         self.wait_timeout_s = wait_timeout_s
-        self._h2d = dev.new_stream(compute_device)
-        self._copy_param = copy_param             # fp32 device params: copy from the master
-        self._staging = threading.local()         # per worker: pinned param copy for the H2D
-        self._param_write_pool = param_write_pool # host buffers for NVMe-home parameter write-back
+        self._params = params                     # params/writeback.py: the new parameters' way home
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
 
     # ---- read-ahead ----------------------------------------------------------------------
@@ -165,10 +161,7 @@ class StepPipeline:
         with self._lock:
             self._writing = collections.deque(x for x in self._writing if x[1] is not st)
         st.discard()
-        loan = getattr(self._staging, "loan", None)
-        if loan is not None:
-            self._staging.loan = None
-            loan.release()
+        self._params.abort()                      # this worker's write-back buffer
         try:
             block.grad.reset_window()
         except Exception:   # noqa: BLE001 - the job's own error is the one reported
@@ -213,7 +206,7 @@ class StepPipeline:
         master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
         grad = block.grad_shard()
         s0, s1 = block.shard
-        out = self._param_out(block)
+        out = self._params.target(block)      # the parameter side says where the new copy goes
         at[0] = "adam"
         with self.telemetry.span("offload::cpu_adam", "adam", st.nbytes + grad.numel() * grad.element_size()):
             for g, a, b in block.layout.group_ranges:
@@ -230,7 +223,7 @@ class StepPipeline:
                           betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=args.adamw,
                           param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale)
         at[0] = "parameter write-back"
-        self._write_params(block, master, out, args.compute_done)
+        self._params.commit(block, master, out, args.compute_done)
         block.stepped = args.step
         if st.tier is Tier.NVME:
             at[0] = "state write"
@@ -240,67 +233,6 @@ class StepPipeline:
                 self._writing.append((block, st))
         at[0] = "gradient reset"
         block.grad.reset_window()
-
-    def _param_out(self, block: BlockShard) -> Optional[torch.Tensor]:
-        """Where the kernel writes the low-precision parameter copy (None: fp32 params,
-        copied from the master afterwards): the home copy of an offloaded block, the device
-        buffer itself on a CPU device, else a pinned staging buffer for the H2D."""
-        s0, s1 = block.shard
-        if block.params is not None:
-            return None if self._copy_param else block.home_shard(self._home_target(block))
-        if self._copy_param or block.state.tier is Tier.DEVICE:
-            return None   # copied (and cast) from the master afterwards
-        if not block.param_flat.is_cuda:
-            return block.param_flat[s0:s1]
-        buf = getattr(self._staging, "buf", None)
-        if buf is None or buf.numel() < s1 - s0 or buf.dtype != block.param_flat.dtype:
-            buf = dev.empty_host(max(s1 - s0, 1 << 20), block.param_flat.dtype, pin=True)
-            self._staging.buf = buf
-        return buf[:s1 - s0]
-
-    def _home_target(self, block: BlockShard) -> torch.Tensor:
-        """The buffer the new home copy of an offloaded block is assembled in: the HOST home
-        itself, or (NVMe home) a write-staging buffer held by this worker until written."""
-        bp = block.params
-        home = bp.home_view_for_write()
-        if home is not None:
-            return home
-        loan = getattr(self._staging, "loan", None)
-        if loan is None:
-            loan = self._staging.loan = self._param_write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
-        return loan.view(bp.dtype, bp.home_numel)
-
-    def _write_params(self, block: BlockShard, master: torch.Tensor, out: Optional[torch.Tensor],
-                      compute_done=None) -> None:
-        s0, s1 = block.shard
-        if block.params is not None:
-            bp = block.params
-            target = self._home_target(block)
-            with self.telemetry.span("offload::param_writeback"):
-                if out is None:
-                    block.home_shard(target).copy_(master)
-                bp.write_home(target)
-            loan = getattr(self._staging, "loan", None)
-            if loan is not None:
-                self._staging.loan = None
-                loan.release()
-            return
-        dst = block.param_flat[s0:s1]
-        src = master if out is None else out
-        if src.data_ptr() == dst.data_ptr():
-            return
-        if src.device == dst.device:      # tier none: the master is on the device already
-            with torch.no_grad():
-                dst.copy_(src)
-            return
-        with self.telemetry.span("offload::param_h2d", "h2d", dst.numel() * dst.element_size()):
-            # kernels of the block's backward may still be queued: they read these parameters
-            dev.wait_event(self._h2d, compute_done)
-            ev = dev.copy_(dst, src, self._h2d)
-            # The staging buffer is reused by this worker's next job: wait for the copy here,
-            # on the worker thread; the compute stream waits on update_event, not the host.
-            dev.sync_event(ev)
-            block.update_event = ev
 
     # ---- synchronization -------------------------------------------------------------------
     def wait_all(self) -> None:

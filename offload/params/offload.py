@@ -1,13 +1,15 @@
 """Parameter offload: blocks live on their home tier and visit the device around each use.
 
-Uses are found three ways, all ending in ``materialize(block)``:
-  * a forward pre-hook on every module that owns (or shares, for tied weights) a block's
-    parameters; its forward post-hook releases the block unless the trace uses it again soon;
-  * saved-tensor hooks: autograd does not keep a device parameter (or a view of one) from
-    forward to backward; it keeps a handle, and backward materializes the block again;
-  * a torch-function mode active during the forward, which catches a parameter read outside
-    its module's forward (``F.linear(x, self.embed.weight)`` in a parent's forward).
-In backward a block is released once all its gradients have landed (``on_grads_complete``),
+This is a participant of the engine's hook owner (engine/hooks.py), which installs every
+hook and calls the verbs below. Uses are found three ways, all ending in ``materialize(block)``:
+  * ``pre_forward(i)``: a module that owns (or shares, for tied weights) a block's parameters
+    starts; ``post_forward(i)`` releases the block unless the trace uses it again soon;
+  * the saved-tensor chain (``pack`` / ``unpack``): autograd does not keep a device parameter
+    (or a view of one) from forward to backward; it keeps a handle, and backward
+    materializes the block again;
+  * ``param_read(p)``: a parameter read outside its module's forward
+    (``F.linear(x, self.embed.weight)`` in a parent's forward).
+In backward a block is released once all its gradients have landed (``post_backward``),
 and activation-checkpoint recomputation (a forward inside backward) keeps its blocks until
 then. The device budget bounds the bytes of offloaded parameters on the device, prefetches
 in flight included; blocks not in use are evicted furthest-next-use first.
@@ -20,42 +22,11 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from offload import device as dev
+from offload.engine.hooks import NOT_MINE, in_backward
 from offload.params.residency import BlockParams, ParamState
 from offload.params.prefetch import Prefetcher
-
-_HANDLE = object()   # marks a packed parameter reference in saved tensors
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class _OutsideReads(TorchFunctionMode):
-    """Materializes a released block when one of its parameters reaches a torch function."""
-
-    def __init__(self, offload: "ParamOffload"):
-        super().__init__()
-        self.offload = offload
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        po = self.offload
-        if not po.busy:
-            for a in args:
-                if isinstance(a, nn.Parameter):
-                    po.touch(a)
-                elif isinstance(a, (list, tuple)):
-                    for x in a:
-                        if isinstance(x, nn.Parameter):
-                            po.touch(x)
-            for a in kwargs.values():
-                if isinstance(a, nn.Parameter):
-                    po.touch(a)
-        return func(*args, **kwargs)
-
 
 class ParamOffload:
     def __init__(self, engine, params: List[Optional[BlockParams]], *, budget: int, device_lookahead: int,
@@ -75,88 +46,62 @@ class ParamOffload:
         self.resident_bytes = 0          # parameters that always stay on the device
         self.peak_step = 0               # peak device parameter bytes in the current step
         self.peak_last = 0               # ... in the last completed step
-        self._saved_hooks = None
-        self._mode = None
         self.overruns = 0
-        self._hooks = []
         self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
-        self._install()
+        self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
-    # ---- hooks ------------------------------------------------------------------------------
-    def _install(self) -> None:
-        model = self.engine.module
-        for m in model.modules():
-            used = sorted({self._owner[id(p)] for p in m.parameters(recurse=False) if id(p) in self._owner}
-                          | {i for i, bp in enumerate(self.params)
-                             if bp is not None and bp.layout.module is m})
-            if used:
-                self._hooks.append(m.register_forward_pre_hook(self._make_pre(used)))
-                self._hooks.append(m.register_forward_hook(self._make_post(used), always_call=True))
-        # AccumulateGrad lays a new gradient out like its parameter, so while it runs a
-        # released parameter wears a shape-only stub (stride-0, one element); right after,
-        # it is the empty placeholder again.
-        for i, bp in enumerate(self.params):
-            if bp is None:
-                continue
-            for s in bp.layout.segments:
-                self._hooks.append(s.param.register_hook(self._make_shape_stub(bp, s)))
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_unstub(bp)))
-        self._hooks.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
-        self._hooks.append(model.register_forward_hook(self._exit_forward, always_call=True))
-
-    def _enter_forward(self, module, args) -> None:
-        if self._saved_hooks is not None:
-            return                            # re-entrant call of the root module
-        if not _in_backward():
+    # ---- lifecycle verbs (called by engine/hooks.py) ---------------------------------------
+    def begin_forward(self, recompute: bool) -> None:
+        if not recompute:
             self.rewind()
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_hooks.__enter__()
-        self._mode = _OutsideReads(self)
-        self._mode.__enter__()
 
-    def _exit_forward(self, module, args, output) -> None:
-        if self._saved_hooks is None:
+    def pre_forward(self, i: int) -> None:
+        if self.params[i] is None:
             return
-        mode, self._mode = self._mode, None
-        hooks, self._saved_hooks = self._saved_hooks, None
-        mode.__exit__(None, None, None)
-        hooks.__exit__(None, None, None)
+        self.materialize(i)
+        self.params[i].users += 1
 
-    def _make_pre(self, used: List[int]):
-        def pre(module, args):
-            for i in used:
-                self.materialize(i)
-                self.params[i].users += 1
-        return pre
+    def post_forward(self, i: int) -> None:
+        bp = self.params[i]
+        if bp is None:
+            return
+        bp.users = max(0, bp.users - 1)
+        if bp.users == 0 and not in_backward() and \
+                not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
+            self._release(i)
 
-    def _make_post(self, used: List[int]):
-        def post(module, args, output):
-            for i in used:
-                bp = self.params[i]
-                bp.users = max(0, bp.users - 1)
-                if bp.users == 0 and not _in_backward() and \
-                        not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
-                    self._release(i)
-        return post
+    def grad_ready(self, i: int, k: int) -> None:
+        """AccumulateGrad lays a new gradient out like its parameter, so while it runs a
+        released parameter wears a shape-only stub (stride-0, one element); right after
+        (``grad_accumulated``), it is the empty placeholder again."""
+        bp = self.params[i]
+        if bp is not None and bp.state is not ParamState.ON_DEVICE:
+            seg = bp.layout.segments[k]
+            seg.param.data = torch.zeros((), dtype=bp.dtype, device=bp.device).expand(seg.shape)
 
-    @staticmethod
-    def _make_shape_stub(bp: BlockParams, seg):
-        def hook(grad):
-            if bp.state is not ParamState.ON_DEVICE:
-                seg.param.data = torch.zeros((), dtype=bp.dtype, device=bp.device).expand(seg.shape)
-            return grad
-        return hook
+    def grad_accumulated(self, i: int, k: int, param) -> None:
+        bp = self.params[i]
+        if bp is not None and bp.state is not ParamState.ON_DEVICE:
+            param.data = bp.placeholder
 
-    @staticmethod
-    def _make_unstub(bp: BlockParams):
-        def hook(param):
-            if bp.state is not ParamState.ON_DEVICE:
-                param.data = bp.placeholder
-        return hook
+    def post_backward(self, i: int) -> None:
+        bp = self.params[i]
+        if bp is not None and bp.users == 0:
+            self._release(i)
 
-    def _pack(self, t: torch.Tensor):
+    def param_read(self, p: nn.Parameter) -> None:
+        """A parameter reached a torch function outside its module's forward."""
+        if self.busy:
+            return
+        i = self._owner.get(id(p))
+        if i is not None and self.params[i].state is not ParamState.ON_DEVICE:
+            self.telemetry.count("param_reads_outside_forward")
+            self.materialize(i)
+
+    # ---- the saved-tensor chain: parameters (and views of them) become handles ----------------
+    def pack(self, t: torch.Tensor):
         if not self.params or t.layout is not torch.strided or t.device.type == "meta":
-            return t
+            return NOT_MINE
         ptr = t.untyped_storage().data_ptr()
         for i in self._by_storage.get(ptr, ()):       # blocks materialized in this storage
             bp = self.params[i]
@@ -164,21 +109,13 @@ class ParamOffload:
                     bp.device_buf.untyped_storage().data_ptr() == ptr and bp.device_buf.dtype == t.dtype:
                 rel = t.storage_offset() - bp.device_buf.storage_offset()
                 if 0 <= rel < bp.numel:
-                    return (_HANDLE, i, rel, tuple(t.shape), tuple(t.stride()), t.requires_grad)
-        return t
+                    return (i, rel, tuple(t.shape), tuple(t.stride()))
+        return NOT_MINE
 
-    def _unpack(self, packed):
-        if not (isinstance(packed, tuple) and len(packed) == 6 and packed[0] is _HANDLE):
-            return packed
-        _, i, rel, shape, stride, _rg = packed
+    def unpack(self, packed):
+        i, rel, shape, stride = packed
         buf = self.materialize(i)
         return buf.as_strided(shape, stride, buf.storage_offset() + rel)
-
-    def touch(self, p: nn.Parameter) -> None:
-        i = self._owner.get(id(p))
-        if i is not None and self.params[i].state is not ParamState.ON_DEVICE:
-            self.telemetry.count("param_reads_outside_forward")
-            self.materialize(i)
 
     @property
     def telemetry(self):
@@ -268,11 +205,6 @@ class ParamOffload:
             self.peak_step = now
 
     # ---- step boundaries --------------------------------------------------------------------------
-    def on_grads_complete(self, i: int) -> None:
-        bp = self.params[i]
-        if bp is not None and bp.users == 0:
-            self._release(i)
-
     def rewind(self) -> None:
         """A new forward starts: close the last step's accounting, restart the trace."""
         if self.peak_step:
@@ -298,9 +230,6 @@ class ParamOffload:
                 self._release(i)
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         for i, bp in enumerate(self.params):
             if bp is not None:
                 bp.release()

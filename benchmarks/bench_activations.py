@@ -1,0 +1,331 @@
+"""Activation offload to NVMe on a long sequence: peak host RSS, step time, bytes moved.
+
+A Llama-shaped model (RMSNorm, rotary attention through SDPA, SwiGLU MLP, tied LM head) at
+8192 tokens and a width at which the tensors saved for backward are most of the process's
+memory, trained through the engine (optimizer state on the host) without and with
+``offload_activations: nvme``, each without and with activation checkpointing (one
+``torch.utils.checkpoint`` per layer). Training steps are real: forward, backward, update,
+write-back.
+
+* peak RSS: each configuration runs in a fresh subprocess (``ru_maxrss``), so the figures
+  are not mixed with another configuration's allocations;
+* step time: without and with offload in one process, two engines on copies of the model,
+  steps interleaved, median of the per-round ratios (paired: the disk's rate and the
+  machine's load drift). The claim holds "when the disk keeps up": the store's measured
+  write and read seconds for a step's activations fit in the step's compute time; the
+  output says which it was;
+* bytes moved: the engine's d2h / h2d bytes against the sizes of the tensors plain torch
+  saves in the same forward (an outermost saved-tensor hook counting unique tensors of at
+  least ``min_bytes`` that are not parameters).
+
+    python benchmarks/bench_activations.py [--seq 8192] [--layers 2] [--hidden 128] [--mlp 2048] ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import offload  # noqa: E402
+
+
+# ---- the model ---------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Layer(nn.Module):
+    def __init__(self, d, heads, mlp):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, mlp, bias=False), nn.Linear(d, mlp, bias=False)
+        self.down = nn.Linear(mlp, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, self.heads, C // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(rotary(q, cos, sin), rotary(k, cos, sin), v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, C))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, d, layers, heads, mlp, seq, ckpt):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Layer(d, heads, mlp) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.ckpt = ckpt
+        hd = d // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        ang = torch.outer(torch.arange(seq).float(), inv)
+        self.register_buffer("cos", torch.cat((ang, ang), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((ang, ang), -1).sin(), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        cos, sin = self.cos[:idx.shape[1]], self.sin[:idx.shape[1]]
+        for layer in self.layers:
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if self.ckpt else layer(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def build(a, ckpt):
+    torch.manual_seed(0)
+    return Llama(a.vocab, a.hidden, a.layers, a.heads, a.mlp, a.seq, ckpt)
+
+
+def engine(a, model, act):
+    return offload.initialize(model, {
+        "optimizer": {"lr": 1e-4}, "offload_optimizer": {"device": "cpu"},
+        "offload_activations": {"device": act, "nvme_path": a.nvme_path, "min_bytes": a.min_bytes,
+                                "lookahead_bytes": a.lookahead_bytes}})
+
+
+def batch(a, step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, a.vocab, (1, a.seq + 1), generator=g).to(offload.device.compute_device())
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def train_step(eng, a, step, peaks=None):
+    """One step, synchronized; with ``peaks`` (CUDA), appends the step's device peak above
+    what was allocated when it started (activations and the step's working memory)."""
+    x, y = batch(a, step)
+    cuda = torch.cuda.is_available()
+    if cuda and peaks is not None:
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    eng.backward(eng(x, y))
+    eng.step()
+    eng.synchronize()
+    dt = time.perf_counter() - t0
+    if cuda and peaks is not None:
+        peaks.append(torch.cuda.max_memory_allocated() - start)
+    return dt
+
+
+def maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- workers (fresh subprocesses) ---------------------------------------------------------------
+def worker_rss(a):
+    """One configuration, alone in this process: peak RSS over a few steps."""
+    eng = engine(a, build(a, a.ckpt), a.act)
+    times = [train_step(eng, a, s) for s in range(a.steps)]
+    st = eng.stats().get("activations")
+    eng.close()
+    return {"maxrss_mb": maxrss_mb(), "step_s": times, "activations": st}
+
+
+def plain_saved_bytes(a, model):
+    """Unique saved tensors >= min_bytes that are not parameters, as plain torch saves them."""
+    storages = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        n = t.numel() * t.element_size()
+        if n >= a.min_bytes and t.untyped_storage().data_ptr() not in storages and id(t) not in seen:
+            seen.add(id(t))
+            total += n
+        return t
+    x, y = batch(a, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def worker_time(a):
+    """Without and with offload in this process, steps interleaved; medians of paired ratios."""
+    saved = plain_saved_bytes(a, build(a, a.ckpt))
+    base, off = engine(a, build(a, a.ckpt), "none"), engine(a, build(a, a.ckpt), a.tier)
+    train_step(base, a, 0), train_step(off, a, 0)       # warm-up (the first step reserves swap files)
+    s0 = off.stats()["activations"]
+    ratios, tb, to = [], [], []
+    peaks = {id(base): [], id(off): []}
+    for r in range(a.rounds):
+        first, second = (base, off) if r % 2 == 0 else (off, base)
+        t1, t2 = train_step(first, a, r + 1, peaks[id(first)]), train_step(second, a, r + 1, peaks[id(second)])
+        b, o = (t1, t2) if first is base else (t2, t1)
+        tb.append(b)
+        to.append(o)
+        ratios.append(o / b)
+    s1 = off.stats()["activations"]
+    base.close()
+    off.close()
+    steps = a.rounds
+    per_step = {k: (s1["bytes_moved"][k] - s0["bytes_moved"].get(k, 0)) / steps for k in s1["bytes_moved"]}
+    return {"step_overhead": statistics.median(ratios), "base_step_s": statistics.median(tb),
+            "offload_step_s": statistics.median(to), "plain_saved_bytes": saved,
+            "moved_per_step": per_step, "activations": s1,
+            "device_step_peak": {"none": max(peaks[id(base)], default=0), a.tier: max(peaks[id(off)], default=0)}}
+
+
+def run_worker(a, mode, **kw) -> dict:
+    args = [sys.executable, os.path.abspath(__file__), "--worker", mode]
+    for k, v in {**vars(a), **kw}.items():
+        if k in ("worker",) or v is None:
+            continue
+        if isinstance(v, bool):
+            if v:
+                args.append(f"--{k.replace('_', '-')}")
+        else:
+            args += [f"--{k.replace('_', '-')}", str(v)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, env={**os.environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def disk_keeps_up(t: dict) -> bool:
+    """The store's write and read seconds for one step's activations fit in a step's compute."""
+    g = t["activations"]["gbps"]
+    mv = t["moved_per_step"]
+    io_s = sum(mv.get(f"nvme_{d}", 0) / (g[f"nvme_{d}"] * 1e9) for d in ("write", "read") if g.get(f"nvme_{d}"))
+    return io_s <= t["base_step_s"]
+
+
+def device_check(a, load):
+    """On CUDA: activations to pinned host memory on side streams, against keeping them."""
+    if not torch.cuda.is_available():
+        sys.exit("bench_activations --device-check needs CUDA")
+    out = {}
+    for ckpt in (False, True):
+        t = run_worker(a, "time", ckpt=ckpt, tier="cpu")
+        per_layer = t["plain_saved_bytes"] / a.layers
+        bound = a.lookahead_bytes + per_layer
+        held = t["activations"]["device_bytes_peak"]
+        peak = t["device_step_peak"]
+        out["checkpointed" if ckpt else "plain"] = {
+            "step_overhead": t["step_overhead"], "base_step_s": t["base_step_s"],
+            "offload_step_s": t["offload_step_s"], "saved_bytes_per_step": t["plain_saved_bytes"],
+            "offloaded_held_on_device_peak": held, "bound_lookahead_plus_one_layer": bound,
+            "device_step_peak_none": peak["none"], "device_step_peak_offload": peak["cpu"],
+            "gbps": t["activations"]["gbps"], "prefetch": t["activations"]["prefetch"]}
+        print(f"checkpointing={ckpt}: step {t['base_step_s']:.3f} s -> {t['offload_step_s']:.3f} s "
+              f"({t['step_overhead']:.3f}x); device step peak {peak['none'] / 2**20:.0f} -> {peak['cpu'] / 2**20:.0f} MiB; "
+              f"offloaded tensors held on the device at most {held / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)")
+    claims = {"gpu_step_overhead": out["plain"]["step_overhead"],
+              "gpu_step_overhead_checkpointed": out["checkpointed"]["step_overhead"],
+              "gpu_saved_device_peak_vs_bound": out["plain"]["offloaded_held_on_device_peak"]
+              / out["plain"]["bound_lookahead_plus_one_layer"],
+              "gpu_device_step_peak_with_vs_without": out["plain"]["device_step_peak_offload"]
+              / max(1, out["plain"]["device_step_peak_none"])}
+    print(json.dumps({"bench": "activations_gpu", "load": list(load), "results": out, "claims": claims}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--mlp", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--min-bytes", type=int, default=1 << 20)
+    p.add_argument("--lookahead-bytes", type=int, default=64 << 20)
+    p.add_argument("--steps", type=int, default=2, help="steps per RSS run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one)")
+    p.add_argument("--device-check", action="store_true",
+                   help="GPU figures only (for gpu_check.sh): offload_activations cpu (pinned host, side "
+                        "streams) against none: step time and device peak of saved activations")
+    p.add_argument("--tier", default="nvme", help=argparse.SUPPRESS)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--act", default="none", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        out = worker_rss(a) if a.worker == "rss" else worker_time(a)
+        print(json.dumps(out))
+        return
+    tmp = None
+    if a.nvme_path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-act-", dir=os.environ.get("OFFLOAD_BENCH_DIR", "/tmp"))
+        a.nvme_path = tmp.name
+    need = 4 * a.seq * (a.mlp * 6 + a.hidden * 12) * a.layers + 4 * a.seq * a.vocab * 3
+    free = __import__("shutil").disk_usage(a.nvme_path).free
+    if free < 3 * need:
+        sys.exit(f"bench_activations: {free / 2**30:.1f} GiB free under {a.nvme_path}, need about "
+                 f"{3 * need / 2**30:.1f} GiB: pass --nvme-path on a larger disk or lower --seq")
+    load = os.getloadavg()
+    if a.device_check:
+        return device_check(a, load)
+    print(f"Llama-shaped: {a.layers} layers, d={a.hidden}, mlp={a.mlp}, heads={a.heads}, vocab={a.vocab}, "
+          f"{a.seq} tokens; min_bytes={a.min_bytes}, lookahead={a.lookahead_bytes >> 20} MiB; "
+          f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(f"{'checkpointing':>13} {'RSS none MiB':>12} {'RSS nvme MiB':>12} {'ratio':>6} {'step none s':>11} "
+          f"{'step nvme s':>11} {'overhead':>8} {'disk ok':>7} {'moved/saved':>11}")
+    results = {}
+    for ckpt in (False, True):
+        r_none = run_worker(a, "rss", ckpt=ckpt, act="none")
+        r_nvme = run_worker(a, "rss", ckpt=ckpt, act="nvme")
+        t = run_worker(a, "time", ckpt=ckpt)
+        mv = t["moved_per_step"]
+        moved_vs_saved = mv["d2h"] / t["plain_saved_bytes"] if t["plain_saved_bytes"] else math.nan
+        back_vs_saved = mv["h2d"] / t["plain_saved_bytes"] if t["plain_saved_bytes"] else math.nan
+        res = {"rss_none_mib": r_none["maxrss_mb"], "rss_nvme_mib": r_nvme["maxrss_mb"],
+               "rss_with_vs_without": r_nvme["maxrss_mb"] / r_none["maxrss_mb"],
+               "step_overhead": t["step_overhead"], "base_step_s": t["base_step_s"],
+               "offload_step_s": t["offload_step_s"], "disk_keeps_up": disk_keeps_up(t),
+               "saved_bytes_per_step": t["plain_saved_bytes"], "moved_per_step": mv,
+               "moved_vs_saved": moved_vs_saved, "back_vs_saved": back_vs_saved,
+               "gbps": t["activations"]["gbps"], "prefetch": t["activations"]["prefetch"]}
+        results["checkpointed" if ckpt else "plain"] = res
+        print(f"{str(ckpt):>13} {res['rss_none_mib']:12.0f} {res['rss_nvme_mib']:12.0f} "
+              f"{res['rss_with_vs_without']:6.2f} {res['base_step_s']:11.2f} {res['offload_step_s']:11.2f} "
+              f"{res['step_overhead']:8.3f} {str(res['disk_keeps_up']):>7} {moved_vs_saved:11.4f}")
+    plain = results["plain"]
+    if not plain["disk_keeps_up"]:
+        print("the disk does not keep up: a step's activation writes and reads take longer than its compute, "
+              "so step_overhead measures the disk, not the engine")
+    claims = {"rss_with_vs_without": plain["rss_with_vs_without"],
+              "rss_with_vs_without_checkpointed": results["checkpointed"]["rss_with_vs_without"],
+              "step_overhead": plain["step_overhead"],
+              "step_overhead_checkpointed": results["checkpointed"]["step_overhead"],
+              "disk_keeps_up": plain["disk_keeps_up"],
+              "bytes_moved_vs_saved": plain["moved_vs_saved"],
+              "bytes_moved_vs_saved_checkpointed": results["checkpointed"]["moved_vs_saved"]}
+    if tmp is not None:
+        tmp.cleanup()
+    print(json.dumps({"bench": "activations", "load": list(load), "config": {k: v for k, v in vars(a).items()
+                      if k not in ("worker", "ckpt", "act")}, "results": results, "claims": claims}))
+
+
+if __name__ == "__main__":
+    main()

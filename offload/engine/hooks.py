@@ -1,0 +1,254 @@
+"""The one owner of the engine's hooks: module, parameter and saved-tensor hooks.
+
+Every hook the engine puts on a model is installed here, once, and each drives a named
+lifecycle verb on every participant (the engine's update wait and gradient landing,
+parameter offload, activation offload), in the order they joined::
+
+    begin_forward(in_backward)   the root module's forward starts (also a recomputation's
+                                 root forward inside backward, with in_backward=True)
+    pre_forward(i)               a module that reads block i's parameters starts
+    post_forward(i)              ... and ends (always called, also when it raised)
+    param_read(param)            a parameter reached a torch function outside its module
+                                 (watched in a forward when a participant's wants_reads() says so)
+    pre_backward(i)              block i's first gradient of this backward exists
+    grad_ready(i, seg)           a parameter's gradient exists, before it accumulates
+    grad_accumulated(i, seg, p)  after it accumulated
+    post_backward(i)             all of block i's gradients have landed (called through
+                                 ``Hooks.post_backward`` by the owner of the gradient window,
+                                 engine/step_control.py, also for blocks a backward skipped)
+    end_forward()                the root forward ends
+
+A participant implements only the verbs it needs. ``pre_*``, ``begin_*`` and the gradient
+verbs run in joining order, ``post_*`` and ``end_forward`` in reverse (the last to join
+undoes its part first, as nested contexts unwind). Each block moves through explicit phases
+(``BlockPhase``): IDLE -pre_forward-> FORWARD -post_forward-> FORWARD_DONE -pre_backward->
+BACKWARD -post_backward-> IDLE; a module re-used within one forward nests (FORWARD counts
+its depth), and recomputation inside backward (activation checkpointing) returns the block
+to BACKWARD.
+
+Saved tensors: while the root forward runs, ONE ``torch.autograd.graph.saved_tensors_hooks``
+context packs every tensor autograd saves through a chain of handlers (``SavedTensorChain``):
+the first handler whose ``pack`` claims the tensor owns it, and its ``unpack`` gives it back
+in backward; a tensor no handler claims is saved as autograd would save it. Parameter
+offload joins first (parameters and their views become handles to their block), activation
+offload after it (large activations leave the device). Contexts nested inside the forward
+(``torch.utils.checkpoint``'s own hooks) take precedence there, as torch defines it.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Dict, List, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+NOT_MINE = object()      # a handler's pack() result: the tensor is not this handler's
+_PACKED = object()       # marks a tensor packed by a handler of the chain
+
+
+def in_backward() -> bool:
+    """Whether the calling thread is running autograd's backward (e.g. a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class BlockPhase(enum.Enum):
+    IDLE = "idle"                    # not used since its last backward (or never)
+    FORWARD = "forward"              # a module reading it runs now
+    FORWARD_DONE = "forward_done"    # used by this forward; its gradients are awaited
+    BACKWARD = "backward"            # its gradients are arriving
+
+
+class SavedTensorChain:
+    """Handlers in order; each has ``pack(t) -> payload | NOT_MINE`` and ``unpack(payload)``."""
+
+    def __init__(self) -> None:
+        self.handlers: List = []
+
+    def join(self, handler) -> None:
+        self.handlers.append(handler)
+
+    def pack(self, t: torch.Tensor):
+        for k, h in enumerate(self.handlers):
+            payload = h.pack(t)
+            if payload is not NOT_MINE:
+                return (_PACKED, k, payload)
+        return t
+
+    def unpack(self, packed):
+        if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
+            return self.handlers[packed[1]].unpack(packed[2])
+        return packed
+
+
+class _OutsideReads(TorchFunctionMode):
+    """Reports parameters that reach a torch function (reads outside their module's hooks)."""
+
+    def __init__(self, hooks: "Hooks"):
+        super().__init__()
+        self.hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        read = self.hooks.param_read
+        for a in args:
+            if isinstance(a, nn.Parameter):
+                read(a)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, nn.Parameter):
+                        read(x)
+        for a in kwargs.values():
+            if isinstance(a, nn.Parameter):
+                read(a)
+        return func(*args, **kwargs)
+
+
+class Hooks:
+    """Installs and removes every hook on ``model`` for the blocks of ``layouts``.
+
+    ``join(participant)`` before ``install()``; ``remove()`` takes every hook off again."""
+
+    def __init__(self, model: nn.Module, layouts: Sequence) -> None:
+        self.model = model
+        self.layouts = list(layouts)
+        self.participants: List = []
+        self.saved = SavedTensorChain()
+        self.phase = [BlockPhase.IDLE] * len(self.layouts)
+        self._depth = [0] * len(self.layouts)       # nesting of FORWARD (re-used modules)
+        self._owner: Dict[int, int] = {id(s.param): lay.index for lay in self.layouts for s in lay.segments}
+        self._handles: list = []
+        self._context = None                         # the saved-tensor hooks context while a forward runs
+        self._mode = None                            # the outside-reads mode while a forward runs
+        self._installed = False
+
+    def join(self, participant) -> None:
+        """Add a participant (verbs called in joining order); its ``saved_tensors`` handler,
+        if it has one, joins the saved-tensor chain."""
+        assert not self._installed, "participants join before install()"
+        self.participants.append(participant)
+        handler = getattr(participant, "saved_tensors", None)
+        if handler is not None:
+            self.saved.join(handler)
+
+    def _each(self, verb: str):
+        return [f for f in (getattr(p, verb, None) for p in self.participants) if f is not None]
+
+    # ---- installation ------------------------------------------------------------------
+    def install(self) -> None:
+        model = self.model
+        self._pre, self._post = self._each("pre_forward"), self._each("post_forward")[::-1]
+        self._reads = self._each("param_read")
+        # a participant with param_read and no wants_reads wants every forward's reads
+        self._watch = [getattr(p, "wants_reads", lambda: True) for p in self.participants
+                       if getattr(p, "param_read", None) is not None]
+        self._grad_ready, self._grad_acc = self._each("grad_ready"), self._each("grad_accumulated")
+        self._pre_bwd, self._post_bwd = self._each("pre_backward"), self._each("post_backward")[::-1]
+        self._begin, self._end = self._each("begin_forward"), self._each("end_forward")[::-1]
+        root = bool(self.saved.handlers or self._reads or self._begin or self._end)
+        if root:   # before the root's own block hooks: the chain is active for all of the forward
+            self._handles.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
+        for m in model.modules():
+            used = sorted({self._owner[id(p)] for p in m.parameters(recurse=False) if id(p) in self._owner}
+                          | {lay.index for lay in self.layouts if lay.module is m})
+            if used:
+                self._handles.append(m.register_forward_pre_hook(self._make_pre(used)))
+                self._handles.append(m.register_forward_hook(self._make_post(used), always_call=True))
+        for lay in self.layouts:
+            for k, s in enumerate(lay.segments):
+                if self._grad_ready:
+                    self._handles.append(s.param.register_hook(self._make_grad_ready(lay.index, k)))
+                self._handles.append(s.param.register_post_accumulate_grad_hook(
+                    self._make_grad_accumulated(lay.index, k)))
+        if root:
+            self._handles.append(model.register_forward_hook(self._exit_forward, always_call=True))
+        self._installed = True
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- the root forward ----------------------------------------------------------------
+    def _enter_forward(self, module, args) -> None:
+        if self._context is not None:
+            return                               # a re-entrant call of the root module
+        back = in_backward()
+        for f in self._begin:
+            f(back)
+        if self.saved.handlers:
+            self._context = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
+            self._context.__enter__()
+        else:
+            self._context = False                # marks "inside" without a context
+        # the mode costs a check per torch call: only when a participant wants this forward's reads
+        if self._reads and any(f() for f in self._watch):
+            self._mode = _OutsideReads(self)
+            self._mode.__enter__()
+
+    def _exit_forward(self, module, args, output) -> None:
+        if self._context is None:
+            return
+        mode, self._mode = self._mode, None
+        context, self._context = self._context, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        if context:
+            context.__exit__(None, None, None)
+        for f in self._end:
+            f()
+
+    def param_read(self, param: nn.Parameter) -> None:
+        for f in self._reads:
+            f(param)
+
+    # ---- block verbs ---------------------------------------------------------------------
+    def _make_pre(self, used: List[int]):
+        def pre(module, args):
+            for i in used:
+                self._depth[i] += 1
+                self.phase[i] = BlockPhase.FORWARD
+            for f in self._pre:
+                for i in used:
+                    f(i)
+        return pre
+
+    def _make_post(self, used: List[int]):
+        def post(module, args, output):
+            back = in_backward()
+            for i in used:
+                assert self._depth[i] > 0, f"block {i}: post_forward without pre_forward"
+                self._depth[i] -= 1
+                if self._depth[i] == 0:
+                    self.phase[i] = BlockPhase.BACKWARD if back else BlockPhase.FORWARD_DONE
+            for f in self._post:
+                for i in used:
+                    f(i)
+        return post
+
+    def _enter_backward(self, i: int) -> None:
+        if self.phase[i] is not BlockPhase.BACKWARD:
+            self.phase[i] = BlockPhase.BACKWARD
+            for f in self._pre_bwd:
+                f(i)
+
+    def _make_grad_ready(self, i: int, k: int):
+        def hook(grad):
+            self._enter_backward(i)
+            for f in self._grad_ready:
+                f(i, k)
+            return grad
+        return hook
+
+    def _make_grad_accumulated(self, i: int, k: int):
+        def hook(param):
+            self._enter_backward(i)
+            for f in self._grad_acc:
+                f(i, k, param)
+        return hook
+
+    def post_backward(self, i: int) -> None:
+        """Block ``i``'s gradients of this backward are complete (or it took no part in it)."""
+        self.phase[i] = BlockPhase.IDLE
+        for f in self._post_bwd:
+            f(i)

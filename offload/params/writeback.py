@@ -1,0 +1,108 @@
+"""Parameter write-back: the updated low-precision parameters go where the parameters live.
+
+The optimizer pipeline calls two verbs per block update, on its worker thread:
+
+    out = writer.target(block)      # where the kernel writes the new parameter copy (or None)
+    ... the rule's CPU step (writes ``out`` when it is not None) ...
+    writer.commit(block, master, out, compute_done)
+
+Where the copy goes depends only on the parameters' residency:
+  * offloaded parameters (``block.params``, a BlockParams): the new home copy is assembled in
+    the HOST home itself, or (NVMe home) in a write buffer held by this worker until the write
+    is durable; ``BlockParams.write_home`` then bumps the home version, so device copies made
+    before are stale and refetched;
+  * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel
+    writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
+    the device on a side stream after the block's backward kernels (``compute_done``); the
+    compute stream waits for ``block.update_event`` before the next use;
+  * fp32 parameters, or optimizer state on the device: ``out`` is None and the copy is taken
+    from the fp32 master.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from offload import device as dev
+
+
+class ParamWriteBack:
+    def __init__(self, *, compute_device: torch.device, copy_param: bool, state_on_device: bool,
+                 write_pool=None, telemetry, wait_timeout_s: Optional[float] = None) -> None:
+        self._copy_param = copy_param             # fp32 parameters: copied from the master
+        self._state_on_device = state_on_device   # the master is on the device (tier none)
+        self._write_pool = write_pool             # host buffers for NVMe-home write-back
+        self._h2d = dev.new_stream(compute_device)
+        self._staging = threading.local()         # per worker: pinned copy for the H2D, NVMe write loan
+        self.telemetry = telemetry
+        self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
+
+    def target(self, block) -> Optional[torch.Tensor]:
+        """Where the kernel writes this rank's shard of the new low-precision parameters
+        (None: fp32 parameters, copied from the master by ``commit``)."""
+        s0, s1 = block.shard
+        if block.params is not None:
+            return None if self._copy_param else block.home_shard(self._home_target(block))
+        if self._copy_param or self._state_on_device:
+            return None   # copied (and cast) from the master by commit()
+        if not block.param_flat.is_cuda:
+            return block.param_flat[s0:s1]
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.numel() < s1 - s0 or buf.dtype != block.param_flat.dtype:
+            buf = dev.empty_host(max(s1 - s0, 1 << 20), block.param_flat.dtype, pin=True)
+            self._staging.buf = buf
+        return buf[:s1 - s0]
+
+    def _home_target(self, block) -> torch.Tensor:
+        """The buffer the new home copy of an offloaded block is assembled in: the HOST home
+        itself, or (NVMe home) a write buffer held by this worker until written."""
+        bp = block.params
+        home = bp.home_view_for_write()
+        if home is not None:
+            return home
+        loan = getattr(self._staging, "loan", None)
+        if loan is None:
+            loan = self._staging.loan = self._write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
+        return loan.view(bp.dtype, bp.home_numel)
+
+    def abort(self) -> None:
+        """After a failed update on this worker: give back the write buffer it held."""
+        loan = getattr(self._staging, "loan", None)
+        if loan is not None:
+            self._staging.loan = None
+            loan.release()
+
+    def commit(self, block, master: torch.Tensor, out: Optional[torch.Tensor], compute_done=None) -> None:
+        """Make the new parameters (``out``, or ``master`` when ``out`` is None) the block's
+        parameters on their tier. Returns once host buffers may be reused by this worker."""
+        s0, s1 = block.shard
+        if block.params is not None:
+            bp = block.params
+            target = self._home_target(block)
+            with self.telemetry.span("offload::param_writeback"):
+                if out is None:
+                    block.home_shard(target).copy_(master)
+                bp.write_home(target)
+            loan = getattr(self._staging, "loan", None)
+            if loan is not None:
+                self._staging.loan = None
+                loan.release()
+            return
+        dst = block.param_flat[s0:s1]
+        src = master if out is None else out
+        if src.data_ptr() == dst.data_ptr():
+            return
+        if src.device == dst.device:      # tier none: the master is on the device already
+            with torch.no_grad():
+                dst.copy_(src)
+            return
+        with self.telemetry.span("offload::param_h2d", "h2d", dst.numel() * dst.element_size()):
+            # kernels of the block's backward may still be queued: they read these parameters
+            dev.wait_event(self._h2d, compute_done)
+            ev = dev.copy_(dst, src, self._h2d)
+            # The staging buffer is reused by this worker's next job: wait for the copy here,
+            # on the worker thread; the compute stream waits on update_event, not the host.
+            dev.sync_event(ev)
+            block.update_event = ev

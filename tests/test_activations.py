@@ -1,0 +1,184 @@
+"""Activation offload: training with it equals training without it bit for bit (fp32, bf16;
+with and without activation checkpointing; the engine's GPT, HF Llama and GPT-2; with
+parameter and optimizer offload), and what moves is exactly what plain torch saves."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload.models.gpt import GPT, GPTConfig
+from _models import batches, clone
+
+MIN_BYTES = 512       # small models: most saved tensors move, the smallest stay
+
+
+def make(arch: str, ckpt: bool):
+    torch.manual_seed(0)
+    if arch == "gpt":
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
+        if ckpt:   # the engine's GPT has no switch: checkpoint each block (reentrant flavour)
+            for blk in model.blocks:
+                blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=True)
+        return model
+    transformers = pytest.importorskip("transformers", reason="HF transformers is not installed")
+    if arch == "gpt2":
+        conf = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(conf)
+    else:
+        conf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                        tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(conf)
+    if ckpt:       # Hugging Face's switch (non-reentrant torch.utils.checkpoint)
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def loss_of(arch, eng, x, y):
+    return eng(x, y) if arch == "gpt" else eng(input_ids=x, labels=x).loss
+
+
+def config(tmp_path, act: str, precision: str):
+    tier = "nvme" if act == "nvme" else "cpu"      # nvme activations ride with everything on NVMe
+    path = str(tmp_path)
+    return {"optimizer": {"lr": 1e-3, "weight_decay": 0.01}, "precision": precision,
+            "offload_optimizer": {"device": tier, "nvme_path": path},
+            "offload_param": {"device": tier, "nvme_path": path},
+            "offload_activations": {"device": act, "nvme_path": path, "min_bytes": MIN_BYTES,
+                                    "lookahead_bytes": 64 << 10}}
+
+
+def train(arch, model, cfg, data):
+    model.train()
+    eng = offload.initialize(model, cfg)
+    snaps = []
+    for x, y in data:
+        x, y = x.to(eng.device), y.to(eng.device)      # on a GPU machine too (gpu_check.sh)
+        eng.backward(loss_of(arch, eng, x, y))
+        eng.step()
+        snaps.append(eng.full_state_dict())
+    stats = eng.stats()
+    eng.close()
+    return snaps, stats
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2"])
+def test_bit_exact_with_and_without_activation_offload(arch, precision, ckpt, tmp_path):
+    base = make(arch, ckpt)
+    data = batches(3, vocab=64)
+    for act in ("cpu", "nvme"):
+        cfg = config(tmp_path, act, precision)
+        ref, _ = train(arch, clone(base), {**cfg, "offload_activations": {"device": "none"}}, data)
+        got, stats = train(arch, clone(base), cfg, data)
+        for step, (a, b) in enumerate(zip(ref, got)):
+            for k in a:
+                assert torch.equal(a[k], b[k]), f"{act}: step {step}: {k} differs"
+        st = stats["activations"]
+        assert st["tensors"] > 0 and st["bytes_moved"]["d2h"] == st["saved_bytes"] > 0
+        assert st["bytes_moved"]["h2d"] == st["saved_bytes"]     # each back once
+        assert st["prefetch"]["hits"] > st["prefetch"]["misses"]
+
+
+def _plain_saved_bytes(model, x, min_bytes, *, arch):
+    """What plain torch saves for backward in one forward, as the outermost saved-tensor hooks
+    see it: unique tensors of at least ``min_bytes`` that are not parameters or views of one."""
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total, count = set(), 0, 0
+
+    def pack(t):
+        nonlocal total, count
+        n = t.numel() * t.element_size()
+        if n >= min_bytes and t.untyped_storage().data_ptr() not in storages and id(t) not in seen:
+            seen.add(id(t))
+            total += n
+            count += 1
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, x) if arch == "gpt" else model(input_ids=x, labels=x).loss
+    loss.backward()
+    return total, count
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_moves_what_torch_saves_and_only_checkpoint_boundaries(ckpt, tmp_path):
+    arch = "llama"
+    base = make(arch, ckpt)
+    x, _ = batches(1, vocab=64)[0]
+    want_bytes, want_count = _plain_saved_bytes(clone(base), x, MIN_BYTES, arch=arch)
+    cfg = config(tmp_path, "cpu", "fp32")
+    cfg["offload_param"] = {"device": "none"}
+    model = clone(base)
+    eng = offload.initialize(model, cfg)
+    xd = x.to(eng.device)
+    eng.backward(loss_of(arch, eng, xd, xd))
+    eng.step()
+    st = eng.stats()["activations"]
+    eng.close()
+    assert (st["saved_bytes"], st["tensors"]) == (want_bytes, want_count)
+    if ckpt:   # only the 3 layers' boundaries (hidden states; the shared rotary cos/sin once) and the head
+        _, plain_count = _plain_saved_bytes(clone(make(arch, False)), x, MIN_BYTES, arch=arch)
+        assert st["tensors"] < plain_count / 3
+
+
+def test_parameters_are_never_copied(tmp_path):
+    """A model that saves its parameters and a view of one: nothing of them moves."""
+    class SavesParams(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x, y=None):
+            h = x @ self.w            # saves x and w
+            h = h * self.w.t()        # saves a view of w (and h)
+            return h.pow(2).mean()
+    torch.manual_seed(0)
+    model = SavesParams()
+    cfg = {"offload_optimizer": {"device": "cpu"}, "offload_activations": {"device": "cpu", "min_bytes": 1}}
+    eng = offload.initialize(model, cfg)
+    x = torch.randn(64, 64, device=eng.device)
+    loss = eng(x)
+    eng.backward(loss)
+    eng.step()
+    st = eng.stats()["activations"]
+    eng.close()
+    # x (saved by matmul), h (saved by mul) and h*w.t() (saved by pow): three activations, no parameter
+    assert st["tensors"] == 3 and st["saved_bytes"] == 3 * 64 * 64 * 4
+
+
+def test_config_flag_and_deepspeed_mapping(tmp_path):
+    c = offload.Config.from_flags(["--offload-activations", "nvme", "--nvme-path", str(tmp_path)])
+    assert (c.offload_activations.device, c.offload_activations.nvme_path) == ("nvme", str(tmp_path))
+    with pytest.warns(UserWarning, match="activation_checkpointing.partition_activations"):
+        ds = offload.Config.from_any({"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {
+            "cpu_checkpointing": True, "partition_activations": True}})
+    assert ds.offload_activations.device == "cpu"
+    with pytest.raises(offload.config.ConfigError, match="offload_activations.device"):
+        offload.Config.from_any({"offload_activations": {"device": "gpu"}})
+    with pytest.raises(offload.config.ConfigError, match="offload_activations.nvme_path"):
+        offload.Config.from_any({"offload_activations": {"device": "nvme"}})
+
+
+def test_block_phases_and_one_saved_tensor_chain(tmp_path):
+    """The hook owner drives every block FORWARD_DONE after forward and IDLE after backward;
+    parameter offload and activation offload share one saved-tensor chain, parameters first."""
+    from offload.engine.hooks import BlockPhase
+    from _models import make_model
+    model = make_model()
+    eng = offload.initialize(model, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                     "offload_activations": {"device": "cpu", "min_bytes": 1}})
+    assert eng.hooks.saved.handlers == [eng.param_offload, eng.activations]
+    x, y = batches(1)[0]
+    loss = eng(x, y)
+    assert all(p is BlockPhase.FORWARD_DONE for p in eng.hooks.phase)
+    eng.backward(loss)
+    assert all(p is BlockPhase.IDLE for p in eng.hooks.phase)
+    eng.step()
+    st = eng.stats()
+    eng.close()
+    assert st["activations"]["tensors"] > 0 and st["prefetch"]["hits"] + st["prefetch"]["misses"] > 0
