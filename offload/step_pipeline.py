@@ -110,9 +110,21 @@ class StepPipeline:
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
-        fut = self._pool.submit(self._run, block, args)
+        fut = self._pool.submit(self._job, block, args)
         block.pending = fut
         return fut
+
+    def _job(self, block: BlockShard, args: StepArgs) -> None:
+        """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
+        the device Adam, the parameter copy) is queued on the pipeline's stream behind the
+        block's backward (``args.compute_done``); the host never waits for the device, and the
+        next forward's compute stream waits on ``block.update_event``."""
+        if block.state.tier is not Tier.DEVICE or self._h2d is None:
+            return self._run(block, args)
+        dev.wait_event(self._h2d, args.compute_done)
+        with dev.use_stream(self._h2d):
+            self._run(block, args)
+            block.update_event = dev.record_event(self._h2d)   # every kernel of the job
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
         from offload.optim import adam_step
@@ -201,8 +213,10 @@ class StepPipeline:
         if src.data_ptr() == dst.data_ptr():
             return
         if src.device == dst.device:      # tier none: the master is on the device already
+            # CUDA: on the job's stream, after the device Adam and the block's backward (see
+            # _job); the next forward's compute stream waits on update_event
             with torch.no_grad():
-                dst.copy_(src)
+                block.update_event = dev.copy_(dst, src, self._h2d)
             return
         with self.telemetry.span("offload::param_h2d", "h2d", dst.numel() * dst.element_size()):
             # kernels of the block's backward may still be queued: they read these parameters
@@ -241,10 +255,15 @@ class StepPipeline:
 
 
 def _device_adam(p, g, m, v, args: StepArgs, lr, b1, b2, eps, wd) -> None:
-    """Adam on CUDA tensors (tier none): torch's fused kernel on the fp32 master."""
+    """Adam on CUDA tensors (tier none): torch's fused kernel on the fp32 master, queued on
+    the current stream (the job's, see StepPipeline._job). Never synchronises the device: the
+    step count is written on the device by a fill kernel (``torch.tensor(step, device=...)``
+    would be a pageable, synchronising copy). ``g`` is marked as used by this stream, so a
+    transient gradient buffer freed by the job is not reused before the kernel has read it."""
+    dev.mark_used(g, dev.current_stream(g.device))
     if args.grad_scale != 1.0:
         g.mul_(args.grad_scale)
-    step = torch.tensor(float(args.step), device=p.device)  # the fused kernel reads the 1-based step
+    step = torch.full((), float(args.step), dtype=torch.float32, device=p.device)  # 1-based
     fn = torch._fused_adamw_ if args.adamw else torch._fused_adam_
     fn([p], [g], [m], [v], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
        amsgrad=False, maximize=False)
