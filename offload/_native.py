@@ -105,6 +105,7 @@ def _declare_adam(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [i32], i32
     for name in ("offload_adam_get_num_threads", "offload_adam_isa", "offload_adam_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
+    lib.offload_pool_runtime.argtypes, lib.offload_pool_runtime.restype = [], ctypes.c_char_p
 
 
 def _adam_check(rc: int, what: str) -> None:
@@ -141,7 +142,8 @@ def adam_set_isa(L: ctypes.CDLL, isa: str | None) -> None:
 
 
 def _adam_info(lib: ctypes.CDLL) -> dict:
-    return {"isa": ISA_NAMES[lib.offload_adam_isa()], "threads": lib.offload_adam_get_num_threads()}
+    return {"isa": ISA_NAMES[lib.offload_adam_isa()], "threads": lib.offload_adam_get_num_threads(),
+            "pool": lib.offload_pool_runtime().decode()}
 # END ADAM SECTION
 
 
