@@ -4,9 +4,9 @@
     engine = offload.initialize(model, {"offload_optimizer": {"device": "cpu"}})
 """
 from offload._native import native_info
-from offload.checkpoint import CheckpointError, export_fp32
+from offload.io.checkpoint import CheckpointError, export_fp32
 from offload.config import Config, ConfigError
-from offload.engine import Engine, initialize
+from offload.engine.engine import Engine, initialize
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "CheckpointError", "native_info"]
 __version__ = "0.1.0"

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from offload import cli
-from offload.gpt import GPT, GPTConfig
-from offload.progress import Progress
+from offload.cli import commands as cli
+from offload.models.gpt import GPT, GPTConfig
+from offload.cli.progress import Progress
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
         "--sample", "0", "--log-every", "0"]
@@ -133,7 +133,7 @@ def no_model(monkeypatch):
     """Config errors must come before any model memory: building one fails the test."""
     def boom(*a, **k):
         raise AssertionError("a model was built before the config was validated")
-    monkeypatch.setattr("offload.gpt.GPT.__init__", boom)
+    monkeypatch.setattr("offload.models.gpt.GPT.__init__", boom)
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -196,12 +196,12 @@ def test_estimate_hf_config_and_model_json(capsys, tmp_path):
     assert code == 0
     d = json.loads(out)
     assert d["model"]["params"] == 124_439_808 and len(d["placements"]) == 9
-    code, out, _ = run(["estimate", "--model", "offload.gpt:gpt2_small", "--json"], capsys)
+    code, out, _ = run(["estimate", "--model", "offload.models.gpt:gpt2_small", "--json"], capsys)
     assert json.loads(out)["model"]["params"] == 124_439_808
 
 
 def _fake_profile(tmp_path):
-    from offload.plan import Profile
+    from offload.planner.plan import Profile
     return Profile(device="cpu", cpu_threads=2, adam_params_per_s=1e9, adam_backend="t",
                    device_adam_params_per_s=5e8, h2d_gbps=8, d2h_gbps=8, host_memcpy_gbps=8,
                    nvme_read_gbps=2, nvme_write_gbps=1, nvme_read_latency_s=0, nvme_write_latency_s=0,

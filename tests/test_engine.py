@@ -262,7 +262,7 @@ def test_resume_in_new_process_is_bit_exact(tier, tmp_path):
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    from offload import checkpoint
+    from offload.io import checkpoint
     eng = offload.initialize(make_model(), cfg_for("cpu", tmp_path))
     data = batches(3)
     eng.backward(eng(*data[0]))

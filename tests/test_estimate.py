@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import estimate as est
-from offload.gpt import GPT, GPTConfig
+from offload.planner import estimate as est
+from offload.models.gpt import GPT, GPTConfig
 
 
 def write(tmp_path, cfg, name="config.json"):
@@ -27,7 +27,7 @@ def test_gpt2_count_matches_published_and_module(tmp_path):
     assert spec.params == 124_439_808           # GPT-2 small, tied head
     assert spec.largest_layer == 50257 * 768    # the embedding
     # an independent count: the package's GPT built in GPT-2 small's shape, on the meta device
-    assert est.spec_from_callable("offload.gpt:gpt2_small").params == spec.params
+    assert est.spec_from_callable("offload.models.gpt:gpt2_small").params == spec.params
 
 
 def test_llama_counts_match_published(tmp_path):
@@ -89,7 +89,7 @@ def test_spec_from_module_uses_engine_blocks():
 
 def test_spec_from_callable_errors():
     for bad, msg in [("nocolon", "module:callable"), ("no_such_mod_xyz:f", "cannot import"),
-                     ("offload.gpt:nope", "no callable"), ("offload.gpt:GPTConfig", "not an nn.Module")]:
+                     ("offload.models.gpt:nope", "no callable"), ("offload.models.gpt:GPTConfig", "not an nn.Module")]:
         with pytest.raises(est.EstimateError, match=msg):
             est.spec_from_callable(bad)
 

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from offload import estimate as est
-from offload import plan
+from offload.planner import estimate as est
+from offload.planner import plan
 
 
 def profile(**kw):
@@ -144,7 +144,7 @@ def test_measurements_are_positive(tmp_path):
 def test_check_runs_the_engine(tmp_path):
     """A tiny measured run per placement: the machinery, not the accuracy (that is `offload plan
     --check` on a quiet machine)."""
-    from offload.gpt import GPT, GPTConfig
+    from offload.models.gpt import GPT, GPTConfig
     cfg = GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)
     spec = est.spec_from_module(GPT(cfg))
     x = torch.randint(0, 256, (2, 16))

@@ -21,7 +21,7 @@ import torch
 
 import offload
 from _models import batches, make_model
-from offload import sharding
+from offload.dist import sharding
 
 STEPS = 3
 GAS_STEPS = 2      # optimizer steps of the accumulation jobs (two micro-steps each)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from offload import device as dev
-from offload.blocks import BlockLayout
+from offload.engine.blocks import BlockLayout
 
 
 class ParamState(enum.Enum):

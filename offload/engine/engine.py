@@ -33,18 +33,18 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from offload import blocks as blk
+from offload.engine import blocks as blk
 from offload import device as dev
-from offload import sharding
-from offload.block_shard import BlockShard
-from offload.comm import Comm
-from offload.grad_sync import GradSync
+from offload.dist import sharding
+from offload.engine.block_shard import BlockShard
+from offload.dist.comm import Comm
+from offload.dist.grad_sync import GradSync
 from offload.config import Config
-from offload.grads import GradBuffer
-from offload.loss_scaler import LossScaler
-from offload.residency import OptimState, Tier
-from offload.step_pipeline import StepArgs, StepPipeline
-from offload.telemetry import Telemetry
+from offload.engine.grads import GradBuffer
+from offload.engine.loss_scaler import LossScaler
+from offload.optim.state import OptimState, Tier
+from offload.optim.pipeline import StepArgs, StepPipeline
+from offload.engine.telemetry import Telemetry
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -266,7 +266,7 @@ class Engine:
                                           name="offload-param-write")
 
     def _param_home(self, lay: blk.BlockLayout):
-        from offload.param_residency import BlockParams
+        from offload.params.residency import BlockParams
         home_device = self._param_home_device()
         if home_device == "none":
             return None
@@ -286,7 +286,7 @@ class Engine:
                            write_pool=self._param_write_pool, key=f"b{lay.index}.param", **kw)
 
     def _start_param_offload(self) -> None:
-        from offload.param_offload import ParamOffload
+        from offload.params.offload import ParamOffload
         if self._param_home_device() == "none":
             return
         self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
@@ -594,18 +594,18 @@ class Engine:
     # ---- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Consolidated fp32 weights with the keys of ``model.state_dict()`` (on the CPU)."""
-        from offload import checkpoint
+        from offload.io import checkpoint
         self.synchronize()
         return checkpoint.live_state_dict(self)
 
     def save_checkpoint(self, path: str) -> str:
-        from offload import checkpoint
+        from offload.io import checkpoint
         self._check_open()
         self.synchronize()
         return checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from offload import checkpoint
+        from offload.io import checkpoint
         self._check_open()
         self.synchronize()
         checkpoint.load(self, path)

@@ -23,8 +23,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from offload import device as dev
-from offload.param_residency import BlockParams, ParamState
-from offload.prefetch import Prefetcher
+from offload.params.residency import BlockParams, ParamState
+from offload.params.prefetch import Prefetcher
 
 _HANDLE = object()   # marks a packed parameter reference in saved tensors
 

@@ -37,7 +37,7 @@ from typing import Dict
 import numpy as np
 import torch
 
-from offload.sharding import clip_range
+from offload.dist.sharding import clip_range
 
 FORMAT = "offload-checkpoint"
 VERSION = 2

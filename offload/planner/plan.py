@@ -61,7 +61,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.estimate import TIERS, Machine, ModelSpec, Placement, check_fit, placement_bytes
+from offload.planner.estimate import TIERS, Machine, ModelSpec, Placement, check_fit, placement_bytes
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
 

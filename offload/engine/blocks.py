@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload import sharding
+from offload.dist import sharding
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 
 from offload import device as dev
-from offload.blocks import BlockLayout
-from offload.grads import GradBuffer
-from offload.residency import OptimState
+from offload.engine.blocks import BlockLayout
+from offload.engine.grads import GradBuffer
+from offload.optim.state import OptimState
 
 
 class BlockShard:

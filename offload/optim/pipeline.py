@@ -23,9 +23,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from offload import device as dev
-from offload.block_shard import BlockShard
-from offload.residency import Residency, Tier
-from offload.telemetry import Telemetry
+from offload.engine.block_shard import BlockShard
+from offload.optim.state import Residency, Tier
+from offload.engine.telemetry import Telemetry
 
 
 @dataclass(frozen=True)

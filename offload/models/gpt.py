@@ -109,7 +109,7 @@ class GPT(nn.Module):
 
 def gpt(n_layer: int = 4, n_head: int = 4, n_embd: int = 256, block_size: int = 128,
         vocab_size: int = 256) -> GPT:
-    """A ``module:callable`` for ``offload estimate --model offload.gpt:gpt``."""
+    """A ``module:callable`` for ``offload estimate --model offload.models.gpt:gpt``."""
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
                          n_head=n_head, n_embd=n_embd))
 

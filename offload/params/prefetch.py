@@ -26,8 +26,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from offload.param_residency import BlockParams, ParamState
-from offload.telemetry import Telemetry
+from offload.params.residency import BlockParams, ParamState
+from offload.engine.telemetry import Telemetry
 
 
 class Prefetcher:

@@ -28,7 +28,7 @@ from offload import config as config_mod
 from offload.config import ConfigError
 
 EXIT_USAGE = 2
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class CLIError(Exception):
@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 # ---- formatting -----------------------------------------------------------------------------------
 def fmt_bytes(n: float) -> str:
-    from offload.progress import fmt_bytes as f
+    from offload.cli.progress import fmt_bytes as f
     return f(n)
 
 
@@ -147,7 +147,7 @@ def _eval_loss(model, batches) -> float:
 
 def _sample(model, prompt: str, n: int, seed: int) -> str:
     import torch
-    from offload.corpus import decode, encode
+    from offload.cli.corpus import decode, encode
     g = torch.Generator().manual_seed(seed)
     idx = encode(prompt).long()[None]
     model.eval()
@@ -184,9 +184,9 @@ def _plot(csv_rows, path: str) -> Optional[str]:
 
 def cmd_train(args) -> int:
     import torch
-    from offload.corpus import Corpus
-    from offload.gpt import GPT, GPTConfig
-    from offload.progress import Progress
+    from offload.cli.corpus import Corpus
+    from offload.models.gpt import GPT, GPTConfig
+    from offload.cli.progress import Progress
 
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise CLIError("--steps, --batch-size must be >= 1 and --seq-len >= 2")
@@ -311,7 +311,7 @@ def cmd_train(args) -> int:
 
 # ---- estimate -------------------------------------------------------------------------------------
 def _model_spec(args, default_gpt: bool = False):
-    from offload import estimate as est
+    from offload.planner import estimate as est
     given = [x for x in ("params", "hf_config", "model") if getattr(args, x) is not None]
     if len(given) > 1:
         raise CLIError("give the model once: --params, --hf-config or --model")
@@ -333,7 +333,7 @@ def _size(text, flag):
 
 
 def cmd_estimate(args) -> int:
-    from offload import estimate as est
+    from offload.planner import estimate as est
     spec = _model_spec(args)
     machine = est.this_machine(args.nvme_path, _size(args.device_memory, "--device-memory"))
     rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count)
@@ -371,9 +371,9 @@ def cmd_estimate(args) -> int:
 # ---- plan -----------------------------------------------------------------------------------------
 def _gpt_case(args):
     import torch
-    from offload import estimate as est
-    from offload.gpt import GPT, GPTConfig
-    from offload.plan import CheckCase
+    from offload.planner import estimate as est
+    from offload.models.gpt import GPT, GPTConfig
+    from offload.planner.plan import CheckCase
     gcfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     gen = torch.Generator().manual_seed(0)
 
@@ -393,8 +393,8 @@ def _bench_step_case(layers=12, numel=1 << 20, fwd_ms=3.0, bwd_ms=6.0):
     """benchmarks/bench_step.py's model (compute simulated by GIL-free waits), when present."""
     import importlib.util
     import torch
-    from offload import estimate as est
-    from offload.plan import CheckCase, Compute
+    from offload.planner import estimate as est
+    from offload.planner.plan import CheckCase, Compute
     path = os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")
     if not os.path.isfile(path):
         return None
@@ -413,8 +413,8 @@ def _bench_step_case(layers=12, numel=1 << 20, fwd_ms=3.0, bwd_ms=6.0):
 
 def cmd_plan(args) -> int:
     import torch
-    from offload import estimate as est
-    from offload import plan
+    from offload.planner import estimate as est
+    from offload.planner import plan
     nvme_path = args.nvme_path or tempfile.gettempdir()
     if not os.path.isdir(nvme_path):
         raise CLIError(f"--nvme-path {nvme_path!r} does not exist: give an existing directory")
@@ -481,17 +481,17 @@ def cmd_plan(args) -> int:
             print(f"best placement that fits: --offload-optimizer {best.memory.optimizer} "
                   f"--offload-param {best.memory.param} ({best.prediction.step_s * 1e3:.1f} ms per step)")
     print("model: step = max over resources + the rest / blocks (exposed first fetch and last update); "
-          "see `python -c 'import offload.plan; help(offload.plan)'`")
+          "see `python -c 'import offload.planner.plan; help(offload.planner.plan)'`")
     return 0
 
 
 def est_tiers():
-    from offload.estimate import TIERS
+    from offload.planner.estimate import TIERS
     return TIERS
 
 
 def _plan_check(args, profile, nvme_path) -> int:
-    from offload import plan
+    from offload.planner import plan
     cases = []
     for name in args.check_models.split(","):
         name = name.strip()
@@ -682,10 +682,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _user_errors():
-    from offload.estimate import EstimateError
+    from offload.planner.estimate import EstimateError
     errs = [EstimateError]
     try:
-        from offload.blocks import ModelError
+        from offload.engine.blocks import ModelError
         errs.append(ModelError)
     except ImportError:
         pass

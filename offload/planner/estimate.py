@@ -92,8 +92,8 @@ def spec_from_counts(params: float, largest_layer: Optional[float] = None,
 
 def spec_from_module(model, name: str = "model") -> ModelSpec:
     """From a built module (the meta device is fine), blocked the way the engine blocks it
-    (``offload.blocks.auto_block_roots``); a tied parameter is counted once, in its first block."""
-    from offload.blocks import auto_block_roots
+    (``offload.engine.blocks.auto_block_roots``); a tied parameter is counted once, in its first block."""
+    from offload.engine.blocks import auto_block_roots
     modules = dict(model.named_modules())
     claimed = set()
     blocks = []
@@ -119,7 +119,7 @@ def spec_from_callable(target: str) -> ModelSpec:
     import torch
     mod_name, sep, fn_name = target.partition(":")
     if not sep or not mod_name or not fn_name:
-        raise EstimateError(f"--model {target!r} must be module:callable, e.g. offload.gpt:gpt2_small")
+        raise EstimateError(f"--model {target!r} must be module:callable, e.g. offload.models.gpt:gpt2_small")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:

@@ -1,0 +1,261 @@
+"""Configuration: frozen dataclasses, passed down whole.
+
+A config comes from a dict, a JSON file, command-line flags (``Config.from_flags``), an
+``offload.Config``, or a DeepSpeed config
+(``zero_optimization``, ``bf16``/``fp16``, ``optimizer.params`` ...), which is translated
+and whose unsupported keys are named in one warning. Unknown or misspelled keys are errors
+that name the nearest valid key; invalid values fail here, before any memory is allocated.
+
+    cfg = Config.from_any({"optimizer": {"lr": 1e-4},
+                           "offload_optimizer": {"device": "nvme", "nvme_path": "/mnt/nvme"}})
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names it and the fix."""
+
+
+TIER_DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_choice(where: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where}={value!r} is not valid: use one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive(where: str, value, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}={value!r} must be a number")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{where}={value!r} must be {bound}")
+
+
+def check_nvme_path(where: str, path: Optional[str]) -> None:
+    """The path must exist, be a directory and accept a new file (root bypasses mode bits,
+    so this really creates one; a read-only mount fails here)."""
+    if not path:
+        raise ConfigError(f"{where} is required when device is 'nvme': set it to a directory on a fast local disk")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}={path!r} does not exist or is not a directory: create it or point to an existing one")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".offload-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{where}={path!r} is not writable ({exc.strerror}): choose a writable directory") from None
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        _check_choice("optimizer.type", self.type, ("AdamW", "Adam"))
+        _check_positive("optimizer.lr", self.lr, allow_zero=True)
+        _check_positive("optimizer.eps", self.eps)
+        _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        if (not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError(f"optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """Where the fp32 master weights and Adam moments live."""
+    device: str = "cpu"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+    # Blocks whose state is read ahead of the CPU step (nvme only): bounds the pinned pool.
+    buffer_count: int = 4
+
+    def __post_init__(self):
+        _check_choice("offload_optimizer.device", self.device, TIER_DEVICES)
+        _check_positive("offload_optimizer.buffer_count", self.buffer_count)
+        if self.device == "nvme":
+            check_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """Where the parameters live between uses (ZeRO-3 style parameter offload)."""
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+    # Peak bytes of offloaded parameters allowed on the device at once; None: two largest blocks.
+    device_budget_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        _check_choice("offload_param.device", self.device, TIER_DEVICES)
+        _check_positive("offload_param.device_budget_bytes", self.device_budget_bytes)
+        if self.device == "nvme":
+            check_nvme_path("offload_param.nvme_path", self.nvme_path)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Bytes kept in flight ahead of use on each link; None derives them from the budgets."""
+    enabled: bool = True
+    device_lookahead_bytes: Optional[int] = None
+    host_lookahead_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        _check_positive("prefetch.device_lookahead_bytes", self.device_lookahead_bytes, allow_zero=True)
+        _check_positive("prefetch.host_lookahead_bytes", self.host_lookahead_bytes, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The NVMe I/O engine (names follow DeepSpeed's `aio` section where they overlap)."""
+    backend: str = "native"
+    # 4 MiB extents, 64 in flight: 1 MiB x 32 read at ~55% of the raw rate on a virtual disk
+    block_size: int = 4 << 20
+    queue_depth: int = 64
+    thread_count: int = 4
+    checksum: bool = True
+
+    def __post_init__(self):
+        _check_choice("aio.backend", self.backend, ("native", "portable"))
+        for k in ("block_size", "queue_depth", "thread_count"):
+            _check_positive(f"aio.{k}", getattr(self, k))
+        if self.block_size % 4096:
+            raise ConfigError(f"aio.block_size={self.block_size} must be a multiple of 4096")
+
+
+@dataclass(frozen=True)
+class LossScalerConfig:
+    """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale."""
+    initial_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("loss_scaler.initial_scale", self.initial_scale)
+        _check_positive("loss_scaler.growth_interval", self.growth_interval)
+        _check_positive("loss_scaler.min_scale", self.min_scale)
+        if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError("loss_scaler: growth_factor must be > 1 and backoff_factor in (0, 1)")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO stage across data-parallel ranks (0 = plain data parallel)."""
+    stage: int = 0
+    # Seconds a collective may wait for the other ranks before failing with a clear error.
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        _check_choice("zero_optimization.stage", self.stage, (0, 1, 2, 3))
+        _check_positive("zero_optimization.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class Config:
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: str = "fp32"
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    # Module names (as in model.named_modules()) that each become one block; None: automatic.
+    blocks: Optional[Tuple[str, ...]] = None
+    # Optimizer worker threads (the native kernel has its own pool inside each call).
+    optimizer_workers: int = 1
+    # Step each block as soon as its gradients land (when nothing global is needed).
+    overlap_step: bool = True
+
+    def __post_init__(self):
+        _check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
+            raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps!r} must be an integer >= 1")
+        _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)
+        _check_positive("optimizer_workers", self.optimizer_workers)
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+
+    # ---- constructors -----------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Config":
+        """From the engine's own dict layout; a DeepSpeed-style dict is detected and translated."""
+        from offload.config.deepspeed import from_deepspeed, is_deepspeed_config
+        if is_deepspeed_config(d):
+            return from_deepspeed(d)
+        return _build(cls, d, "")
+
+    @classmethod
+    def from_json(cls, path: str) -> "Config":
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config file {path!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_flags(cls, argv) -> "Config":
+        """From command-line flags (``offload train --help`` lists them)."""
+        from offload.config.flags import from_flags
+        return from_flags(argv)
+
+    @classmethod
+    def from_any(cls, cfg: "Config | Mapping[str, Any] | str | os.PathLike | None") -> "Config":
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, Config):
+            return cfg
+        if isinstance(cfg, (str, os.PathLike)):
+            return cls.from_json(os.fspath(cfg))
+        if isinstance(cfg, Mapping):
+            return cls.from_dict(cfg)
+        raise ConfigError(f"config must be a dict, a path to a JSON file or offload.Config, not {type(cfg).__name__}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _build(cls, d: Mapping[str, Any], prefix: str):
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, not {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in d.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"did you mean '{prefix}{near[0]}'?" if near else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}': {hint}")
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            value = _build(sub, value, f"{prefix}{key}.")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a wrongly typed value inside a check
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from None

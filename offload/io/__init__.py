@@ -1,0 +1,1 @@
+"""Data in and out of the engine: checkpoints (checkpoint.py)."""

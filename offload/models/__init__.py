@@ -1,0 +1,1 @@
+"""Models the package ships for its own command line, tests and benchmarks."""
