@@ -105,7 +105,23 @@ def sharing(block: int, rounds: int) -> dict:
         fn()
         return time.perf_counter() - t0
 
+    def small_ops_us() -> float:
+        """Median microseconds per small elementwise op (64K floats), 200 back to back."""
+        per = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                small.mul(1.0001).add_(1.0)
+            per.append((time.perf_counter() - t0) / 200 * 1e6)
+        return statistics.median(per)
+
+    # torch's small ops under OpenMP's default idle spin (before the native pool exists) and
+    # once the pool's workers have joined the runtime (sequential, not interleaved: the
+    # runtime's spin policy changes once and for all when the pool starts)
+    torch_work()
+    small_default = small_ops_us()
     adam(), torch_work()                                  # warm-up: threads exist, pages touched
+    small_pool = small_ops_us()
     times = {k: [] for k in ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")}
     for r in range(rounds):
         time.sleep(PAUSE_S)
@@ -117,6 +133,7 @@ def sharing(block: int, rounds: int) -> dict:
         adam()
         times["torch_after_adam"].append(timed(torch_work))
     worker.shutdown()
+    times["small_op_us"] = {"default_spin": round(small_default, 2), "with_pool": round(small_pool, 2)}
     return times
 
 
@@ -136,6 +153,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     share = sharing(parse_size(args.block), args.sharing_rounds)
+    small_op_us = share.pop("small_op_us")
+    print(f"torch small op (64K floats): {small_op_us['default_spin']:.1f} us before the native pool started, "
+          f"{small_op_us['with_pool']:.1f} us after (pool: {_native.native_info().get('pool')})")
     for name, ts in share.items():
         print(f"{name:18s} median {statistics.median(ts) * 1e3:8.2f} ms  min {min(ts) * 1e3:8.2f} ms")
     methods = build(n)
@@ -184,6 +204,7 @@ def main() -> None:
                       "loadavg_1m": round(os.getloadavg()[0], 2), "wall_s": round(wall, 1),
                       "results": results, "block": parse_size(args.block),
                       "sharing_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in share.items()},
+                      "small_op_us": small_op_us,
                       "claims": claims, "targets": targets,
                       "missed": [k for k, t in targets.items() if not claims[k] >= t]}))
 
