@@ -3,7 +3,9 @@
 # exercise the device path, and fail (exit 1) when a test fails or a benchmark misses its
 # target (its last line's JSON: "missed", or "claims" against "targets"), crashes or times
 # out. Uses the machine's python3 and its torch (never installs another torch); installs only
-# the packages below that are missing. Every step has a timeout: about 7 minutes in all.
+# the packages below that are missing. Every step has a timeout, each cut to what is left of
+# an overall budget of BUDGET_S seconds (default 460): the whole call ends within 8 minutes;
+# a step with no time left is reported as not run, and the call fails.
 # Everything it prints also goes to $OUT/gpu_check.log when OUT is set; each benchmark's full
 # output to $OUT/bench_<name>.log.
 set -uo pipefail
@@ -14,35 +16,45 @@ exec > >(tee "$LOG") 2>&1
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 failed=()
+END=$((SECONDS + ${BUDGET_S:-460}))
+# limit N: N seconds, or what is left of the budget when that is less (at least 1)
+limit() { local left=$((END - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 1 ? left : 1)) || echo "$1"; }
+# run NAME SECONDS CMD...: CMD under a timeout, recorded as failed when it fails or cannot run
+run() {
+  local name=$1 t; t=$(limit "$2"); shift 2
+  if [ "$t" -le 5 ]; then failed+=("$name (not run: out of time)"); return 1; fi
+  timeout "$t" "$@" || { failed+=("$name (exit $?)"); return 1; }
+}
 
 echo "== machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 nproc; uptime
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 for mod in numpy psutil aiofiles pytest safetensors; do
-  $PY -c "import $mod" 2>/dev/null || timeout 120 $PY -m pip install -q "$mod" || echo "could not install $mod"
+  $PY -c "import $mod" 2>/dev/null || timeout "$(limit 60)" $PY -m pip install -q "$mod" || echo "could not install $mod"
 done
 
 echo "== build"
-timeout 120 $PY setup.py -q build_ext --inplace 2>&1 | tail -3 || failed+=("build")
+run build 120 $PY setup.py -q build_ext --inplace > "$OUTDIR/build.log" 2>&1; tail -n 3 "$OUTDIR/build.log"
 $PY -c "import torch, offload, json; print(json.dumps(offload.native_info()))" || exit 1
 
 echo "== CUDA tests"
-timeout 150 $PY -m pytest -q -m cuda tests/test_cuda.py || failed+=("CUDA tests")
+run "CUDA tests" 150 $PY -m pytest -q -m cuda tests/test_cuda.py
 echo "== NCCL / gloo group tests (the 2-GPU one skips on 1 GPU)"
-timeout 60 $PY -m pytest -q tests/test_zero.py -k nccl || failed+=("NCCL tests")
+run "NCCL tests" 60 $PY -m pytest -q tests/test_zero.py -k nccl
 echo "== engine parity tests (CPU paths on the GPU machine)"
-timeout 60 $PY -m pytest -q -x tests/test_engine.py -k parity || failed+=("engine parity tests")
+run "engine parity tests" 60 $PY -m pytest -q -x tests/test_engine.py -k parity
 
 # bench NAME TIMEOUT ARGS...: run it, keep its output, check its claims.
 bench() {
-  local name=$1 limit=$2; shift 2
+  local name=$1 t; t=$(limit "$2"); shift 2
   local out=$OUTDIR/bench_$name.log
-  echo "== bench_$name $*"
-  timeout "$limit" $PY "benchmarks/bench_$name.py" "$@" > "$out" 2>&1
+  echo "== bench_$name $* (timeout $t s)"
+  if [ "$t" -le 5 ]; then failed+=("bench_$name (not run: out of time)"); return; fi
+  timeout "$t" $PY "benchmarks/bench_$name.py" "$@" > "$out" 2>&1
   local rc=$?
   tail -n 12 "$out" | cut -c1-400
   if [ $rc -ne 0 ]; then
-    failed+=("bench_$name (exit $rc$([ $rc -eq 124 ] && echo ', timed out after '"$limit"' s'))")
+    failed+=("bench_$name (exit $rc$([ $rc -eq 124 ] && echo ', timed out after '"$t"' s'))")
     return
   fi
   $PY - "$out" "$name" <<'EOF' || failed+=("bench_$name (missed a target)")
