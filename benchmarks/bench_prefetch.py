@@ -23,7 +23,7 @@ Claims (paired within each round, median over rounds):
   ``speedup_vs_no_prefetch`` = step without prefetch / default step  (target >= 1.5)
   ``read_vs_raw`` = the engine's NVMe read GB/s in the IO-only run / raw GB/s
 
-    python benchmarks/bench_prefetch.py              # 8 layers x 32 MiB, ~1 min
+    python benchmarks/bench_prefetch.py              # 6 layers x 16 MiB, ~1 min on an idle machine
     python benchmarks/bench_prefetch.py --large      # 16 layers x 128 MiB
 The last line printed is one JSON object with a `claims` map.
 """
@@ -175,9 +175,9 @@ def train(args, nvme_dir, block, lookahead, compute_s, rep_s, x, device, raw=Non
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--mib", type=int, default=32, help="parameter MiB per layer")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--mib", type=int, default=16, help="parameter MiB per layer")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu")
     p.add_argument("--k", type=int, default=2048, help="CUDA: matmul size of the real compute")
