@@ -22,21 +22,14 @@ from offload import device as dev
 
 
 class GradBuffer:
-    """With a ``pool`` the buffer is borrowed at the window's first landing and returned
-    when the window is consumed (``reset_window``), so host memory for gradients is bounded
-    by the pool, not the model. ``has_jobs`` tells whether an update in flight will return a
-    buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
-
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
-                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None):
-        self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
+                 dtype: torch.dtype = torch.float32, device=None):
+        self.tensor = tensor                          # 1-D, padded numel (None while transient and empty)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
         self._device = device
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
-        self._pool, self._has_jobs = pool, has_jobs
-        self._loan = None
         self._seen = [False] * num_segments           # landed in the current window
         self.arrived = 0                              # landings in the current backward
         self.events: List = []                        # CUDA copies still in flight
@@ -54,7 +47,7 @@ class GradBuffer:
         """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
         flat = grad.detach().reshape(-1)
         if self.tensor is None:
-            self._borrow()
+            self._allocate()
         dst = self.tensor[offset:offset + flat.numel()]
         if not self._seen[index]:
             if dst.device == flat.device:
@@ -76,23 +69,8 @@ class GradBuffer:
             dst.add_(tmp)
         self.arrived += 1
 
-    def _borrow(self) -> None:
-        if self._pool is None:
-            self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
-            return
-        nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
-        loan = self._pool.try_acquire(nbytes)
-        while loan is None:
-            if not self._has_jobs():
-                # every buffer is held by a block still collecting gradients: allocate
-                self.tensor = torch.empty(self._numel, dtype=self._dtype)
-                return
-            try:
-                loan = self._pool.acquire(nbytes, timeout=0.05)
-            except TimeoutError:
-                pass
-        self._loan = loan
-        self.tensor = loan.view(self._dtype, self._numel)
+    def _allocate(self) -> None:
+        self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
 
     def seen(self, index: int) -> bool:
         """Whether parameter ``index`` got a gradient in the current window."""
@@ -125,7 +103,7 @@ class GradBuffer:
         """Make the buffer exist and zero every range that got no gradient (a rank must take
         part in a collective even when none of its parameters got a gradient)."""
         if self.tensor is None:
-            self._borrow()
+            self._allocate()
             self.tensor.zero_()
             self._seen = [True] * self.num_segments
         self.close_window(segments)
@@ -135,7 +113,7 @@ class GradBuffer:
         """Add a whole-buffer gradient (a reduce-scattered shard): the window's first
         landing overwrites, later ones add."""
         if self.tensor is None:
-            self._borrow()
+            self._allocate()
         if not any(self._seen):
             self.tensor.copy_(src)
         else:
@@ -143,15 +121,9 @@ class GradBuffer:
         self._seen = [True] * self.num_segments
 
     def reset_window(self) -> None:
-        """After the optimizer consumed the buffer: the next landing overwrites (a borrowed
-        buffer goes back to the pool)."""
+        """After the optimizer consumed the buffer (or the window was discarded): the next
+        landing overwrites; a transient buffer is freed."""
         self._seen = [False] * self.num_segments
-        if self._pool is None and self._device is not None:
+        if self._device is not None:
             self.wait_landed()
             self.tensor = None                        # transient: freed
-        elif self._pool is not None and self.tensor is not None:
-            self.wait_landed()
-            self.tensor = None
-            loan, self._loan = self._loan, None
-            if loan is not None:
-                loan.release()
