@@ -20,7 +20,7 @@ setup(
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-fno-strict-aliasing",
                                 "-Wall", "-Wno-unused-function", "-fno-math-errno"],
             extra_link_args=["-pthread"],
-            libraries=["pthread", "m"],
+            libraries=["pthread", "m", "dl"],
         )
     ]
 )

@@ -62,6 +62,9 @@ OFFLOAD_API int64_t offload_kernel_args_size(void);
 
 OFFLOAD_API int offload_kernel_set_num_threads(int n); /* caller included, >= 1 */
 OFFLOAD_API int offload_kernel_get_num_threads(void);
+/* Where the pool's workers live: "pthread", or the soname of the process's OpenMP runtime
+ * (torch's) whose team they form, so that runtime shortens its idle spin (threadpool.c). */
+OFFLOAD_API const char *offload_pool_runtime(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

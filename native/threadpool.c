@@ -15,15 +15,32 @@
  *     waits until active == 0. Every chunk has then returned, and no worker will touch
  *     fn/ctx (the caller's stack) again: late workers see open == 0 and go back to sleep.
  * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up.
+ *
+ * One thread budget with torch (OpenMP). torch's intra-op workers are OpenMP threads: after
+ * each parallel region they spin (libgomp: GOMP_SPINCOUNT, 300000 pauses, ~4 ms of a core
+ * measured here) before sleeping, so a kernel started right after torch work shared the cores
+ * with them and lost ~25%. OpenMP runtimes shorten that spin (libgomp: to 1000 pauses, ~20 us,
+ * still enough to catch back-to-back small ops) once the process has more OpenMP threads than
+ * CPUs, which is the case whenever this pool and torch's team are both sized to the machine.
+ * So when the process already has an OpenMP runtime loaded (torch's; found by soname with
+ * RTLD_NOLOAD, never loaded here), the workers are started as the team of one OpenMP parallel
+ * region that never ends: a host pthread enters GOMP_parallel and sleeps as the region's
+ * master; team threads 1..k run worker_main below. The runtime then counts them as its own
+ * threads and throttles every idle spin, torch's included. The protocol above is unchanged (no
+ * OpenMP barrier is ever reached). Without a runtime, or with OFFLOAD_POOL=pthread, workers
+ * are plain pthreads. offload_pool_runtime() reports which.
  */
 #define _GNU_SOURCE
 #include "threadpool.h"
+#include "offload_native.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,9 +93,7 @@ struct worker_start {
     unsigned long generation; /* the generation current when the worker was made */
 };
 
-static void *worker_main(void *arg) {
-    struct worker_start start = *(struct worker_start *)arg;
-    free(arg);
+static void worker_loop(struct worker_start start) {
     unsigned long seen = start.generation;
     for (;;) {
         for (long t0 = now_ns(); __atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen;) {
@@ -108,8 +123,88 @@ static void *worker_main(void *arg) {
         if (__atomic_sub_fetch(&P.active, 1, __ATOMIC_RELEASE) == 0 && !P.open) pthread_cond_signal(&P.done);
         pthread_mutex_unlock(&P.lock);
     }
+}
+
+static void *worker_main(void *arg) {
+    struct worker_start start = *(struct worker_start *)arg;
+    free(arg);
+    worker_loop(start);
     return NULL;
 }
+
+/* ---- workers as an OpenMP team (see the header comment) -------------------------------- */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+typedef int (*omp_thread_num_fn)(void);
+
+static struct {
+    pthread_once_t once;
+    gomp_parallel_fn parallel;
+    omp_thread_num_fn thread_num;
+    const char *name; /* the runtime's soname, or NULL: plain pthreads */
+} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
+
+static void find_openmp(void) {
+    const char *want = getenv("OFFLOAD_POOL");
+    if (want != NULL && strcmp(want, "pthread") == 0) return;
+    static const char *const names[] = {"libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.so.5"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        void *h = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD); /* only a runtime already loaded */
+        if (h == NULL) continue;
+        gomp_parallel_fn par = (gomp_parallel_fn)dlsym(h, "GOMP_parallel"); /* LLVM, Intel: compat entry */
+        omp_thread_num_fn num = (omp_thread_num_fn)dlsym(h, "omp_get_thread_num");
+        if (par != NULL && num != NULL) {
+            OMP.parallel = par;
+            OMP.thread_num = num;
+            OMP.name = names[i];
+            return; /* the handle stays open: the runtime outlives the pool */
+        }
+        dlclose(h);
+    }
+}
+
+struct team_start {
+    int first;                /* pool index of team thread 1 */
+    int size;                 /* team size asked for, master included */
+    unsigned long generation;
+};
+
+/* The body of the never-ending region: team thread t >= 1 is pool worker first + t - 1; the
+ * master (the host pthread, t == 0) only keeps the region, and so the team, alive. */
+static void team_main(void *arg) {
+    struct team_start *t = arg;
+    int tn = OMP.thread_num();
+    if (tn == 0) {
+        for (;;) pause();
+    }
+    worker_loop((struct worker_start){.index = t->first + tn - 1, .generation = t->generation});
+}
+
+static void *team_host(void *arg) {
+    struct team_start *t = arg;
+    OMP.parallel(team_main, t, (unsigned)t->size, 0);
+    return NULL; /* not reached */
+}
+
+/* Start `count` OpenMP team workers as pool indices first..first+count-1; 0 on success. */
+static int start_team(int first, int count) {
+    struct team_start *t = malloc(sizeof *t); /* lives as long as the region: forever */
+    if (t == NULL) return -1;
+    *t = (struct team_start){.first = first, .size = count + 1, .generation = P.generation};
+    pthread_t tid;
+    if (pthread_create(&tid, NULL, team_host, t) != 0) {
+        free(t);
+        return -1;
+    }
+    pthread_detach(tid);
+    return 0;
+}
+
+const char *pool_runtime(void) {
+    pthread_once(&OMP.once, find_openmp);
+    return OMP.name != NULL ? OMP.name : "pthread";
+}
+
+OFFLOAD_API const char *offload_pool_runtime(void) { return pool_runtime(); }
 
 /* fork(): prepare holds run_lock so no call is in flight; the child has no workers, so it
  * starts with fresh locks and starts workers again on its first parallel call. */
@@ -153,6 +248,9 @@ static void start_workers(int want) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old); /* workers inherit a mask that blocks signals */
+    pthread_once(&OMP.once, find_openmp);
+    if (OMP.parallel != NULL && P.started < want && start_team(P.started + 1, want - P.started) == 0)
+        P.started = want; /* a runtime may give a smaller team: the missing workers never join */
     while (P.started < want) {
         struct worker_start *start = malloc(sizeof *start);
         if (start == NULL) break;

@@ -14,6 +14,7 @@ typedef void (*pool_chunk_fn)(void *ctx, long chunk);
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks);
 int pool_set_threads(int n); /* threads a call may use, caller included; 1..POOL_MAX_THREADS */
 int pool_get_threads(void);
+const char *pool_runtime(void); /* "pthread", or the soname of the OpenMP runtime the workers belong to */
 
 #define POOL_MAX_THREADS 256
 

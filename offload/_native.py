@@ -109,6 +109,7 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [i32], i32
     for name in ("offload_kernel_get_num_threads", "offload_kernel_isa", "offload_kernel_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
+    lib.offload_pool_runtime.argtypes, lib.offload_pool_runtime.restype = [], ctypes.c_char_p
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -180,7 +181,8 @@ adam_set_num_threads, adam_set_isa = kernel_set_num_threads, kernel_set_isa
 
 
 def _kernel_info(lib: ctypes.CDLL) -> dict:
-    return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "threads": lib.offload_kernel_get_num_threads()}
+    return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "threads": lib.offload_kernel_get_num_threads(),
+            "pool": lib.offload_pool_runtime().decode()}
 # END KERNEL SECTION
 
 

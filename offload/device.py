@@ -49,6 +49,14 @@ def record_event(stream) -> Optional["torch.cuda.Event"]:
     return ev
 
 
+def use_stream(stream):
+    """A context in which kernels are queued on ``stream`` (a no-op context on the CPU)."""
+    if stream is None:
+        import contextlib
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
 def wait_event(stream, event) -> None:
     """Make ``stream`` wait for ``event`` without blocking the host."""
     if stream is not None and event is not None:

@@ -2,10 +2,11 @@
 
     python _zero_worker.py RANK WORLD PORT OUTDIR SPEC.json
 
-Runs every job of the spec in one gloo process group (imports and the rendezvous cost
-seconds; the jobs are cheap) and writes OUTDIR/rank{RANK}.pt: job name -> the consolidated
-fp32 state after each step and the engine's stats. An error is written to
-OUTDIR/rank{RANK}.err and the process exits 1.
+Runs every job of the spec in one process group (imports and the rendezvous cost seconds;
+the jobs are cheap) and writes OUTDIR/rank{RANK}.pt: job name -> the consolidated fp32 state
+after each step and the engine's stats. An error is written to OUTDIR/rank{RANK}.err and the
+process exits 1. The spec's "backend" is gloo (default) or nccl (one GPU per rank, batches on
+it); "fake_nccl" makes a gloo world look NCCL-only to the engine (see fake_nccl_only).
 """
 import json
 import os
@@ -34,6 +35,43 @@ def config(job, nvme_dir):
             cfg["offload_param"]["nvme_path"] = nvme_dir
     cfg.update(job.get("extra", {}))
     return cfg
+
+
+def fake_nccl_only() -> list:
+    """Make the default group (and every group made without ``backend="gloo"``) behave like
+    NCCL's on a CPU-only machine: ``dist.get_backend`` answers "nccl" for it, and a collective
+    over it that carries CPU tensors (or pickled objects) raises NCCL's error. Groups created
+    with ``backend="gloo"`` work as usual. Returns the list of those gloo groups."""
+    gloo = []
+    real_new_group, real_get_backend = dist.new_group, dist.get_backend
+
+    def is_gloo(group):
+        return any(group is g for g in gloo)
+
+    def new_group(*args, **kw):
+        g = real_new_group(*args, **kw)
+        if kw.get("backend") == "gloo":
+            gloo.append(g)
+        return g
+
+    def get_backend(group=None):
+        return real_get_backend(group) if is_gloo(group) else "nccl"
+
+    def guard(name, fn, objects):
+        def wrapped(*args, group=None, **kw):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if not is_gloo(group) and (objects or any(t.device.type == "cpu" for t in tensors)):
+                raise RuntimeError(f"{name}: No backend type associated with device type cpu (fake NCCL group)")
+            return fn(*args, group=group, **kw)
+        return wrapped
+
+    dist.new_group, dist.get_backend = new_group, get_backend
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_single",
+                 "broadcast", "barrier", "all_gather_object", "broadcast_object_list"):
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            setattr(dist, name, guard(name, fn, objects=name.endswith(("_object", "_object_list")) or name == "barrier"))
+    return gloo
 
 
 def run_job(job, rank, world, outdir):
@@ -66,6 +104,8 @@ def train(job, rank, world, outdir, held):
     if job.get("load"):
         eng.load_checkpoint(job["load"])
     data = batches(job.get("start", 0) + job["steps"], batch=job.get("batch", 4))[job.get("start", 0):]
+    if eng.device.type == "cuda":
+        data = [(x.to(eng.device), y.to(eng.device)) for x, y in data]
     snaps, stats = [], []
     for step, (x, y) in enumerate(data):
         lo, hi = rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world
@@ -84,12 +124,14 @@ def train(job, rank, world, outdir, held):
             eng.backward(loss)
         eng.step()
         stats.append(eng.stats())
-        sd = eng.full_state_dict()
+        sd = {k: v.cpu() for k, v in eng.full_state_dict().items()}
         if rank == 0:
             snaps.append(sd)
         if job.get("save_at") == step + 1:
             eng.save_checkpoint(job["save"])
-    out = {"snaps": snaps, "stats": stats[-1], "stats_all": stats}
+    out = {"snaps": snaps, "stats": stats[-1], "stats_all": stats,
+           "groups": {"backend": eng.comm.backend, "host_backend": eng.comm.host_backend,
+                      "host_is_separate": eng.comm.host_main is not eng.comm.main}}
     eng.close()
     return out
 
@@ -99,10 +141,15 @@ def main():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     with open(spec) as f:
-        jobs = json.load(f)["jobs"]
+        spec = json.load(f)
+    jobs, backend = spec["jobs"], spec.get("backend", "gloo")
     results = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        if spec.get("fake_nccl"):
+            fake_nccl_only()
+        dist.init_process_group(backend, rank=rank, world_size=world)
         for job in jobs:
             results[job["name"]] = run_job(job, rank, world, outdir)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -572,3 +574,63 @@ def test_profiler_range(backend):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         adam_step(**_args(), **KW)
     assert any(e.name == "offload::cpu_adam" for e in prof.events())
+
+
+def _idle_spin_ms(rounds: int = 5) -> float:
+    """CPU milliseconds that threads other than this one burn in the 100 ms after a burst of
+    torch work (summed over ``rounds`` bursts): torch's OpenMP workers spinning while idle.
+    Read from /proc/self/task/*/schedstat (ns of CPU per thread), so other load on the
+    machine does not enter the figure."""
+    def per_thread():
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[int(tid)] = int(f.read().split()[0])
+            except OSError:
+                pass          # a thread that just ended
+        return out
+    me = threading.get_native_id()
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    burnt = 0
+    for _ in range(rounds):
+        for _ in range(5):
+            a @ b
+        before = per_thread()
+        time.sleep(0.1)
+        after = per_thread()
+        burnt += sum(after[t] - before.get(t, 0) for t in after if t != me)
+    return burnt / 1e6
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info()
+                    or torch.get_num_threads() < 2, reason="needs Linux and torch on OpenMP with >= 2 threads")
+def test_pool_joins_torchs_openmp_runtime_which_then_stops_spinning(native):
+    """The native pool's workers are a team of torch's OpenMP runtime, so the runtime sees
+    more threads than CPUs and its idle workers stop spinning within microseconds instead
+    of burning a core for milliseconds after every torch op (the kernel right after torch
+    work lost ~25% to them). The kernel's bits are unchanged (the other tests)."""
+    info = offload.native_info()
+    if info["pool"] == "pthread":
+        pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread)")
+    saved = get_num_threads()
+    try:
+        set_num_threads(max(2, saved))
+        adam_step(**_args(1 << 20), **KW)        # the pool's workers exist from here on
+        spin = _idle_spin_ms()
+    finally:
+        set_num_threads(saved)
+    assert spin < 1.0, f"torch's idle OpenMP workers burnt {spin:.2f} ms of CPU after 5 bursts of work"
+
+
+def test_pool_runtime_can_be_plain_pthreads():
+    """OFFLOAD_POOL=pthread: the workers are plain pthreads (the kernel gives the same bits)."""
+    code = ("import torch, offload; from offload.optim import adam_step; "
+            "p, g, m, v = torch.ones(1 << 20), torch.ones(1 << 20), torch.zeros(1 << 20), torch.zeros(1 << 20); "
+            "adam_step(p, g, m, v, step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0); "
+            "assert torch.allclose(p, torch.full_like(p, 0.9)), p[:4]; print(offload.native_info().get('pool'))")
+    env = dict(os.environ, OFFLOAD_POOL="pthread", OFFLOAD_NATIVE="auto")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if offload.native_info()["backend"] == "native":
+        assert out.stdout.strip() == "pthread"

@@ -39,12 +39,13 @@ def _port() -> str:
     return str(p)
 
 
-def spawn(jobs, world, out, timeout=150):
-    """Run ``jobs`` on ``world`` ranks; returns (exit codes, errors by rank, results by rank)."""
+def spawn(jobs, world, out, timeout=150, **spec_kw):
+    """Run ``jobs`` on ``world`` ranks; returns (exit codes, errors by rank, results by rank).
+    ``spec_kw``: backend="nccl", fake_nccl=True (see tests/_zero_worker.py)."""
     os.makedirs(out, exist_ok=True)
     spec = os.path.join(out, "spec.json")
     with open(spec, "w") as f:
-        json.dump({"jobs": jobs}, f)
+        json.dump({"jobs": jobs, **spec_kw}, f)
     port = _port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env_path()]))
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_zero_worker.py"), str(r), str(world), port,
@@ -305,3 +306,40 @@ def test_four_ranks_stage2(tmp_path):
         assert max_diff(r, g) <= TOL
     st = res[3]["s2"]["stats"]
     assert st["world_size"] == 4 and st["comm_bytes"]["reduce_scatter"] > 0
+
+
+NCCL_JOBS = [{"name": f"s{s}_{t}", "stage": s, "tier": t, "steps": STEPS, "eps": EPS} for s, t in
+             ((1, "cpu"), (2, "nvme"), (3, "cpu"))]
+
+
+def check_nccl_jobs(out, res, ref, backend):
+    for job in NCCL_JOBS:
+        for rank in (0, 1):
+            groups = res[rank][job["name"]]["groups"]
+            assert groups == {"backend": backend, "host_backend": "gloo", "host_is_separate": True}, groups
+        got = res[0][job["name"]]["snaps"]
+        assert len(got) == STEPS
+        for step, (r, g) in enumerate(zip(ref, got)):
+            d = max_diff(r, g)
+            assert d <= TOL, f"{job['name']} step {step}: 2 ranks differ from 1 by {d}"
+
+
+def test_nccl_only_default_group_uses_a_gloo_group_for_host_tensors(tmp_path, ref):
+    """A default group that rejects CPU tensors, as NCCL's does (faked on the CPU): the engine
+    makes gloo groups beside it and runs every host collective (gradient buffers, the norm,
+    barriers and object exchanges of a checkpoint save) there."""
+    jobs = [dict(j) for j in NCCL_JOBS]
+    jobs[0].update(save_at=2, save=str(tmp_path / "ck"))
+    rcs, errs, res = spawn(jobs, 2, str(tmp_path), fake_nccl=True)
+    assert rcs == [0, 0] and not errs, errs
+    check_nccl_jobs(str(tmp_path), res, ref, "nccl")
+    assert json.load(open(tmp_path / "ck" / "meta.json"))["world_size"] == 2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+                         and torch.distributed.is_nccl_available()), reason="needs 2 CUDA devices and NCCL")
+def test_two_ranks_with_nccl(tmp_path, ref):
+    """torchrun's usual setting: an NCCL default group, one GPU per rank."""
+    rcs, errs, res = spawn(NCCL_JOBS, 2, str(tmp_path), backend="nccl")
+    assert rcs == [0, 0] and not errs, errs
+    check_nccl_jobs(str(tmp_path), res, ref, "nccl")

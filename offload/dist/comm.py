@@ -12,6 +12,12 @@ of hanging:
 * ``side``: the post-update parameter all-gathers (ZeRO-1/2), issued by one thread in the
   fixed block order.
 
+Host tensors (gradient buffers in pinned memory, the norm, barriers, object exchanges) need
+a backend that takes CPU tensors. When the user's default group cannot (``torchrun`` with
+NCCL), each role gets a gloo group beside its NCCL group, created here on every rank in the
+same order: device tensors go to the default backend's group, host tensors to the gloo one
+(``group_for``). With gloo (or ``cpu:gloo,cuda:nccl``) by default the two are the same group.
+
 Each group's issue order is identical on every rank; two threads never share a group.
 
 Accounting (``comm_bytes``), per rank, ring-equivalent: for a buffer of N bytes over W
@@ -30,8 +36,22 @@ import torch
 import torch.distributed as dist
 
 
-# torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_HOST_BACKENDS = ("gloo", "mpi", "ucc")   # backends whose groups take CPU tensors
+
+
+def _reduce_scatter(*args, **kw):
+    # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kw)
+
+
+def takes_host_tensors(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend()``'s answer: "gloo", "nccl",
+    "cpu:gloo,cuda:nccl", ...) runs collectives on CPU tensors."""
+    backend = str(backend).lower()
+    if ":" in backend:   # a per-device map
+        return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    return backend in _HOST_BACKENDS
 
 class CommError(RuntimeError):
     """A collective failed or timed out: ranks diverged, or one died."""
@@ -59,18 +79,33 @@ class Comm:
         self.step = 0                      # set by the engine, for error messages
         self.bytes = collections.defaultdict(int)   # kind -> ring-equivalent bytes, this rank
         self._lock = threading.Lock()
-        self.main = self.side = None
+        self.main = self.side = None          # the default backend's groups (device tensors)
+        self.host_main = self.host_side = None  # groups for host tensors: the same, or gloo
+        self.backend = self.host_backend = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
             t = datetime.timedelta(seconds=timeout_s)
+            self.backend = str(dist.get_backend())
             self.main = dist.new_group(timeout=t)
             self.side = dist.new_group(timeout=t)
+            if takes_host_tensors(self.backend):
+                self.host_main, self.host_side, self.host_backend = self.main, self.side, self.backend
+            else:   # every rank takes this branch: the default group is the same everywhere
+                self.host_main = dist.new_group(timeout=t, backend="gloo")
+                self.host_side = dist.new_group(timeout=t, backend="gloo")
+                self.host_backend = "gloo"
         else:
             self.world, self.rank = 1, 0
 
     @property
     def active(self) -> bool:
         return self.world > 1
+
+    def group_for(self, t: torch.Tensor, role: str = "main"):
+        """The group of ``role`` ("main" or "side") that takes tensors on ``t``'s device."""
+        if role not in ("main", "side"):
+            raise ValueError(f"group role {role!r}: use 'main' or 'side'")
+        return getattr(self, role if t.device.type != "cpu" else f"host_{role}")
 
     def error(self, what: str, exc: BaseException) -> CommError:
         return CommError(f"rank {self.rank}/{self.world}: collective {what} at step {self.step} failed "
@@ -91,14 +126,14 @@ class Comm:
             w.wait()
         return w
 
-    # ---- collectives (tensors on the host for gloo) -------------------------------------
+    # ---- collectives (each on the group that takes its tensors' device) -------------------
     def all_reduce(self, t: torch.Tensor, what: str, op=None, async_op: bool = False,
                    group: str = "main") -> _Work:
         if not self.active:
             return _Work(self, None, what)
         n = t.numel() * t.element_size()
         self._count("allreduce", 2 * (self.world - 1) / self.world * n)
-        return self._run(what, dist.all_reduce, t, op=op or dist.ReduceOp.SUM, group=getattr(self, group),
+        return self._run(what, dist.all_reduce, t, op=op or dist.ReduceOp.SUM, group=self.group_for(t, group),
                          async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False) -> _Work:
@@ -108,7 +143,7 @@ class Comm:
                 out.copy_(full)
             return _Work(self, None, what)
         self._count("reduce_scatter", (self.world - 1) / self.world * full.numel() * full.element_size())
-        return self._run(what, _REDUCE_SCATTER, out, full, group=self.main, async_op=async_op)
+        return self._run(what, _reduce_scatter, out, full, group=self.group_for(full), async_op=async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False,
                    group: str = "main") -> _Work:
@@ -120,7 +155,7 @@ class Comm:
         self._count("allgather", (self.world - 1) / self.world * full.numel() * full.element_size())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return self._run(what, dist.all_gather_into_tensor, full, shard, group=getattr(self, group),
+            return self._run(what, dist.all_gather_into_tensor, full, shard, group=self.group_for(full, group),
                              async_op=async_op)
 
     def check_same(self, what: str, value: Any) -> None:
@@ -130,7 +165,7 @@ class Comm:
             return
         got: List[Optional[Any]] = [None] * self.world
         try:
-            dist.all_gather_object(got, value, group=self.main)
+            dist.all_gather_object(got, value, group=self.host_main)   # pickles travel as CPU tensors
         except Exception as exc:
             raise self.error(f"check of {what}", exc) from exc
         if any(v != got[0] for v in got):
@@ -140,14 +175,14 @@ class Comm:
 
     def barrier(self, what: str) -> None:
         if self.active:   # not model traffic: not counted
-            self._run(what, dist.all_reduce, torch.zeros(1), group=self.main, async_op=False)
+            self._run(what, dist.all_reduce, torch.zeros(1), group=self.host_main, async_op=False)
 
     def gather_objects(self, value: Any, what: str) -> List[Any]:
         if not self.active:
             return [value]
         got: List[Optional[Any]] = [None] * self.world
         try:
-            dist.all_gather_object(got, value, group=self.main)
+            dist.all_gather_object(got, value, group=self.host_main)
         except Exception as exc:
             raise self.error(what, exc) from exc
         return got

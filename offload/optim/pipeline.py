@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from offload import device as dev
 from offload.engine.block_shard import BlockShard
 from offload.errors import BlockError, block_error
 from offload.optim.state import Residency, Tier
@@ -66,6 +67,7 @@ class StepPipeline:
         self._failures: List[BlockError] = []     # every failure, first first
         self.wait_timeout_s = wait_timeout_s
         self._params = params                     # params/writeback.py: the new parameters' way home
+        self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
 
     # ---- read-ahead ----------------------------------------------------------------------
@@ -174,9 +176,21 @@ class StepPipeline:
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
-        fut = self._pool.submit(self._run, block, args)
+        fut = self._pool.submit(self._job, block, args)
         block.pending = fut
         return fut
+
+    def _job(self, block: BlockShard, args: StepArgs) -> None:
+        """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
+        the device Adam, the parameter copy) is queued on the pipeline's stream behind the
+        block's backward (``args.compute_done``); the host never waits for the device, and the
+        next forward's compute stream waits on ``block.update_event``."""
+        if block.state.tier is not Tier.DEVICE or self._stream is None:
+            return self._run(block, args)
+        dev.wait_event(self._stream, args.compute_done)
+        with dev.use_stream(self._stream):
+            self._run(block, args)
+            block.update_event = dev.record_event(self._stream)   # every kernel of the job
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
         at = ["state read"]                      # the stage the job is in, for its error
@@ -269,10 +283,15 @@ class StepPipeline:
 
 
 def _device_adam(p, g, m, v, args: StepArgs, lr, b1, b2, eps, wd) -> None:
-    """Adam on CUDA tensors (tier none): torch's fused kernel on the fp32 master."""
+    """Adam on CUDA tensors (tier none): torch's fused kernel on the fp32 master, queued on
+    the current stream (the job's, see StepPipeline._job). Never synchronises the device: the
+    step count is written on the device by a fill kernel (``torch.tensor(step, device=...)``
+    would be a pageable, synchronising copy). ``g`` is marked as used by this stream, so a
+    transient gradient buffer freed by the job is not reused before the kernel has read it."""
+    dev.mark_used(g, dev.current_stream(g.device))
     if args.grad_scale != 1.0:
         g.mul_(args.grad_scale)
-    step = torch.tensor(float(args.step), device=p.device)  # the fused kernel reads the 1-based step
+    step = torch.full((), float(args.step), dtype=torch.float32, device=p.device)  # 1-based
     fn = torch._fused_adamw_ if args.adamw else torch._fused_adam_
     fn([p], [g], [m], [v], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
        amsgrad=False, maximize=False)
