@@ -41,12 +41,21 @@ from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.engine.grads import GradBuffer
+from offload.engine.memory_plan import GradHome
 from offload.engine.loss_scaler import LossScaler
 from offload.optim.state import OptimState, Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.engine.telemetry import Telemetry
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fill_flat(flat: torch.Tensor, part: blk.BlockLayout) -> None:
+    """Write a part's parameter values into ``flat`` (padding zeroed), converting dtypes."""
+    with torch.no_grad():
+        flat.zero_()
+        for sg in part.segments:
+            flat[sg.offset:sg.offset + sg.numel].copy_(sg.param.detach().reshape(-1))
 
 
 class _ParamGroups(torch.optim.Optimizer):
@@ -88,6 +97,13 @@ class Engine:
         self.optimizer = self._make_optimizer(model, param_groups)
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
+        # Frozen parameters are offloaded with their blocks whenever parameters are:
+        # (root name, root module, parts) per block root holding any
+        self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
+            if self._param_home_device() != "none" else []
+        from offload.engine.memory_plan import plan as memory_plan
+        self.plan = memory_plan(self._block_sizes(), config, self.comm.world, self.comm.rank,
+                                torch.empty((), dtype=self.dtype).element_size())
         self.comm.check_same("model and config", self._signature())
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
@@ -99,6 +115,7 @@ class Engine:
         self._param_stage_pool = None
         self._param_write_pool = None
         self.param_offload = None
+        self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._hooks = []
         self._closed = False
@@ -169,44 +186,44 @@ class Engine:
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
+    def _block_sizes(self) -> list:
+        """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
+        from offload.engine.memory_plan import BlockSize
+        return [BlockSize(name, lay.numel if lay is not None else 0,
+                          tuple(self._frozen_part_bytes(p) for p in parts))
+                for name, _, lay, parts in self._unit_parts()]
+
     def _build_storage(self) -> None:
+        """Host pools and NVMe stores, sized by the memory plan (engine/memory_plan.py says
+        what each pool holds)."""
+        from offload.engine.memory_plan import GradHome
         from offload.storage.pinned_pool import HostPool
-        cfg = self.config
+        cfg, plan = self.config, self.plan
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
-        state_bytes = [3 * (self._shard(lay)[1] - self._shard(lay)[0]) * 4 for lay in self.layouts]
-        grad_dtype = self._grad_dtype()
-        grad_bytes = [self._grad_numel(lay) * torch.empty((), dtype=grad_dtype).element_size()
-                      for lay in self.layouts]
-        host_slots = []
-        self._grad_pool = None
-        # Without a global dependency and without accumulation a block's gradients are
-        # consumed by its update right away: borrow gradient buffers from a bounded pool.
-        pooled_grads = self._overlap_possible() and cfg.gradient_accumulation_steps == 1
-        if self.tier is not Tier.DEVICE and pooled_grads:
-            n_grad = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 2)
-            self._grad_pool = HostPool([max(grad_bytes)] * min(n_grad, len(grad_bytes)), pin=pin,
-                                       name="offload-grads")
-        elif self.tier is not Tier.DEVICE:
-            host_slots += grad_bytes
-        if self.tier is Tier.HOST:
-            host_slots += state_bytes
+
+        def pool(name):
+            pl = plan.pool(name)
+            return HostPool(list(pl.slots), pin=pin, name=name) if pl is not None else None
+        self._grad_pool = pool("offload-grads")
+        self._host_pool = pool("offload-host")
         self._swap_slots = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1)
-        if host_slots:
-            self._host_pool = HostPool(host_slots, pin=pin, name="offload-host")
         if self.tier is Tier.NVME:
             from offload.storage.nvme import NvmeStore
             a = cfg.aio
             self._store = NvmeStore(cfg.offload_optimizer.nvme_path, backend=a.backend, block_size=a.block_size,
                                     queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                     name="optimizer")
-            self._store.reserve({self._state_key(lay): n for lay, n in zip(self.layouts, state_bytes)})
-            self._swap_pool = HostPool([max(state_bytes)] * self._swap_slots, pin=pin, name="offload-swap")
+            self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
+            self._swap_pool = pool("offload-swap")
+            if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
+                self._store.reserve({f"b{lay.index}.grad": bp.grad_numel * plan.grad_bytes
+                                     for lay, bp in zip(self.layouts, plan.blocks)})
+        elif plan.grad_home is GradHome.SPILL:
+            raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
+                             "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
+                             "or raise grad_host_bytes")
 
     # ---- parameter offload ------------------------------------------------------------------
-    def _param_bytes(self, lay: blk.BlockLayout) -> int:
-        """Bytes of a block's parameters on the device: the full flat."""
-        return lay.padded_numel * torch.empty((), dtype=self.dtype).element_size()
-
     def _home_numel(self, lay: blk.BlockLayout) -> int:
         """Elements of a block's parameter home: the shard with ZeRO-3, else the full flat."""
         s0, s1 = self._shard(lay)
@@ -220,50 +237,108 @@ class Engine:
         pc = self.config.offload_param
         return "cpu" if pc.device == "none" and self.stage == 3 else pc.device
 
+    def _frozen_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype a frozen parameter is kept in: its own, or the compute dtype when that is
+        narrower (an fp32 frozen weight in a bf16 run); a bf16 base beside fp32 training
+        stays bf16. Integer parameters keep theirs."""
+        if not p.is_floating_point():
+            return p.dtype
+        own, comp = p.element_size(), torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype if comp < own else p.dtype
+
+    def _unit_parts(self) -> list:
+        """(name, module, trainable layout or None, frozen part layouts) per block that
+        visits the device: the trained blocks in order, then blocks holding only frozen
+        parameters."""
+        frozen = {name: (mod, parts) for name, mod, parts in self.frozen}
+        units = [(lay.name, lay.module, lay, frozen.pop(lay.name, (None, []))[1]) for lay in self.layouts]
+        units += [(name, mod, None, parts) for name, (mod, parts) in frozen.items()]
+        return units
+
+    def _frozen_part_bytes(self, part: blk.BlockLayout) -> int:
+        return part.padded_numel * torch.empty((), dtype=self._frozen_dtype(part.segments[0].param)).element_size()
+
+    def _check_budget(self, budget: int, unit_bytes: List[int]) -> None:
+        """The device budget is a contract: it must hold the largest set of blocks one
+        module's forward needs at once (see params/offload.py ``working_set``)."""
+        from offload.params.offload import DeviceBudgetError, working_set
+        owner = {}
+        units = self._unit_parts()
+        for i, (_, _, lay, parts) in enumerate(units):
+            for part in ([lay] if lay is not None else []) + parts:
+                for sg in part.segments:
+                    owner[id(sg.param)] = i
+        need, which = working_set(self.module, owner, [u[1] for u in units], unit_bytes)
+        if budget < need:
+            names = ", ".join(repr(units[i][0] or "<root>") for i in which)
+            raise DeviceBudgetError(
+                f"offload_param.device_budget_bytes={budget} ({budget / 2**30:.3f} GiB) cannot hold the "
+                f"parameters one forward step needs at once: blocks {names} take {need} bytes "
+                f"({need / 2**30:.3f} GiB). The smallest budget that works is {need}; "
+                f"{need + max(unit_bytes)} lets the next block arrive while one runs")
+
     def _build_param_homes(self) -> None:
-        """Host or NVMe homes for the parameter copies when offload_param asks for them."""
+        """Host or NVMe homes for the parameter copies (trainable and frozen parts) when
+        offload_param asks for them; pools sized by the memory plan."""
+        from offload.engine import memory_plan as mp
         from offload.storage.pinned_pool import HostPool
         pc = self.config.offload_param
         home_device = self._param_home_device()
         if home_device == "none":
             return
-        sizes = [self._param_bytes(lay) for lay in self.layouts]
-        homes = [self._home_bytes(lay) for lay in self.layouts]
+        units, plan = self._unit_parts(), self.plan
+        sizes = [bp.device_bytes for bp in plan.blocks]
         largest = max(sizes)
-        budget = pc.device_budget_bytes or 2 * largest
-        if budget < largest:
-            big = self.layouts[sizes.index(largest)]
-            raise ValueError(f"offload_param.device_budget_bytes={budget} is smaller than block "
-                             f"{big.name or '<root>'!r} ({largest} bytes): raise it to at least {largest} "
-                             f"(twice that lets the next block arrive while one runs)")
-        pf = self.config.prefetch
+        budget = plan.param_budget
+        self._check_budget(budget, sizes)
         self._param_budget = budget
-        self._device_lookahead = pf.device_lookahead_bytes if pf.device_lookahead_bytes is not None \
-            else budget - largest
-        self._host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None \
-            else 2 * budget
+        self._device_lookahead = mp.device_lookahead(self.config, budget, largest)
+        self._host_lookahead = mp.host_lookahead(self.config, budget)
         pin = pc.pin_memory and dev.can_pin()
+
+        def pool(name):
+            return HostPool(list(plan.pool(name).slots), pin=pin, name=name)
         if home_device == "cpu":
-            self._param_home_pool = HostPool(homes, pin=pin, name="offload-param-home")
+            self._param_home_pool = pool("offload-param-home")
             return
         from offload.storage.nvme import NvmeStore
         a = self.config.aio
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, homes)})
-        # Staging buffers: the blocks that fit in the device budget and the host lookahead
-        # (on a CPU device a staged buffer is the device copy), largest first, plus one spare.
-        # (ZeRO-3: a staged buffer holds the shard; the all-gather output is the device copy.)
-        slots, total, largest_home = [], 0, max(homes)
-        for n, h in sorted(zip(sizes, homes), reverse=True):
-            if total >= budget + self._host_lookahead + largest:
-                break
-            slots.append(h)
-            total += n
-        self._param_stage_pool = HostPool(slots + [largest_home], pin=pin, name="offload-param-stage")
-        self._param_write_pool = HostPool([largest_home] * self.config.optimizer_workers, pin=pin,
-                                          name="offload-param-write")
+        homes = [([bp.home_bytes] if bp.padded_numel else []) + list(bp.frozen) for bp in plan.blocks]
+        self._param_store.reserve({key: n for i, hs in enumerate(homes)
+                                   for key, n in zip(self._part_keys(i, units[i]), hs)})
+        self._param_stage_pool = pool("offload-param-stage")
+        self._param_write_pool = pool("offload-param-write")
+
+    @staticmethod
+    def _part_keys(i: int, unit) -> List[str]:
+        """NVMe keys of block i's parts: the trainable part keeps today's key."""
+        _, _, lay, parts = unit
+        return ([f"b{i}.param"] if lay is not None else []) + [f"b{i}.frozen{k}" for k in range(len(parts))]
+
+    def _frozen_home(self, i: int, k: int, part: blk.BlockLayout):
+        """The BlockParams of frozen part ``k`` of block ``i``, its values written home from
+        the parameters (materialized from the meta device block by block when needed),
+        whose original memory then goes."""
+        from offload.params.residency import BlockParams
+        blk.materialize_meta(part)
+        dtype = self._frozen_dtype(part.segments[0].param)
+        n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
+        if self._param_home_device() == "cpu":
+            home = self._param_home_pool.acquire(nbytes).view(dtype, n)
+            _fill_flat(home, part)
+            bp = BlockParams(part, dtype, self.device, home_buf=home)
+        else:
+            bp = BlockParams(part, dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
+                             key=f"b{i}.frozen{k}")
+            with self._param_stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
+                flat = loan.view(dtype, n)
+                _fill_flat(flat, part)
+                bp.write_home(flat)
+        bp.release_initial()
+        return bp
 
     def _param_home(self, lay: blk.BlockLayout):
         from offload.params.residency import BlockParams
@@ -289,20 +364,21 @@ class Engine:
         from offload.params.offload import ParamOffload
         if self._param_home_device() == "none":
             return
-        self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
+        self.param_offload = ParamOffload(self, self.units, budget=self._param_budget,
                                           device_lookahead=self._device_lookahead,
                                           host_lookahead=self._host_lookahead,
                                           prefetch=self.config.prefetch.enabled)
-        self.param_offload.resident_bytes = sum(
-            p.numel() * p.element_size() for p in self.module.parameters()
-            if not any(p is s.param for b in self.blocks for s in b.layout.segments))
+        offloaded = {id(s.param) for u in self.units for _, s in u.segments}
+        self.param_offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                                if id(p) not in offloaded)
 
     def _overlap_possible(self) -> bool:
         c = self.config
         return c.overlap_step and c.gradient_clipping == 0.0 and c.precision != "fp16"
 
     def _jobs_in_flight(self) -> bool:
-        return any(b.pending is not None and not b.pending.done() for b in self.blocks)
+        """Whether work in flight will give a gradient buffer back (an update, or a park)."""
+        return any((b.pending is not None and not b.pending.done()) or b.grad.parking for b in self.blocks)
 
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
@@ -329,8 +405,9 @@ class Engine:
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
                 if self._grad_pool is not None:
+                    spill = self._store if self.plan.grad_home is GradHome.SPILL else None
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
-                                      has_jobs=self._jobs_in_flight)
+                                      has_jobs=self._jobs_in_flight, spill=spill, key=f"b{lay.index}.grad")
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
@@ -361,10 +438,25 @@ class Engine:
             self.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
                                           landing=landing))
             del full, master
+        self._build_units()
+
+    def _build_units(self) -> None:
+        """The BlockParts of parameter offload: each trained block's part with the frozen
+        parts of the same root, then blocks holding only frozen parameters."""
+        from offload.params.parts import BlockParts
+        if self._param_home_device() == "none":
+            return
+        for i, (name, module, lay, parts) in enumerate(self._unit_parts()):
+            frozen = [self._frozen_home(i, k, part) for k, part in enumerate(parts)]
+            trainable = self.blocks[i].params if lay is not None else None
+            self.units.append(BlockParts(i, name, module, trainable, frozen))
+        dev.return_freed_host_memory()
 
     def _move_rest(self, model: nn.Module) -> None:
-        """Frozen parameters and buffers go to the device in the compute dtype."""
+        """Frozen parameters that are not offloaded go to the device (in the dtype
+        ``_frozen_dtype`` gives), buffers in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        bound |= {id(s.param) for _, _, parts in self.frozen for part in parts for s in part.segments}
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in bound and t.is_meta:
                 raise blk.ModelError(f"{name!r} is on the meta device but is not trainable block state: "
@@ -372,7 +464,7 @@ class Engine:
         for m in model.modules():
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in bound:
-                    p.data = p.data.to(device=self.device, dtype=self.dtype if p.is_floating_point() else None)
+                    p.data = p.data.to(device=self.device, dtype=self._frozen_dtype(p))
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
@@ -468,9 +560,16 @@ class Engine:
             self._completion.append(b.index)
             if self._boundary and self._overlap:
                 self._submit(b, grad_scale=1.0)
-            elif self._boundary and self._needs_norm() and not self.comm.active:
-                # the global norm needs every block: compute this block's share now, on a
-                # worker, while backward goes on
+                continue
+            # the global norm needs every block: compute this block's share now, on a
+            # worker, while backward goes on
+            norm = self._boundary and self._needs_norm() and not self.comm.active
+            if b.grad.spills:             # the sum waits for the next micro-step or step():
+                fut = b.grad.start_park(self.pipeline.run,        # on NVMe, after its norm
+                                        (lambda b=b: self._block_norms(b)) if norm else None)
+                if norm:
+                    self._norms.append(fut)
+            elif norm:
                 self._norms.append(self.pipeline.run(self._block_norms, b))
 
     def _submit(self, block: BlockShard, grad_scale: float) -> None:

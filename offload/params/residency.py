@@ -81,11 +81,16 @@ class BlockParams:
 
     def slot_free(self) -> bool:
         """Whether a host staging buffer for this block is free now (NVMe home)."""
-        loan = self._pool.try_acquire(self.home_nbytes)
+        loan = self.try_slot()
         if loan is None:
             return False
         loan.release()
         return True
+
+    def try_slot(self):
+        """A host staging buffer for this block's home copy, or None when none is free (the
+        caller releases it)."""
+        return self._pool.try_acquire(self.home_nbytes)
 
     # ---- transitions ------------------------------------------------------------------
     def stage(self) -> bool:
@@ -210,7 +215,8 @@ class BlockParams:
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
             if self.on_nvme and src.data_ptr() % 4096:
-                with self._write_pool.acquire(self.home_nbytes) as loan:
+                # (frozen parts have no write pool: they are written rarely, through a staging buffer)
+                with (self._write_pool or self._pool).acquire(self.home_nbytes) as loan:
                     buf = loan.view(self.dtype, self.home_numel)
                     buf.copy_(src)
                     self._store.write(self.key, buf).wait()
@@ -219,6 +225,20 @@ class BlockParams:
             elif src.data_ptr() != self.home_buf.data_ptr():
                 self.home_buf.copy_(src)
             self.home_version += 1
+
+    def read_home(self) -> torch.Tensor:
+        """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
+        and state dicts, not the training path. The device copy is not touched."""
+        with self._lock:
+            if not self.on_nvme:
+                return self.home_buf.clone()
+            self._finish_staging()             # a read in flight on the key completes first
+            if self._loan is not None and not self.stale:
+                return self._loan.view(self.dtype, self.home_numel).clone()   # the staged copy
+            with self._pool.acquire(self.home_nbytes) as loan:
+                buf = loan.view(self.dtype, self.home_numel)
+                self._store.read(self.key, buf).wait()
+                return buf.clone()
 
     def home_view_for_write(self):
         """Where the optimizer may write the new home copy directly (HOST home), else None."""
