@@ -34,6 +34,10 @@ PAGE = 4096
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def _page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
 def state_bytes_per_param(config) -> int:
     """Bytes of optimizer state per trainable parameter on its tier: the fp32 master and the
     update rule's rows (AdamW / Adam: exp_avg and exp_avg_sq, fp32). The one place the rule's
@@ -72,7 +76,7 @@ class Pool:
 
     @property
     def nbytes(self) -> int:
-        return sum(-(-s // PAGE) * PAGE for s in self.slots)
+        return sum(_page(s) for s in self.slots)
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         n = grad_pool_slots(config, len(trained), max(grad_sizes))
         pools.append(Pool("offload-grads", (max(grad_sizes),) * n, "gradient buffers lent per block"))
         if gh is GradHome.SPILL:
-            nvme["grads"] = sum(grad_sizes)
+            nvme["grads"] = sum(_page(n) for n in grad_sizes)
     elif gh is GradHome.HOST:
         host_slots += grad_sizes
     if oc.device == "cpu":
@@ -182,7 +186,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         pools.append(Pool("offload-host", tuple(host_slots), "gradients of every block; cpu optimizer state"))
     swap_slots = max(oc.buffer_count, config.optimizer_workers + 1)
     if oc.device == "nvme":
-        nvme["optimizer"] = sum(b.state_bytes for b in trained)
+        nvme["optimizer"] = sum(_page(b.state_bytes) for b in trained)
         pools.append(Pool("offload-swap", (max(b.state_bytes for b in trained),) * swap_slots,
                           "optimizer state read ahead / written behind"))
     device = 0
@@ -202,7 +206,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:
-            nvme["params"] = sum(h for hs in homes for h in hs)
+            nvme["params"] = sum(_page(h) for hs in homes for h in hs)
             pf = config.prefetch
             host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
             slots, total = [], 0
