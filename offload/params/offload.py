@@ -118,6 +118,7 @@ class ParamOffload:
         self.resident_bytes = 0          # parameters that always stay on the device
         self.peak_step = 0               # peak device parameter bytes in the current step
         self.peak_last = 0               # ... in the last completed step
+        self.peak_all = 0                # ... in any completed step
         self._saved_hooks = None
         self._mode = None
         self.overruns = 0
@@ -325,6 +326,7 @@ class ParamOffload:
         """A new forward starts: close the last step's accounting, restart the trace."""
         if self.peak_step:
             self.peak_last = self.peak_step
+            self.peak_all = max(self.peak_all, self.peak_step)
         self.peak_step = 0
         self._note_peak()
         self.prefetcher.rewind()
@@ -340,7 +342,8 @@ class ParamOffload:
         self.prefetcher.issue()
 
     def device_param_bytes_peak(self) -> int:
-        return self.peak_last or self.peak_step
+        """The most device parameter bytes at any point since initialize."""
+        return max(self.peak_all, self.peak_step)
 
     def read_frozen(self) -> Dict[int, torch.Tensor]:
         """``id(param) -> host tensor`` of every offloaded frozen parameter, read from its
