@@ -32,7 +32,6 @@ import json
 import mmap
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -239,6 +238,19 @@ def nvme_need(s: dict, layers: int, full: bool) -> int:
     return ck + ck + (ck // 2 * (12 + 4) if full else 0)
 
 
+def shapes(size: str):
+    """(LoRA shape, full fine-tune shape) of a --size."""
+    return SHAPES["7b" if size == "7b" else "small"], SHAPES["ft-2b" if size == "2b" else "ft-small"]
+
+
+def disk_need(size: str) -> int:
+    """Bytes of disk a --size needs at its peak: the LoRA run, or the deep full fine-tune."""
+    lora, ft = shapes(size)
+    a = nvme_need(lora, lora["layers"], False) if size != "2b" else 0
+    b = nvme_need(ft, ft["layers"], True) if size != "7b" else 0
+    return max(a, b)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=["small", "7b", "2b"], default="small",
@@ -247,25 +259,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     args = p.parse_args(argv)
-    lora_shape = SHAPES["7b" if args.size == "7b" else "small"]
-    ft_shape = SHAPES["ft-2b" if args.size == "2b" else "ft-small"]
+    lora_shape, ft_shape = shapes(args.size)
     lora_tokens = 128 if args.size == "7b" else 64
     steps = args.steps or 3
     root = tempfile.mkdtemp(prefix="bench_scale-", dir=args.path)
     free = shutil.disk_usage(root).free
     deep, shallow = ft_shape["layers"], ft_shape["layers"] // 4
-    runs_ft = args.size != "7b"
-    runs_lora = args.size != "2b"
-    need = (nvme_need(lora_shape, lora_shape["layers"], False) if runs_lora else 0) + \
-        (nvme_need(ft_shape, deep, True) if runs_ft else 0)
-    print(f"free disk at {root}: {free / GIB:.1f} GiB; this run needs about {need / GIB:.1f} GiB", flush=True)
+    runs_lora, runs_ft = args.size != "2b", args.size != "7b"
+    need = disk_need(args.size)
+    print(f"free disk at {root}: {free / GIB:.1f} GiB; --size {args.size} needs about {need / GIB:.1f} GiB", flush=True)
     if need > 0.95 * free:
-        sizes = [k for k in ("small", "2b", "7b") if
-                 nvme_need(SHAPES["7b" if k == "7b" else "small"], SHAPES["7b" if k == "7b" else "small"]["layers"],
-                           False) + (nvme_need(SHAPES["ft-2b" if k == "2b" else "ft-small"], SHAPES[
-                               "ft-2b" if k == "2b" else "ft-small"]["layers"], True) if k != "7b" else 0)
-                 < 0.95 * free]
-        print(f"not enough free disk for --size {args.size}: sizes that fit here: {', '.join(sizes) or 'none'}")
+        fit = [k for k in ("small", "2b", "7b") if disk_need(k) < 0.95 * free]
+        print(f"not enough free disk for --size {args.size}: sizes that fit here: {', '.join(fit) or 'none'}")
         shutil.rmtree(root, ignore_errors=True)
         return 2
     out = {"size": args.size, "load_avg": os.getloadavg()[0]}

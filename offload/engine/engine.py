@@ -102,8 +102,13 @@ class Engine:
         self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
             if self._param_home_device() != "none" else []
         from offload.engine.memory_plan import plan as memory_plan
-        self.plan = memory_plan(self._block_sizes(), config, self.comm.world, self.comm.rank,
-                                torch.empty((), dtype=self.dtype).element_size())
+        sizes = self._block_sizes()
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize)
+        if self.plan.param_budget is not None:     # the default budget covers the working set
+            self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
+            self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
+                                    working_set=self._working_set[0])
         self.comm.check_same("model and config", self._signature())
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
@@ -258,17 +263,23 @@ class Engine:
     def _frozen_part_bytes(self, part: blk.BlockLayout) -> int:
         return part.padded_numel * torch.empty((), dtype=self._frozen_dtype(part.segments[0].param)).element_size()
 
-    def _check_budget(self, budget: int, unit_bytes: List[int]) -> None:
-        """The device budget is a contract: it must hold the largest set of blocks one
-        module's forward needs at once (see params/offload.py ``working_set``)."""
-        from offload.params.offload import DeviceBudgetError, working_set
+    def _find_working_set(self, unit_bytes: List[int]) -> tuple:
+        """(bytes, blocks): the largest set of blocks one module's forward needs on the
+        device at once (see params/offload.py ``working_set``)."""
+        from offload.params.offload import working_set
         owner = {}
         units = self._unit_parts()
         for i, (_, _, lay, parts) in enumerate(units):
             for part in ([lay] if lay is not None else []) + parts:
                 for sg in part.segments:
                     owner[id(sg.param)] = i
-        need, which = working_set(self.module, owner, [u[1] for u in units], unit_bytes)
+        return working_set(self.module, owner, [u[1] for u in units], unit_bytes)
+
+    def _check_budget(self, budget: int, unit_bytes: List[int]) -> None:
+        """The device budget is a contract: it must hold the working set."""
+        from offload.params.offload import DeviceBudgetError
+        units = self._unit_parts()
+        need, which = self._working_set
         if budget < need:
             names = ", ".join(repr(units[i][0] or "<root>") for i in which)
             raise DeviceBudgetError(

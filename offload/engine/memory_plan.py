@@ -148,9 +148,11 @@ def grad_pool_slots(config, n_blocks: int, grad_largest: int) -> int:
 
 
 def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0,
-         compute_bytes: Optional[int] = None) -> MemoryPlan:
+         compute_bytes: Optional[int] = None, working_set: int = 0) -> MemoryPlan:
     """The memory plan of ``blocks`` under ``config`` for one rank. Trained blocks come first
-    (in block order), frozen-only blocks (numel 0) after them."""
+    (in block order), frozen-only blocks (numel 0) after them. ``working_set``: device bytes
+    one forward needs at once (the default parameter budget: the larger of it and two
+    largest blocks)."""
     stage = config.zero_optimization.stage
     p = compute_bytes or DTYPE_BYTES[config.precision]
     gb = grad_bytes_per_param(config)
@@ -199,7 +201,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     else:
         sizes = [b.device_bytes for b in bps]
         largest = max(sizes)
-        budget = pc.device_budget_bytes or 2 * largest
+        budget = pc.device_budget_bytes or max(2 * largest, working_set)
         device += budget
         homes = [([b.home_bytes] if b.padded_numel else []) + list(b.frozen) for b in bps]
         if home == "cpu":
