@@ -18,7 +18,7 @@ setup(
             sources=sources,
             include_dirs=["native"],
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-fno-strict-aliasing",
-                                "-Wall", "-Wno-unused-function"],
+                                "-Wall", "-Wno-unused-function", "-fno-math-errno"],
             extra_link_args=["-pthread"],
             libraries=["pthread", "m"],
         )

@@ -5,8 +5,11 @@
 """
 from offload._native import native_info
 from offload.io.checkpoint import CheckpointError, export_fp32
+from offload.io.export import export_hf
+from offload.io.hf import WeightsError
 from offload.config import Config, ConfigError
 from offload.engine.engine import Engine, initialize
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "CheckpointError", "native_info"]
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "export_hf", "CheckpointError",
+           "WeightsError", "native_info"]
 __version__ = "0.1.0"

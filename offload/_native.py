@@ -15,7 +15,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -50,7 +50,7 @@ def _load() -> None:
             version = lib.offload_abi_version()
             if version != _ABI_VERSION:
                 raise OSError(f"ABI version {version}, expected {_ABI_VERSION}: rebuild with `make native`")
-            _declare_adam(lib)
+            _declare_kernels(lib)
             _declare_aio(lib)
             _lib = lib
         except (OSError, AttributeError) as exc:
@@ -80,69 +80,108 @@ def ptr(t) -> int:
     return t.data_ptr()
 
 
-# ---- CPU Adam ---------------------------------------------------------------------------
-# BEGIN ADAM SECTION
+# ---- optimizer kernels -------------------------------------------------------------------
+# BEGIN KERNEL SECTION
 # Codes of enum offload_dtype / offload_isa in native/offload_native.h.
-DTYPE_NONE, DTYPE_F32, DTYPE_BF16, DTYPE_F16 = -1, 0, 1, 2
+DTYPE_NONE, DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_Q8 = -1, 0, 1, 2, 3
 ISA_AUTO = -1
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+Q8_BLOCK = 256  # KERNEL_Q8_BLOCK in native/kernel.h
 
 
-class AdamHparams(ctypes.Structure):
-    """Mirror of offload_adam_hparams: the per-call fp32 scalars (offload/optim/cpu_adam.py
-    derives them in double, as torch does, and ctypes rounds each to fp32)."""
-    _fields_ = [(name, ctypes.c_float) for name in (
-        "grad_scale", "l2", "decay", "lerp_weight", "beta2", "one_minus_beta2",
-        "bias_correction2_sqrt", "eps", "neg_step_size")]
+class StepArgs(ctypes.Structure):
+    """Mirror of offload_step_args: the tensors of one elementwise step (raw addresses)."""
+    _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("state", ctypes.c_void_p * 2),
+                ("absmax", ctypes.c_void_p * 2), ("qcode", ctypes.c_void_p * 2), ("param_copy", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("grad_dtype", ctypes.c_int32), ("state_dtype", ctypes.c_int32),
+                ("copy_dtype", ctypes.c_int32), ("nrows", ctypes.c_int32)]
 
 
-def _declare_adam(lib: ctypes.CDLL) -> None:
+def _declare_kernels(lib: ctypes.CDLL) -> None:
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.offload_adam_step.argtypes = [vp, vp, vp, vp, vp, i64, i32, i32, i32, ctypes.POINTER(AdamHparams)]
-    lib.offload_adam_step.restype = i32
-    lib.offload_adam_bandwidth_probe.argtypes, lib.offload_adam_bandwidth_probe.restype = [vp, vp, vp, vp, i64], i32
-    for name in ("offload_adam_set_num_threads", "offload_adam_set_isa"):
+    lib.offload_kernel_args_size.argtypes, lib.offload_kernel_args_size.restype = [], i64
+    if lib.offload_kernel_args_size() != ctypes.sizeof(StepArgs):
+        raise OSError(f"struct StepArgs is {ctypes.sizeof(StepArgs)} bytes here but "
+                      f"{lib.offload_kernel_args_size()} in the library: rebuild with `make native`")
+    lib.offload_bandwidth_probe.argtypes = [ctypes.POINTER(vp), i32, vp, i64]
+    lib.offload_bandwidth_probe.restype = i32
+    for name in ("offload_kernel_set_num_threads", "offload_kernel_set_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [i32], i32
-    for name in ("offload_adam_get_num_threads", "offload_adam_isa", "offload_adam_best_isa"):
+    for name in ("offload_kernel_get_num_threads", "offload_kernel_isa", "offload_kernel_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
 
 
-def _adam_check(rc: int, what: str) -> None:
+_kernels: dict = {}  # name -> the checked C entry point
+
+
+def _kernel(L: ctypes.CDLL, name: str, hp_type: type):
+    """offload_<name>_step, declared and its hparams struct checked against hp_type once."""
+    fn = _kernels.get(name)
+    if fn is None:
+        try:
+            size = getattr(L, f"offload_{name}_hparams_size")
+            fn = getattr(L, f"offload_{name}_step")
+        except AttributeError:
+            raise OSError(f"the native library has no kernel {name!r}: rebuild with `make native`") from None
+        size.argtypes, size.restype = [], ctypes.c_int64
+        if size() != ctypes.sizeof(hp_type):
+            raise OSError(f"struct {hp_type.__name__} is {ctypes.sizeof(hp_type)} bytes here but "
+                          f"{size()} in the library: rebuild with `make native`")
+        fn.argtypes, fn.restype = [ctypes.POINTER(StepArgs), ctypes.POINTER(hp_type)], ctypes.c_int
+        _kernels[name] = fn
+    return fn
+
+
+def _kernel_check(rc: int, what: str) -> None:
     if rc < 0:
         raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
 
 
-def adam_step(L: ctypes.CDLL, param: int, grad: int, exp_avg: int, exp_avg_sq: int, param_copy: int | None,
-              n: int, grad_dtype: int, state_dtype: int, copy_dtype: int, hp: AdamHparams) -> None:
-    """One fused Adam pass on raw addresses. Arguments are checked by the caller
-    (offload/optim/cpu_adam.py); the library re-checks only codes and null pointers."""
-    rc = L.offload_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, n,
-                             grad_dtype, state_dtype, copy_dtype, ctypes.byref(hp))
-    _adam_check(rc, "offload_adam_step")
+def kernel_step(L: ctypes.CDLL, name: str, args: StepArgs, hp: ctypes.Structure) -> None:
+    """One fused pass of the kernel offload_<name>_step with hparams struct hp (its mirror is
+    defined beside the rule, offload/optim/<rule>.py). Arguments are checked by the caller
+    (offload/optim/rule.py); the library re-checks only codes, row counts and null pointers.
+    Releases the GIL."""
+    _kernel_check(_kernel(L, name, type(hp))(ctypes.byref(args), ctypes.byref(hp)), f"offload_{name}_step")
+
+
+def bandwidth_probe(L: ctypes.CDLL, rw: list, d: int, n: int) -> None:
+    """rw[k] += d over n fp32 elements for each address in rw (1..4): (len(rw) * 2 + 1) * 4
+    bytes of traffic per element, the kernels' pool and ISA."""
+    arr = (ctypes.c_void_p * len(rw))(*rw)
+    _kernel_check(L.offload_bandwidth_probe(arr, len(rw), d, n), "offload_bandwidth_probe")
 
 
 def adam_bandwidth_probe(L: ctypes.CDLL, a: int, b: int, c: int, d: int, n: int) -> None:
-    """a += d; b += d; c += d over n fp32 elements: the fp32 step's 28 bytes/element of traffic."""
-    _adam_check(L.offload_adam_bandwidth_probe(a, b, c, d, n), "offload_adam_bandwidth_probe")
+    """a += d; b += d; c += d: the fp32 Adam step's 28 bytes/element of traffic."""
+    bandwidth_probe(L, [a, b, c], d, n)
 
 
-def adam_set_num_threads(L: ctypes.CDLL, n: int) -> None:
-    _adam_check(L.offload_adam_set_num_threads(n), f"offload_adam_set_num_threads({n})")
+def kernel_set_num_threads(L: ctypes.CDLL, n: int) -> None:
+    _kernel_check(L.offload_kernel_set_num_threads(n), f"offload_kernel_set_num_threads({n})")
 
 
-def adam_set_isa(L: ctypes.CDLL, isa: str | None) -> None:
-    """Force the kernel's ISA by name (tests, benchmarks); None restores automatic dispatch."""
+def kernel_set_isa(L: ctypes.CDLL, isa: str | None) -> None:
+    """Force the kernels' ISA by name (tests, benchmarks); None restores automatic dispatch."""
     codes = {name: code for code, name in ISA_NAMES.items()}
     if isa is not None and isa not in codes:
         raise ValueError(f"unknown ISA {isa!r}: use one of {sorted(codes)} or None")
-    rc = L.offload_adam_set_isa(ISA_AUTO if isa is None else codes[isa])
+    rc = L.offload_kernel_set_isa(ISA_AUTO if isa is None else codes[isa])
     if rc < 0:
-        raise ValueError(f"this CPU cannot run the {isa} kernel (best: {ISA_NAMES[L.offload_adam_best_isa()]})")
+        raise ValueError(f"this CPU cannot run the {isa} kernel (best: {ISA_NAMES[L.offload_kernel_best_isa()]})")
 
 
-def _adam_info(lib: ctypes.CDLL) -> dict:
-    return {"isa": ISA_NAMES[lib.offload_adam_isa()], "threads": lib.offload_adam_get_num_threads()}
-# END ADAM SECTION
+def best_isa(L: ctypes.CDLL) -> str:
+    return ISA_NAMES[L.offload_kernel_best_isa()]
+
+
+# Names kept from when Adam was the only kernel.
+adam_set_num_threads, adam_set_isa = kernel_set_num_threads, kernel_set_isa
+
+
+def _kernel_info(lib: ctypes.CDLL) -> dict:
+    return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "threads": lib.offload_kernel_get_num_threads()}
+# END KERNEL SECTION
 
 
 # ---- I/O engine and checksums -------------------------------------------------------------
@@ -262,6 +301,6 @@ def native_info() -> dict:
         return {"backend": "torch", "isa": "torch", "threads": torch.get_num_threads(),
                 "reason": "OFFLOAD_NATIVE=off" if mode() == "off" else _load_error}
     info = {"backend": "native", "abi": _ABI_VERSION}
-    info.update(_adam_info(L))
+    info.update(_kernel_info(L))
     info.update(_aio_info(L))
     return info

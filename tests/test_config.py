@@ -17,6 +17,16 @@ def err(cfg) -> str:
     return msg
 
 
+def path_err(cfg) -> str:
+    """Paths are checked at initialize (Config.check_paths), not while the Config is built."""
+    built = Config.from_any(cfg)
+    with pytest.raises(ConfigError) as e:
+        built.check_paths()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
 def flag_err(argv) -> str:
     with pytest.raises(ConfigError) as e:
         from_flags(argv)
@@ -155,26 +165,120 @@ def test_nvme_without_path(tier):
 
 @pytest.mark.parametrize("tier", ["offload_optimizer", "offload_param"])
 def test_nvme_path_missing(tier, tmp_path):
-    msg = err({tier: {"device": "nvme", "nvme_path": str(tmp_path / "nope")}})
+    msg = path_err({tier: {"device": "nvme", "nvme_path": str(tmp_path / "nope")}})
     assert f"{tier}.nvme_path" in msg and "does not exist" in msg and "create it" in msg
 
 
 def test_nvme_path_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    msg = err({"offload_optimizer": {"device": "nvme", "nvme_path": str(f)}})
+    msg = path_err({"offload_optimizer": {"device": "nvme", "nvme_path": str(f)}})
     assert "not a directory" in msg
 
 
 @pytest.mark.parametrize("tier", ["offload_optimizer", "offload_param"])
 def test_nvme_path_not_writable(tier, readonly_dir):
-    msg = err({tier: {"device": "nvme", "nvme_path": readonly_dir}})
+    msg = path_err({tier: {"device": "nvme", "nvme_path": readonly_dir}})
     assert f"{tier}.nvme_path" in msg and "not writable" in msg and "choose a writable directory" in msg
 
 
 def test_path_is_checked_only_for_nvme(tmp_path):
     cfg = Config.from_any({"offload_optimizer": {"device": "cpu", "nvme_path": str(tmp_path / "nope")}})
     assert cfg.offload_optimizer.device == "cpu"
+    cfg.check_paths()
+
+
+def test_config_construction_does_no_io(tmp_path, monkeypatch):
+    """Building a Config (dict, flags, DeepSpeed) touches no file: a missing directory is
+    accepted here and refused by check_paths / initialize, with the same message."""
+    import builtins
+    import tempfile
+    d = tmp_path / "swap"
+    d.mkdir()
+    before = os.stat(d).st_mtime_ns
+
+    root = str(tmp_path)
+
+    def guard(real):
+        def call(*a, **k):
+            where = a[0] if a else k.get("dir") or k.get("path")
+            if root in os.fspath(where if where is not None else ""):
+                raise AssertionError(f"Config construction did I/O under the nvme_path: {real.__name__}{a}")
+            return real(*a, **k)
+        return call
+    for mod, name in ((os, "open"), (os, "stat"), (os, "lstat"), (os, "listdir"), (os, "mkdir"),
+                      (os, "access"), (builtins, "open"), (tempfile, "NamedTemporaryFile"), (tempfile, "mkstemp")):
+        monkeypatch.setattr(mod, name, guard(getattr(mod, name)))
+    cfgs = [Config.from_any({t: {"device": "nvme", "nvme_path": str(d)}}) for t in ("offload_optimizer", "offload_param")]
+    missing = Config.from_any({"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nope")}})
+    flags = from_flags(["--offload-optimizer", "nvme", "--nvme-path", str(tmp_path / "nope")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = Config.from_any({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme",
+                                                                                  "nvme_path": str(d)}}})
+    monkeypatch.undo()
+    assert os.listdir(d) == [] and os.stat(d).st_mtime_ns == before
+    for c in cfgs + [ds]:
+        c.check_paths()
+    for c in (missing, flags):
+        with pytest.raises(ConfigError, match="does not exist"):
+            c.check_paths()
+
+
+def test_initialize_checks_paths(tmp_path):
+    import torch
+    import offload
+    cfg = Config.from_any({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="offload_param.nvme_path=.* does not exist"):
+        offload.initialize(torch.nn.Linear(4, 4), cfg)
+
+
+# ---- non-finite and out-of-range hyper-parameters ------------------------------------------------
+@pytest.mark.parametrize("key, value", [
+    ("optimizer.lr", float("nan")), ("optimizer.lr", float("inf")), ("optimizer.eps", float("nan")),
+    ("optimizer.eps", float("inf")), ("optimizer.weight_decay", float("nan")),
+    ("optimizer.weight_decay", float("-inf")), ("optimizer.betas", [float("nan"), 0.999]),
+    ("optimizer.betas", [0.9, float("inf")]), ("gradient_clipping", float("nan")),
+    ("gradient_clipping", float("inf")), ("loss_scaler.initial_scale", float("inf")),
+    ("loss_scaler.initial_scale", float("nan")), ("loss_scaler.growth_factor", float("inf")),
+    ("loss_scaler.backoff_factor", float("nan")), ("loss_scaler.min_scale", float("nan")),
+])
+def test_non_finite_value_names_key(key, value):
+    d = {}
+    *path, leaf = key.split(".")
+    sec = d
+    for p in path:
+        sec = sec.setdefault(p, {})
+    sec[leaf] = value
+    msg = err(d)
+    assert f"{key}=" in msg and "finite" in msg, msg
+    # the same through the command line's --set
+    assert f"{key}=" in flag_err(["--set", f"{key}={json.dumps(value)}"])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_timeout(value):
+    from offload.config import ZeroConfig
+    with pytest.raises(ConfigError, match="zero_optimization.timeout_s=.* must be a finite number"):
+        ZeroConfig(timeout_s=value)
+
+
+def test_loss_scaler_min_above_initial():
+    msg = err({"loss_scaler": {"initial_scale": 8.0, "min_scale": 16.0}})
+    assert "loss_scaler.min_scale" in msg and "initial_scale" in msg
+
+
+@pytest.mark.parametrize("group, key", [({"lr": float("nan")}, "lr"), ({"lr": -1.0}, "lr"),
+                                        ({"betas": (0.9, float("inf"))}, "betas"), ({"eps": 0.0}, "eps"),
+                                        ({"weight_decay": float("nan")}, "weight_decay")])
+def test_param_group_hparams_checked_at_initialize(group, key):
+    import torch
+    import offload
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    groups = [{"params": list(m[0].parameters())}, dict(group, params=list(m[1].parameters()))]
+    with pytest.raises(ConfigError) as e:
+        offload.initialize(m, {"offload_optimizer": {"device": "cpu"}}, param_groups=groups)
+    assert f"param_groups[1].{key}=" in str(e.value), str(e.value)
 
 
 def test_json_file_errors(tmp_path):
@@ -248,7 +352,9 @@ def test_bad_flags(argv, expect):
 
 
 def test_flag_nvme_path_not_writable(readonly_dir):
-    msg = flag_err(["--offload-optimizer", "nvme", "--nvme-path", readonly_dir])
+    with pytest.raises(ConfigError) as e:
+        from_flags(["--offload-optimizer", "nvme", "--nvme-path", readonly_dir]).check_paths()
+    msg = str(e.value)
     assert "offload_optimizer.nvme_path" in msg and "not writable" in msg
 
 

@@ -256,8 +256,8 @@ def _all_combos():
 def test_isa_variants_bit_identical(native):
     """Every SIMD variant and thread count gives the scalar C kernel's bits, for every dtype
     combination, odd sizes, unaligned views, both lerp branches, and denormal moments."""
-    best = _native.ISA_NAMES[native.offload_adam_best_isa()]
-    isas = [name for code, name in sorted(_native.ISA_NAMES.items()) if code <= native.offload_adam_best_isa()]
+    best = _native.ISA_NAMES[native.offload_kernel_best_isa()]
+    isas = [name for code, name in sorted(_native.ISA_NAMES.items()) if code <= native.offload_kernel_best_isa()]
     assert best in isas
     for g_dtype, s_dtype, c_dtype in _all_combos():
         for n, offset, adamw, betas in [(1, 0, True, (0.9, 0.999)), (15, 1, False, (0.9, 0.999)),
@@ -288,7 +288,7 @@ def test_param_copy_at_every_alignment(backend, copy_dtype):
     adam_step(expected, g, torch.zeros(n), torch.zeros(n), **kw)
     L = _native.lib()
     isas = [None] if L is None else [name for code, name in _native.ISA_NAMES.items()
-                                     if code <= L.offload_adam_best_isa()]
+                                     if code <= L.offload_kernel_best_isa()]
     try:
         for isa in isas:
             if L is not None:
@@ -554,7 +554,7 @@ def test_native_info_and_threads(monkeypatch):
     info = offload.native_info()
     assert info["backend"] == "native"
     assert info["isa"] in _native.ISA_NAMES.values()
-    assert info["isa"] == _native.ISA_NAMES[L.offload_adam_best_isa()]
+    assert info["isa"] == _native.ISA_NAMES[L.offload_kernel_best_isa()]
     saved = get_num_threads()
     try:
         set_num_threads(1)

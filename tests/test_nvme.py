@@ -314,7 +314,8 @@ def test_short_read_raises(make_store, pool):
 @pytest.mark.parametrize("backend_args", [b.values[0] for b in BACKENDS], ids=[b.id for b in BACKENDS])
 def test_write_error_surfaces_from_wait(tmp_path, backend_args):
     """RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG: the error reaches wait(), and the
-    key then refuses to be read rather than returning whatever is on disk."""
+    key then refuses to be read rather than returning whatever is on disk, naming the failed
+    write's errno and file (not a bare "holds no data")."""
     res = run_py(f"""
         import json, resource, signal, torch
         from offload.storage import NvmeStore, NvmeIOError
@@ -331,13 +332,15 @@ def test_write_error_surfaces_from_wait(tmp_path, backend_args):
         try:
             s.read("big", torch.ones(3 << 20, dtype=torch.uint8)).wait()
         except NvmeIOError as e:
-            out["read"] = str(e)
+            out["read"], out["read_errno"], out["read_file"] = str(e), e.errno, e.filename
+        out["file"] = s._keys["big"].file.path
         s.close()
         print(json.dumps(out))
     """)
     assert res["errno"] == errno.EFBIG, res
     assert "write of key 'big' failed" in res["msg"] and "File too large" in res["msg"]
-    assert "never written, or its last write failed" in res["read"]
+    assert "key 'big' holds no data: its last write failed" in res["read"] and "File too large" in res["read"]
+    assert res["read_errno"] == errno.EFBIG and res["read_file"] == res["file"] and res["file"] in res["msg"]
 
 
 # ---- the path: missing, read-only, full, no O_DIRECT, stale ------------------------------------

@@ -105,7 +105,9 @@ def _train_config(args) -> tuple:
                 tmp = tempfile.mkdtemp(prefix="nvme-tier-")   # not "offload-*": that is the store's run-dir prefix
             sec["nvme_path"] = tmp
     try:
-        return config_mod.build_config(d), tmp
+        cfg = config_mod.build_config(d)
+        cfg.check_paths()      # before any model memory: the same messages initialize gives
+        return cfg, tmp
     except BaseException:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -529,6 +531,24 @@ def _plan_check(args, profile, nvme_path) -> int:
     return 0 if ok else 1
 
 
+def _export_hf(args) -> int:
+    import offload
+    from offload.config.flags import parse_bytes
+    if os.path.isfile(args.out):
+        raise CLIError(f"{args.out!r} is a file: --format hf writes a directory")
+    try:
+        shard = parse_bytes(args.max_shard_size) if args.max_shard_size else 5 * 10**9
+        out = offload.export_hf(args.checkpoint, args.out, max_shard_bytes=shard, dtype=args.dtype,
+                                peft=args.peft or "adapter")
+    except (offload.CheckpointError, offload.WeightsError, FileNotFoundError, ValueError) as exc:
+        raise CLIError(f"cannot export {args.checkpoint!r}: {exc}") from None
+    files = sorted(os.listdir(out))
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in files if os.path.isfile(os.path.join(out, f)))
+    print(f"wrote {out}: {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}), "
+          f"{fmt_bytes(size)}")
+    return 0
+
+
 # ---- bench / export -------------------------------------------------------------------------------
 def cmd_bench(args) -> int:
     script = os.path.join(REPO_ROOT, "benchmarks", f"bench_{args.name}.py")
@@ -545,6 +565,10 @@ def cmd_export(args) -> int:
     import offload
     if not os.path.exists(args.checkpoint):
         raise CLIError(f"checkpoint {args.checkpoint!r} does not exist: give the directory save_checkpoint wrote")
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.peft or args.dtype or args.max_shard_size:
+        raise CLIError("--peft, --dtype and --max-shard-size apply to --format hf")
     use_st = args.out.endswith(".safetensors")
     if use_st:
         try:
@@ -652,10 +676,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="adam | io | prefetch | step")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
-    x = sub.add_parser("export", help="consolidated fp32 weights from a checkpoint")
+    x = sub.add_parser("export", help="a checkpoint's weights: one fp32 file, or the Hugging Face layout")
     x.set_defaults(func=cmd_export, _parser=x)
     x.add_argument("checkpoint", help="a checkpoint directory (engine.save_checkpoint)")
-    x.add_argument("out", help="output file: .pt (torch) or .safetensors")
+    x.add_argument("out", help="output file: .pt (torch) or .safetensors; with --format hf a directory")
+    x.add_argument("--format", choices=("fp32", "hf"), default="fp32",
+                   help="fp32: one consolidated file; hf: sharded safetensors + index + config.json "
+                        "(from_pretrained loads it), a PEFT model's adapter in PEFT's layout")
+    x.add_argument("--peft", choices=("adapter", "merged"), default=None,
+                   help="a PEFT model: its adapter in PEFT's layout (default) or merged into the base")
+    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="convert floating-point tensors (default: each tensor's training dtype)")
+    x.add_argument("--max-shard-size", default=None, help="largest safetensors shard (default 5GB), e.g. 2GB")
     return parser
 
 

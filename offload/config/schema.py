@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import tempfile
 import typing
@@ -43,11 +44,30 @@ def _check_positive(where: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{where}={value!r} must be {bound}")
 
 
-def check_nvme_path(where: str, path: Optional[str]) -> None:
-    """The path must exist, be a directory and accept a new file (root bypasses mode bits,
-    so this really creates one; a read-only mount fails here)."""
+def _check_finite(section, where: str) -> None:
+    """Every float of a config section (a float field, or a float inside a tuple field) must
+    be finite: a NaN passes every ``<`` / ``>`` range check and inf breaks the first update,
+    so this runs before the range checks. Generic over the fields, so keys added to a
+    section later are covered too."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for x in items:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{where}{f.name}={value!r} must be a finite number")
+
+
+def _require_nvme_path(where: str, path: Optional[str]) -> None:
     if not path:
         raise ConfigError(f"{where} is required when device is 'nvme': set it to a directory on a fast local disk")
+
+
+def check_nvme_path(where: str, path: Optional[str]) -> None:
+    """The path must exist, be a directory and accept a new file (root bypasses mode bits,
+    so this really creates one; a read-only mount fails here). Touches the disk: called by
+    ``Config.check_paths`` (at ``initialize`` and by the command line), never while a
+    Config is built."""
+    _require_nvme_path(where, path)
     if not os.path.isdir(path):
         raise ConfigError(f"{where}={path!r} does not exist or is not a directory: create it or point to an existing one")
     try:
@@ -66,6 +86,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self):
+        _check_finite(self, "optimizer.")
         _check_choice("optimizer.type", self.type, ("AdamW", "Adam"))
         _check_positive("optimizer.lr", self.lr, allow_zero=True)
         _check_positive("optimizer.eps", self.eps)
@@ -91,11 +112,12 @@ class OffloadOptimizerConfig:
     grad_host_bytes: Optional[int] = None
 
     def __post_init__(self):
+        _check_finite(self, "offload_optimizer.")
         _check_choice("offload_optimizer.device", self.device, TIER_DEVICES)
         _check_positive("offload_optimizer.buffer_count", self.buffer_count)
         _check_positive("offload_optimizer.grad_host_bytes", self.grad_host_bytes)
         if self.device == "nvme":
-            check_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
+            _require_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
 
 
 @dataclass(frozen=True)
@@ -108,10 +130,11 @@ class OffloadParamConfig:
     device_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
+        _check_finite(self, "offload_param.")
         _check_choice("offload_param.device", self.device, TIER_DEVICES)
         _check_positive("offload_param.device_budget_bytes", self.device_budget_bytes)
         if self.device == "nvme":
-            check_nvme_path("offload_param.nvme_path", self.nvme_path)
+            _require_nvme_path("offload_param.nvme_path", self.nvme_path)
 
 
 @dataclass(frozen=True)
@@ -122,6 +145,7 @@ class PrefetchConfig:
     host_lookahead_bytes: Optional[int] = None
 
     def __post_init__(self):
+        _check_finite(self, "prefetch.")
         _check_positive("prefetch.device_lookahead_bytes", self.device_lookahead_bytes, allow_zero=True)
         _check_positive("prefetch.host_lookahead_bytes", self.host_lookahead_bytes, allow_zero=True)
 
@@ -137,6 +161,7 @@ class AioConfig:
     checksum: bool = True
 
     def __post_init__(self):
+        _check_finite(self, "aio.")
         _check_choice("aio.backend", self.backend, ("native", "portable"))
         for k in ("block_size", "queue_depth", "thread_count"):
             _check_positive(f"aio.{k}", getattr(self, k))
@@ -154,11 +179,15 @@ class LossScalerConfig:
     min_scale: float = 1.0
 
     def __post_init__(self):
+        _check_finite(self, "loss_scaler.")
         _check_positive("loss_scaler.initial_scale", self.initial_scale)
         _check_positive("loss_scaler.growth_interval", self.growth_interval)
         _check_positive("loss_scaler.min_scale", self.min_scale)
         if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
             raise ConfigError("loss_scaler: growth_factor must be > 1 and backoff_factor in (0, 1)")
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(f"loss_scaler.min_scale={self.min_scale!r} is above loss_scaler.initial_scale="
+                              f"{self.initial_scale!r}: lower min_scale or raise initial_scale")
 
 
 @dataclass(frozen=True)
@@ -169,6 +198,7 @@ class ZeroConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self):
+        _check_finite(self, "zero_optimization.")
         _check_choice("zero_optimization.stage", self.stage, (0, 1, 2, 3))
         _check_positive("zero_optimization.timeout_s", self.timeout_s)
 
@@ -189,10 +219,11 @@ class Config:
     blocks: Optional[Tuple[str, ...]] = None
     # Optimizer worker threads (the native kernel has its own pool inside each call).
     optimizer_workers: int = 1
-    # Step each block as soon as its gradients land (when nothing global is needed).
+    # step() returns at once and the next forward trails the updates (False: step() waits for them).
     overlap_step: bool = True
 
     def __post_init__(self):
+        _check_finite(self, "")
         _check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
             raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps!r} must be an integer >= 1")
@@ -238,6 +269,15 @@ class Config:
         if isinstance(cfg, Mapping):
             return cls.from_dict(cfg)
         raise ConfigError(f"config must be a dict, a path to a JSON file or offload.Config, not {type(cfg).__name__}")
+
+    def check_paths(self) -> None:
+        """Check the directories this config names (exist, are directories, accept a new
+        file). Touches the disk, so construction never calls it: ``initialize`` does, and
+        the command line before it starts anything."""
+        for tier in ("offload_optimizer", "offload_param"):
+            sec = getattr(self, tier)
+            if sec.device == "nvme":
+                check_nvme_path(f"{tier}.nvme_path", sec.nvme_path)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -127,3 +127,23 @@ class GradSync:
     def wait_all(self) -> None:
         for i in list(self._pending):
             self.wait(self.blocks[i])
+
+    def reopen(self) -> None:
+        """Another backward joins the micro-step whose collectives were issued (stages 0, 1 at
+        the boundary): wait for them, then keep what can be reduced again. Stage 0 keeps the
+        mean (every rank holds the same values, so after the next backward a second mean
+        gives mean(g1) + mean(g2)); stage 1 drops the scattered shard and keeps the local
+        sums, reduced again after the next backward. Stages 2 and 3 reduce every backward
+        into the shard (a sum): they only finish."""
+        for i in list(self._pending):
+            p = self._pending.pop(i)
+            if self.stage == 1:
+                p.work.wait()             # the full buffer still holds this rank's own sums
+            else:
+                p.wait()
+
+    def discard(self) -> None:
+        """The window's gradients are thrown away: wait for the collectives in flight (they
+        read the buffers) and keep nothing they produce."""
+        for i in list(self._pending):
+            self._pending.pop(i).work.wait()

@@ -192,33 +192,13 @@ def frozen_parts(model: nn.Module, block_names: Optional[Sequence[str]],
     return out
 
 
-def materialize_meta(layout: BlockLayout) -> None:
-    """Give a block built on the meta device real CPU parameters, initialized by each owning
-    module's ``reset_parameters()``. Parameter objects keep their identity (tied weights and
-    hooks stay valid), so a model larger than host memory is materialized one block at a time."""
-    owners = {}
-    for m in layout.module.modules():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), m)
-    metas = [s for s in layout.segments if s.param.is_meta]
-    if not metas:
-        return
-    for s in metas:
-        m = owners.get(id(s.param))
-        if m is None or not hasattr(m, "reset_parameters"):
-            raise ModelError(f"parameter {s.name!r} is on the meta device and its module has no "
-                             f"reset_parameters(): materialize the model (to_empty + init) before offload.initialize")
-    done = set()
-    for s in metas:
-        m = owners[id(s.param)]
-        for p in m.parameters(recurse=False):
-            if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                         requires_grad=p.requires_grad))
-        if id(m) not in done:
-            done.add(id(m))
-            with torch.no_grad():
-                m.reset_parameters()
+def materialize_meta(layout: BlockLayout, loader) -> None:
+    """Give the block's parameters their values from ``loader`` (``offload.io.loader.WeightLoader``):
+    read from a pretrained checkpoint, or, for a block built on the meta device, set by the
+    model's own initialisation. Meta parameters become real CPU tensors in their own dtype;
+    parameter objects keep their identity (tied weights and hooks stay valid), so a model
+    larger than host memory is materialized one block at a time."""
+    loader.load([s.param for s in layout.segments])
 
 
 def gather_flat(layout: BlockLayout, dtype: torch.dtype, device) -> torch.Tensor:

@@ -5,14 +5,24 @@
     engine.backward(loss)                # gradients leave the device block by block
     engine.step()                        # at the accumulation boundary
 
+``step()`` is the commit point, as in torch: ``backward()`` only lands gradients; it never
+changes the weights, the optimizer state or the counters a checkpoint records. Several
+``backward()`` calls before one ``step()`` sum into one micro-step; the ``step()`` that closes
+a window of ``gradient_accumulation_steps`` micro-steps commits the update (global norm,
+clipping, fp16 loss scale: step_control.py). A window abandoned before its ``step()``
+leaves everything at the last commit; ``zero_grad()`` discards its gradients. The same
+holds with and without clipping, in fp32, bf16 and fp16, on every tier.
+
 Per block (see blocks.py) the engine keeps the parameters as views into one flat device
 buffer, the fp32 master and Adam moments on the configured tier (device, pinned host, NVMe)
 and a host gradient buffer. A parameter's gradient is moved off the device by its
-post-accumulate-grad hook; when all of a block's parameters have landed, the block is
-complete. With no global dependency (no clipping, not fp16) the block's update is queued at
-once, so the CPU step overlaps the rest of backward; otherwise ``step()`` computes the global
-norm / overflow and queues every block in forward order. Either way ``step()`` returns
-without waiting: a forward pre-hook makes each block wait only for its own update.
+post-accumulate-grad hook. The commit queues every block's update in forward order and
+``step()`` returns without waiting: the next forward of block k waits only for block k's
+update (a forward pre-hook on the modules that hold its parameters, and for a parameter
+read elsewhere in the forward, outside_reads.py), so the CPU step runs under the next
+forward. In the backward that is expected to close the window, the optimizer state is
+read back from NVMe ahead and the per-block gradient norms are computed as blocks land.
+``close()`` leaves the model usable (see its docstring).
 
 Across ranks (``torch.distributed``, ``zero_optimization.stage``; one rank is the same path
 with no collectives): each block's flat is split into world_size shards and rank r owns
@@ -26,7 +36,6 @@ so clipping and fp16 overflow decisions agree on every rank.
 from __future__ import annotations
 
 import dataclasses
-import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -43,6 +52,8 @@ from offload.config import Config
 from offload.engine.grads import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.engine.loss_scaler import LossScaler
+from offload.engine.outside_reads import UpdateWaits
+from offload.engine.step_control import StepControl
 from offload.optim.state import OptimState, Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.engine.telemetry import Telemetry
@@ -73,19 +84,40 @@ class _ParamGroups(torch.optim.Optimizer):
         return None  # the engine owns gradient buffers
 
 
-def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None) -> "Engine":
+def _check_group(where: str, group: dict, base) -> None:
+    """A param group's hyper-parameters pass the same checks as the config's optimizer
+    section (finite, in range); the error names the group and the key."""
+    from offload.config import ConfigError
+    hp = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    if not hp:
+        return
+    try:
+        dataclasses.replace(base, **hp)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(str(exc).replace("optimizer.", f"{where}.")) from None
+
+
+def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None, *,
+               weights=None, key_map=None, init_fn=None) -> "Engine":
     """Wrap ``model`` for training with offloaded optimizer state.
 
     ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
     ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
-    by default one group of all parameters with ``requires_grad``."""
-    return Engine(model, Config.from_any(config), param_groups)
+    by default one group of all parameters with ``requires_grad``.
+    ``weights``: a pretrained checkpoint (a .safetensors file, a model.safetensors.index.json,
+    a Hugging Face model directory or a torch state-dict file) streamed block by block into
+    the model, which may be built on the meta device; ``key_map(checkpoint_key)`` returns the
+    model key (None: skip it); ``init_fn(module)`` initialises what the checkpoint does not
+    hold (default: the model's own initialisation). See ``offload/io/loader.py``."""
+    return Engine(model, Config.from_any(config), param_groups, weights=weights, key_map=key_map, init_fn=init_fn)
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: Config, param_groups=None):
+    def __init__(self, model: nn.Module, config: Config, param_groups=None, *, weights=None, key_map=None,
+                 init_fn=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
+        config.check_paths()       # Config construction does no I/O: the directories are checked here
         self.config = config
         self.comm = Comm(config.zero_optimization.timeout_s)
         self.stage = config.zero_optimization.stage
@@ -110,6 +142,8 @@ class Engine:
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
                                     working_set=self._working_set[0])
         self.comm.check_same("model and config", self._signature())
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
@@ -119,6 +153,7 @@ class Engine:
         self._param_home_pool = None
         self._param_stage_pool = None
         self._param_write_pool = None
+        self._grad_pool = None
         self.param_offload = None
         self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
@@ -134,8 +169,9 @@ class Engine:
         except BaseException:
             self._release_storage()
             raise
+        finally:
+            self.weights.close()
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
-        self._overlap = self._overlap_possible()
         self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
         if self.comm.active and self.stage in (1, 2):
@@ -145,14 +181,33 @@ class Engine:
                                      compute_device=self.device, copy_param=self.dtype == torch.float32,
                                      param_write_pool=self._param_write_pool, grad_sync=self.grad_sync)
         self._d2h = dev.new_stream(self.device)
-        self.global_step = 0      # optimizer steps taken (skipped fp16 steps excluded)
-        self.micro_step = 0       # backward calls
-        self._boundary = False    # the current backward closes an accumulation window
-        self._window_submitted = False
-        self._completion: List[int] = []       # block completion order in the last backward
-        self._arrival: List[int] = []
-        self._norms: list = []                  # futures of per-block gradient norms (clipping, fp16)
-        self._last_order: Optional[List[int]] = None
+        po = self.param_offload
+        self.control = StepControl(
+            blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
+            scaler=self.scaler, telemetry=self.telemetry,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            gradient_clipping=config.gradient_clipping, param_order=self._param_order,
+            read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
+            on_block_complete=po.on_grads_complete if po is not None else None)
+
+    # The counters a checkpoint records (StepControl owns them; they move at step() only).
+    @property
+    def global_step(self) -> int:
+        """Optimizer updates committed (fp16 overflow skips excluded)."""
+        return self.control.global_step
+
+    @global_step.setter
+    def global_step(self, n: int) -> None:
+        self.control.global_step = n
+
+    @property
+    def micro_step(self) -> int:
+        """step() calls (micro-steps); the window closes every gradient_accumulation_steps."""
+        return self.control.micro_step
+
+    @micro_step.setter
+    def micro_step(self, n: int) -> None:
+        self.control.micro_step = n
 
     # ---- construction ---------------------------------------------------------------------
     def _signature(self) -> dict:
@@ -188,6 +243,7 @@ class Engine:
             if unknown:
                 raise ValueError(f"param group keys {sorted(unknown)} are not used by offload: "
                                  f"use lr, betas, eps, weight_decay")
+            _check_group(f"param_groups[{len(groups)}]", g, o)
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
@@ -334,7 +390,9 @@ class Engine:
         the parameters (materialized from the meta device block by block when needed),
         whose original memory then goes."""
         from offload.params.residency import BlockParams
-        blk.materialize_meta(part)
+        # from the checkpoint (remembered as the base's origin, so checkpoints refer to it),
+        # or the model's own initialisation for a meta part
+        self.weights.load([s.param for s in part.segments], frozen_reference=True)
         dtype = self._frozen_dtype(part.segments[0].param)
         n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
         if self._param_home_device() == "cpu":
@@ -383,10 +441,6 @@ class Engine:
         self.param_offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
                                                 if id(p) not in offloaded)
 
-    def _overlap_possible(self) -> bool:
-        c = self.config
-        return c.overlap_step and c.gradient_clipping == 0.0 and c.precision != "fp16"
-
     def _jobs_in_flight(self) -> bool:
         """Whether work in flight will give a gradient buffer back (an update, or a park)."""
         return any((b.pending is not None and not b.pending.done()) or b.grad.parking for b in self.blocks)
@@ -404,10 +458,12 @@ class Engine:
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
+        self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts] +
+                              [[s.param for s in part.segments] for *_, parts in self._unit_parts() for part in parts])
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
             n, gn = s1 - s0, self._grad_numel(lay)
-            blk.materialize_meta(lay)
+            blk.materialize_meta(lay, self.weights)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
             if self.tier is Tier.DEVICE:
@@ -468,6 +524,7 @@ class Engine:
         ``_frozen_dtype`` gives), buffers in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
         bound |= {id(s.param) for _, _, parts in self.frozen for part in parts for s in part.segments}
+        self.weights.load_rest(model, bound, self.device, self.dtype, groups=[lay.module for lay in self.layouts])
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in bound and t.is_meta:
                 raise blk.ModelError(f"{name!r} is on the meta device but is not trainable block state: "
@@ -494,6 +551,8 @@ class Engine:
         for b in self.blocks:
             for i, s in enumerate(b.layout.segments):
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(b, i, s)))
+        if self._param_home_device() == "none":   # (parameter offload waits on every use itself)
+            self._hooks += UpdateWaits(self.blocks, self.telemetry).root_hooks(self.module)
 
     def _make_wait_hook(self, blocks: List[BlockShard]):
         def hook(module, args):
@@ -511,15 +570,17 @@ class Engine:
                 buf.land(index, seg.offset, grad, self._d2h)
             param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
             if buf.complete:
-                self._on_block_complete(block)
+                self.control.on_block_complete(block)
         return hook
 
     # ---- training -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._check_open()
         with self.telemetry.span("offload::forward"):
             return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "Engine":
+        self._check_open()
         self.module.train(mode)
         return self
 
@@ -527,61 +588,25 @@ class Engine:
         return self.train(False)
 
     def parameters(self):
+        self._check_open()
         return self.module.parameters()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` averaged over the accumulation window (divided by
-        gradient_accumulation_steps, as DeepSpeed does), scaled for fp16."""
+        """Backward of ``loss`` into the accumulation window: gradients leave the device block
+        by block and are summed in the window's buffers. The loss is divided by
+        gradient_accumulation_steps (DeepSpeed's convention: pass the micro-batch's mean
+        loss) and scaled for fp16. Never changes the weights, the optimizer state or the
+        step counters; several calls before one step() sum into one micro-step."""
         self._check_open()
-        gas = self.config.gradient_accumulation_steps
-        self._boundary = (self.micro_step + 1) % gas == 0
-        self._window_submitted = False
-        self._completion = []             # blocks in the order their collectives were issued
-        self._arrival = []                # ... in the order their gradients completed
-        self.grad_sync.begin(self._boundary)
-        if self._boundary:
-            self._norms = []
-        for b in self.blocks:
-            (b.landing or b.grad).begin_backward()
-            if b.pending is not None:     # the grads of this window go into buffers the
-                b.wait_update()           # previous update may still read
-        if self._boundary and self._overlap and self.tier is Tier.NVME:
-            self.pipeline.set_order(self._last_order or [b.index for b in reversed(self.blocks)])
-        scaled = loss / gas if gas > 1 else loss
-        if self.scaler.enabled:
-            scaled = scaled * self.scaler.scale
-        with self.telemetry.span("offload::backward"):
-            scaled.backward()
-        self.micro_step += 1
-        for b in self.blocks:             # parameters that took no part in this backward
-            buf = b.landing or b.grad
-            if not buf.complete:
-                buf.arrived = buf.num_segments
-                self._on_block_complete(b)
-        if self._boundary:
-            self._last_order = list(self._completion)
-        else:
-            self.grad_sync.wait_all()     # accumulated in place before the next backward lands
+        self.control.backward(loss)
 
-    def _on_block_complete(self, block: BlockShard) -> None:
-        self._arrival.append(block.index)
-        if self.param_offload is not None:
-            self.param_offload.on_grads_complete(block.index)
-        for b in self.grad_sync.ready(block):    # collectives issued in the fixed block order
-            self._completion.append(b.index)
-            if self._boundary and self._overlap:
-                self._submit(b, grad_scale=1.0)
-                continue
-            # the global norm needs every block: compute this block's share now, on a
-            # worker, while backward goes on
-            norm = self._boundary and self._needs_norm() and not self.comm.active
-            if b.grad.spills:             # the sum waits for the next micro-step or step():
-                fut = b.grad.start_park(self.pipeline.run,        # on NVMe, after its norm
-                                        (lambda b=b: self._block_norms(b)) if norm else None)
-                if norm:
-                    self._norms.append(fut)
-            elif norm:
-                self._norms.append(self.pipeline.run(self._block_norms, b))
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients of the open accumulation window (every micro-step since the
+        last commit), e.g. after an interrupted backward. Weights, optimizer state and
+        counters stay at the last commit. Not needed in a normal loop: a commit starts an
+        empty window. (``set_to_none`` is accepted for torch's signature.)"""
+        self._check_open()
+        self.control.zero_grad()
 
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
         if not self.comm.active and not block.grad.close_window(block.layout.segments):
@@ -606,98 +631,33 @@ class Engine:
                                  group="side")
 
     def step(self) -> bool:
-        """Apply the optimizer at an accumulation boundary (a no-op between boundaries).
-        Returns False when an fp16 overflow skipped the step. Does not wait for the update:
-        the next forward of each block waits for that block alone."""
+        """Close one micro-step; the step() that closes a window of gradient_accumulation_steps
+        micro-steps commits the update (global norm, clipping, fp16 unscale, every block
+        queued in forward order). Returns True when it committed an update (False inside
+        the window, when the window holds no gradient, and when an fp16 overflow skipped
+        the update). With ``overlap_step`` (default) it returns without waiting: the next
+        forward of each block waits for that block's update alone; otherwise it returns
+        once every update is applied."""
         self._check_open()
-        if not self._boundary or self._window_submitted:
+        if not self.control.step():
             return False
-        self._window_submitted = True
-        self._boundary = False
-        self.comm.step = self.global_step + 1
-        if self.comm.active:              # the ranks took the same path through the model
-            self.comm.check_same("block order of backward", self._arrival)
-        if not self._overlap:
-            self.grad_sync.wait_all()
-            coef, overflow = 1.0, False
-            if self._needs_norm():
-                with self.telemetry.span("offload::grad_norm"):
-                    coef, overflow = self._unscale_clip_coef()
-            if overflow:
-                self.scaler.update(True)
-                for b in self.blocks:
-                    b.grad.reset_window()
-                self.telemetry.count("skipped_steps")
-                return False
-            self.scaler.update(False)
-            if self.tier is Tier.NVME:
-                self.pipeline.set_order([b.index for b in self.blocks])
-            for b in self.blocks:
-                self._submit(b, coef)
-        self.global_step += 1
         self.optimizer.step()
         if self.param_offload is not None:
             self.param_offload.after_step()
+        if not self.config.overlap_step:
+            self.synchronize()
         return True
 
-    def _needs_norm(self) -> bool:
-        return self.config.gradient_clipping > 0 or self.scaler.enabled
-
-    def _block_norms(self, block: BlockShard):
-        """(parameter order, norm) of each parameter of ``block`` that got a gradient in
-        this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
-        self.grad_sync.wait(block)
-        block.grad.wait_landed()
-        g = block.grad_shard()
-        items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
-                 for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
-        if not items:
-            return []
-        norms = torch._foreach_norm([g for _, g in items], 2.0)
-        return [(o, n) for (o, _), n in zip(items, norms)]
-
-    def _unscale_clip_coef(self):
-        """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
-        torch.nn.utils.clip_grad_norm_ does: per-parameter norms (parameters without a
-        gradient skipped), stacked in model.parameters() order, then the norm of those."""
-        if not self.comm.active:          # per-block norms were computed during backward
-            per_param = [item for fut in self._norms for item in fut.result()]
-            self._norms = []
-            per_param.sort(key=lambda t: t[0])
-            norms = [n for _, n in per_param]
-        else:
-            per_param = []
-            partitioned = self.stage >= 1   # each rank holds the grads of its shard
-            for b in self.blocks:
-                b.grad.wait_landed()
-                s0, s1 = b.shard
-                g = b.grad_shard()
-                for s in b.layout.segments:
-                    r = sharding.clip_range(s.offset, s.offset + s.numel, s0, s1) if partitioned \
-                        else (s.offset, s.offset + s.numel)
-                    if r is not None:
-                        per_param.append((self._param_order.get(id(s.param), 0), g[r[0] - s0:r[1] - s0]))
-            per_param.sort(key=lambda t: t[0])
-            norms = torch._foreach_norm([g for _, g in per_param], 2.0)
-        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0) if len(norms) \
-            else torch.zeros(())
-        if self.comm.active and self.stage >= 1:   # sqrt of the sum over ranks of the local squares
-            sq = (total.double() ** 2).reshape(1)
-            self.comm.all_reduce(sq, "gradient norm")
-            total = sq.sqrt()[0].float()
-        inv_scale = 1.0 / self.scaler.scale
-        if not math.isfinite(total.item()):
-            return 1.0, True
-        coef = inv_scale
-        clip = self.config.gradient_clipping
-        if clip > 0:
-            unscaled = total * inv_scale if self.scaler.enabled else total
-            c = torch.clamp(clip / (unscaled + 1e-6), max=1.0)
-            coef = c.item() * inv_scale if self.scaler.enabled else c.item()
-        return coef, False
+    def grad_norm(self):
+        """The global gradient norm of the last commit, before clipping and after fp16
+        unscaling (inf when an fp16 overflow skipped it), as clip_grad_norm_ returns it;
+        None when the engine computes none (no clipping and not fp16)."""
+        self._check_open()
+        return self.control.last_grad_norm
 
     def synchronize(self) -> None:
         """Wait until every queued update is applied and every state write has completed."""
+        self._check_open()
         self.pipeline.wait_all()
         dev.synchronize(self.device)
 
@@ -705,6 +665,7 @@ class Engine:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Consolidated fp32 weights with the keys of ``model.state_dict()`` (on the CPU)."""
         from offload.io import checkpoint
+        self._check_open()
         self.synchronize()
         return checkpoint.live_state_dict(self)
 
@@ -721,6 +682,7 @@ class Engine:
         checkpoint.load(self, path)
 
     def stats(self) -> dict:
+        self._check_open()
         snap = self.telemetry.snapshot()
         resident = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks
                        if b.param_flat is not None)
@@ -774,6 +736,7 @@ class Engine:
 
     def swap_dirs(self) -> Dict[str, str]:
         """The run directories of the NVMe swap stores in use ({"optimizer": ..., "params": ...})."""
+        self._check_open()
         return {k: st.run_dir for k, st in (("optimizer", self._store), ("params", self._param_store))
                 if st is not None}
 
@@ -782,14 +745,31 @@ class Engine:
         if self._closed:
             raise RuntimeError("this engine is closed: create a new one with offload.initialize")
 
-    def close(self) -> None:
-        """Wait for updates in flight, remove hooks, release host buffers and swap files.
-        The model keeps its current parameter values (on the device)."""
+    def close(self, restore: Optional[bool] = None) -> None:
+        """Wait for the updates in flight, remove every hook, release host buffers and swap
+        files. Afterwards every engine method (the forward included) raises "this engine is
+        closed"; the model itself stays usable, with its buffers untouched:
+
+        * parameters that were not offloaded (``offload_param.device: none``, ZeRO stages
+          0-2) stay on the compute device, in the compute dtype, holding the trained values;
+        * offloaded parameters (``offload_param`` cpu / nvme, and ZeRO-3, whose parameters
+          live as shards) are brought back to the CPU, in the compute dtype, when ``restore``
+          is True. Default (None): restore when they fit, i.e. their bytes are at most half
+          the host memory available now. A model larger than that (built on the meta device to
+          train from NVMe, larger than RAM) keeps its offloaded parameters released: each is
+          an empty placeholder and the trained weights leave only through
+          ``full_state_dict()``, ``save_checkpoint()`` or the exports, called before close().
+          ``restore=False`` always releases. With ZeRO-3 across ranks restoring all-gathers
+          every block: every rank calls close().
+        """
         if self._closed:
             return
         self._closed = True
+        restored = None
         try:
             self.pipeline.close()
+            if self.param_offload is not None and self._restore_wanted(restore):
+                restored = self._gather_offloaded_params()
         finally:
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
@@ -799,13 +779,36 @@ class Engine:
                 h.remove()
             self._hooks.clear()
             self._release_storage()
+        for seg, t in restored or ():
+            seg.param.data = t
+
+    def _restore_wanted(self, restore: Optional[bool]) -> bool:
+        if restore is not None:
+            return bool(restore)
+        import psutil
+        nbytes = sum(bp.nbytes for bp in self.param_offload.params if bp is not None)
+        return nbytes <= psutil.virtual_memory().available // 2
+
+    def _gather_offloaded_params(self) -> list:
+        """(segment, CPU tensor) of every offloaded parameter, block by block: each block
+        visits the device once (waiting for its update) and is copied out whole."""
+        po, out = self.param_offload, []
+        for i, bp in enumerate(po.params):
+            if bp is None:
+                continue
+            po.materialize(i)
+            for part in bp.parts:             # the trainable part and each frozen part
+                flat = part.device_buf.detach().to("cpu", copy=True)
+                out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in part.layout.segments]
+            po.release_all()
+        return out
 
     def _release_storage(self) -> None:
         for r in (self._store, self._swap_pool, self._host_pool, self._param_store, self._param_home_pool,
                   self._param_stage_pool, self._param_write_pool, getattr(self, "_grad_pool", None)):
             if r is not None:
                 r.close()
-        self._store = self._swap_pool = self._host_pool = self._param_store = None
+        self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
     def __enter__(self):

@@ -9,11 +9,11 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
   offload-host         gradient buffers of every block (when they all stay in host memory)
                        and, with ``offload_optimizer.device: cpu``, the optimizer state
   offload-grads        gradient buffers lent per block while it collects gradients and
-                       until its update consumed them: ``offload_optimizer.grad_host_bytes``
-                       (or buffer_count + workers + 1 buffers). Gradients that must outlive
-                       their buffer (clipping or fp16 waits for the global norm; accumulation
-                       over micro-steps) go to the NVMe tier, ``b<i>.grad``, and come back
-                       for the next landing or the update
+                       while its update reads them: ``offload_optimizer.grad_host_bytes``
+                       (or max(buffer_count, workers + 2) buffers). Between uses (the window
+                       stays open until step() commits it) a block's sum is parked on the
+                       NVMe tier, ``b<i>.grad``, and comes back for the next landing or the
+                       update
   offload-swap         optimizer state read ahead / written behind for NVMe (buffer_count)
   offload-param-home   parameter homes, trainable and frozen parts (offload_param.device: cpu)
   offload-param-stage  NVMe parameter parts staged for the device (offload_param.device: nvme):
@@ -56,7 +56,6 @@ def grad_bytes_per_param(config) -> int:
 class GradHome(enum.Enum):
     DEVICE = "device"        # offload_optimizer none: grads next to the state, on the device
     HOST = "host"            # every block's buffer in host memory (offload-host)
-    POOLED = "pooled"        # lent from offload-grads; consumed by the update at once
     SPILL = "spill"          # lent from offload-grads; parked on NVMe between uses
 
 
@@ -128,10 +127,8 @@ def grad_home(config, grad_total: int, grad_largest: int) -> GradHome:
     oc = config.offload_optimizer
     if oc.device == "none":
         return GradHome.DEVICE
-    consumed_at_once = (config.overlap_step and config.gradient_clipping == 0.0 and config.precision != "fp16"
-                        and config.gradient_accumulation_steps == 1)
-    if consumed_at_once:
-        return GradHome.POOLED
+    # step() commits the window: every block's gradients wait for it (and for the global
+    # norm), so they either all stay in host memory or are parked on NVMe
     limit = getattr(oc, "grad_host_bytes", None)
     if limit is None:
         return GradHome.SPILL if oc.device == "nvme" else GradHome.HOST
@@ -175,11 +172,10 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         gh = GradHome.HOST           # parking is single-rank, stages 0-1 (no collective on a parked sum)
     pools, nvme = [], {}
     host_slots = []
-    if gh in (GradHome.POOLED, GradHome.SPILL):
+    if gh is GradHome.SPILL:
         n = grad_pool_slots(config, len(trained), max(grad_sizes))
         pools.append(Pool("offload-grads", (max(grad_sizes),) * n, "gradient buffers lent per block"))
-        if gh is GradHome.SPILL:
-            nvme["grads"] = sum(_page(n) for n in grad_sizes)
+        nvme["grads"] = sum(_page(n) for n in grad_sizes)
     elif gh is GradHome.HOST:
         host_slots += grad_sizes
     if oc.device == "cpu":

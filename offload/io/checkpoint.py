@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from offload.dist.sharding import clip_range
+from offload.io import origin
 
 FORMAT = "offload-checkpoint"
 VERSION = 2
@@ -137,7 +138,7 @@ def _meta(engine, tmp: str, shards: list) -> dict:
     return {"format": FORMAT, "version": VERSION, "global_step": engine.global_step,
             "micro_step": engine.micro_step, "scaler": engine.scaler.state_dict(),
             "config": engine.config.to_dict(), "param_groups": groups, "blocks": blocks, "keys": keys,
-            "world_size": engine.comm.world, "zero_stage": engine.stage}
+            "world_size": engine.comm.world, "zero_stage": engine.stage, **origin.record(engine)}
 
 
 def _write_block(fname: str, block, a: int, e: int) -> int:
@@ -162,11 +163,14 @@ def _key_map(engine, tensors: bool = True):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
     where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
     frozen = _frozen_values(engine) if tensors else {}
+    base = origin.base_keys(engine)
     keys, extra = {}, {}
     for k, v in engine.module.state_dict(keep_vars=True).items():
         if id(v) in where:
             bi, seg = where[id(v)]   # the segment's shape: an offloaded parameter may be a placeholder
             keys[k] = {"block": bi, "offset": seg.offset, "shape": list(seg.shape)}
+        elif k in base:              # a frozen parameter read from the base files: referenced, not copied
+            keys[k] = {"base": True}
         else:
             keys[k] = {"extra": True}
             if tensors:
@@ -245,6 +249,36 @@ def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
     return out
 
 
+def block_master(path: str, binfo: dict) -> torch.Tensor:
+    """The fp32 master row of one block (unpadded, 1-D) from its shard files, each read in
+    chunks with its CRC32 checked, so memory holds the master and one chunk, not all rows."""
+    out = torch.empty(binfo["numel"], dtype=torch.float32)
+    covered = 0
+    for sh in _shards(binfo):
+        n = sh["end"] - sh["start"]
+        fname = os.path.join(path, sh["file"])
+        crc, pos, dst = 0, 0, out[sh["start"]:sh["end"]].numpy().view(np.uint8)
+        with open(fname, "rb") as f:
+            while True:
+                chunk = f.read(64 << 20)
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                a, b = pos, pos + len(chunk)
+                if a < 4 * n:
+                    dst[a:min(b, 4 * n)] = np.frombuffer(chunk, dtype=np.uint8)[:min(b, 4 * n) - a]
+                pos = b
+        if pos != 3 * n * 4:
+            raise CheckpointError(f"{fname} holds {pos} bytes, expected {3 * n * 4}: the checkpoint is damaged")
+        if crc != sh["crc32"]:
+            raise CheckpointError(f"{fname} fails its CRC32 check: the checkpoint is damaged")
+        covered += n
+    if covered != binfo["numel"]:
+        raise CheckpointError(f"{path}: the shard files of block {binfo['name'] or '<root>'!r} do not cover it: "
+                              f"the checkpoint is incomplete")
+    return out
+
+
 def load(engine, path: str) -> None:
     path = resolve(path)
     meta = read_meta(path)
@@ -295,6 +329,7 @@ def load(engine, path: str) -> None:
         if offloaded:
             engine.param_offload.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items()
                                                if k in sd and id(sd[k]) in offloaded})
+        origin.restore_base(engine, meta, path)
         for g, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
                 g[k] = tuple(v) if isinstance(v, list) else v
@@ -324,7 +359,12 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
     extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)["tensors"]
     masters = {}
     out = {}
+    origin.check_files(meta, path)
+    headers: dict = {}
     for k, loc in meta["keys"].items():
+        if loc.get("base"):
+            out[k] = origin.read_base_tensor(meta, k, headers).float()
+            continue
         if loc.get("extra"):
             v = extra[k]
             out[k] = v.float() if v.is_floating_point() else v

@@ -80,16 +80,16 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight   # tied: one tensor, two modules
-        self.apply(self._init)
-        # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+        self.apply(self._init_weights)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
+    def _init_weights(self, m: nn.Module) -> None:
+        """The model's initialisation of one module (also what the engine runs on a GPT built
+        on the meta device): N(0, 0.02) weights, zero biases, and GPT-2's scaled init of the
+        residual projections, which keeps the residual stream's variance flat. LayerNorms
+        keep their constructor's values (``reset_parameters``)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, 0.02)
+            residual = any(m is b.attn.proj or m is b.mlp[2] for b in self.blocks)
+            nn.init.normal_(m.weight, 0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 

@@ -20,6 +20,7 @@ import torch
 
 from offload import _native
 from offload.optim import reference
+from offload.optim.adam import AdamHparams, adam_hparams
 
 _GRAD_DTYPES = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                 torch.float16: _native.DTYPE_F16}
@@ -76,21 +77,9 @@ def _check_args(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, betas, e
 
 
 def _hparams(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             adamw_mode: bool, grad_scale: float) -> _native.AdamHparams:
+             adamw_mode: bool, grad_scale: float) -> AdamHparams:
     """The kernel's scalars, computed in double exactly as torch's single-tensor Adam does."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    return _native.AdamHparams(
-        grad_scale=grad_scale,
-        l2=0.0 if adamw_mode else weight_decay,
-        decay=1 - lr * weight_decay if adamw_mode else 1.0,
-        lerp_weight=1 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1 - beta2,
-        bias_correction2_sqrt=bias_correction2**0.5,
-        eps=eps,
-        neg_step_size=-(lr / bias_correction1),
-    )
+    return adam_hparams(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale)
 
 
 def _torch_step(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, beta1, beta2, eps,
@@ -160,9 +149,11 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
             return
         hp = _hparams(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale)
         copy_dtype = _native.DTYPE_NONE if param_copy is None else _COPY_DTYPES[param_copy.dtype]
-        _native.adam_step(L, param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                          None if param_copy is None else param_copy.data_ptr(), param.numel(),
-                          _GRAD_DTYPES[grad.dtype], _STATE_DTYPES[exp_avg.dtype], copy_dtype, hp)
+        args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=param.numel(), nrows=2,
+                                grad_dtype=_GRAD_DTYPES[grad.dtype], state_dtype=_STATE_DTYPES[exp_avg.dtype],
+                                copy_dtype=copy_dtype, param_copy=None if param_copy is None else param_copy.data_ptr())
+        args.state[0], args.state[1] = exp_avg.data_ptr(), exp_avg_sq.data_ptr()
+        _native.kernel_step(L, "adam", args, hp)
 
 
 _requested_threads: int | None = None
@@ -177,14 +168,14 @@ def set_num_threads(n: int) -> None:
     _requested_threads = n
     L = _native.lib()
     if L is not None:
-        _native.adam_set_num_threads(L, n)
+        _native.kernel_set_num_threads(L, n)
 
 
 def get_num_threads() -> int:
     """Threads the native kernel uses per call (the value set, when the library is off)."""
     L = _native.lib()
     if L is not None:
-        return L.offload_adam_get_num_threads()
+        return L.offload_kernel_get_num_threads()
     return _requested_threads if _requested_threads is not None else torch.get_num_threads()
 
 

@@ -12,6 +12,12 @@ Transitions (guarded by assertions)::
     HOST home:  HOME --to_device()--> FETCHING
     FETCHING --ensure()--> ON_DEVICE --release()--> HOME
 
+The host side of an NVMe home (HOME / STAGING / STAGED) is the key's
+``offload.storage.tier.Loan`` (ON_TIER / READING / READY), the same loaned-buffer state
+machine the optimizer state uses; this object adds only the device side (FETCHING,
+ON_DEVICE), and ``state`` is derived from the two, so there is one source of truth. Every
+wait on the host side is bounded; a failed read gives its buffer back before it raises.
+
 ``ensure()`` walks the whole chain on demand. Lifetimes: the host staging buffer of an NVMe
 block is returned to the pool once the H2D copy has completed (CUDA), or, on a CPU device,
 serves as the device copy itself until ``release()``. A copy is valid only for the home
@@ -28,6 +34,7 @@ import torch
 
 from offload import device as dev
 from offload.engine.blocks import BlockLayout
+from offload.storage.tier import LoanState, NvmeTier
 
 
 class ParamState(enum.Enum):
@@ -38,9 +45,14 @@ class ParamState(enum.Enum):
     ON_DEVICE = "on_device"
 
 
+_HOST_SIDE = {LoanState.ON_TIER: ParamState.HOME, LoanState.READING: ParamState.STAGING,
+              LoanState.READY: ParamState.STAGED}
+
+
 class BlockParams:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
-                 store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None):
+                 store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None,
+                 wait_timeout_s: Optional[float] = None):
         self.layout = layout
         self.dtype = dtype
         self.device = device
@@ -53,22 +65,41 @@ class BlockParams:
         self._gather = gather
         self._work = None                 # all-gather in flight (FETCHING)
         self.home_buf = home_buf          # 1-D host tensor (HOST home), else None
-        self._store, self._pool, self.key = store, pool, key
+        self.key = key
+        self.what = f"parameters of block {layout.index} ({layout.name or '<root>'})"
         self._write_pool = write_pool     # host buffers for writing an unaligned source
-        self.state = ParamState.HOME
+        self._tier = self._loan = None
+        if store is not None:             # NVMe home: staged through buffers lent by ``pool``
+            kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}
+            self._tier = NvmeTier(store, pool, **kw)
+            self._loan = self._tier.loan(key, self.home_nbytes, self.what)
+        self._device_state: Optional[ParamState] = None   # FETCHING / ON_DEVICE, else None
         self.device_buf: Optional[torch.Tensor] = None   # 1-D on the device while FETCHING/ON_DEVICE
         self.users = 0                    # modules of this block running now (forward)
         self.home_version = 0
         self._copy_version = -1
-        self._loan = None                 # host pool buffer (NVME home) while staged
-        self._io = None                   # NVMe read in flight
         self._event = None                # H2D copy in flight
         self._lock = threading.RLock()
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
 
     @property
     def on_nvme(self) -> bool:
-        return self._store is not None
+        return self._loan is not None
+
+    @property
+    def state(self) -> ParamState:
+        """The device side when the block is there or on its way, else the host side (the
+        NVMe loan), else HOME."""
+        if self._device_state is not None:
+            return self._device_state
+        if self._loan is None:
+            return ParamState.HOME
+        assert self._loan.state in _HOST_SIDE, f"{self.what}: {self._loan.state}"
+        return _HOST_SIDE[self._loan.state]
+
+    def _staged(self) -> torch.Tensor:
+        """The staged home copy (1-D, compute dtype) in the loan's buffer."""
+        return self._loan.acquire().view(self.dtype)[:self.home_numel]
 
     @property
     def device_bytes(self) -> int:
@@ -81,62 +112,41 @@ class BlockParams:
 
     def slot_free(self) -> bool:
         """Whether a host staging buffer for this block is free now (NVMe home)."""
-        loan = self.try_slot()
-        if loan is None:
+        buf = self._tier.pool.try_acquire(self.home_nbytes)
+        if buf is None:
             return False
-        loan.release()
+        buf.release()
         return True
 
     def try_slot(self):
         """A host staging buffer for this block's home copy, or None when none is free (the
         caller releases it)."""
-        return self._pool.try_acquire(self.home_nbytes)
+        return self._tier.pool.try_acquire(self.home_nbytes)
 
     # ---- transitions ------------------------------------------------------------------
     def stage(self) -> bool:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
         with self._lock:
             assert self.on_nvme and self.state is ParamState.HOME, self.state
-            loan = self._pool.try_acquire(self.home_nbytes)
-            if loan is None:
+            if not self._loan.fetch():
                 return False
-            self._loan = loan
             self._copy_version = self.home_version
-            self._io = self._store.read(self.key, loan.view(self.dtype, self.home_numel))
-            self.state = ParamState.STAGING
             return True
 
     def poll(self) -> None:
-        """STAGING -> STAGED if the read has completed (never waits)."""
+        """STAGING -> STAGED if the read has completed (never waits; a failed read raises)."""
         with self._lock:
-            if self.state is ParamState.STAGING and self._io.done():
-                self._finish_staging()
-
-    def _finish_staging(self) -> None:
-        if self.state is ParamState.STAGING:
-            io, self._io = self._io, None
-            try:
-                io.wait()
-            except BaseException:
-                self._drop_host()
-                self.state = ParamState.HOME
-                raise
-            self.state = ParamState.STAGED
+            if self.state is ParamState.STAGING:
+                self._loan.poll()
 
     def to_device(self, h2d_stream) -> None:
         """Start the host -> device copy (-> FETCHING)."""
         with self._lock:
             if self.state is ParamState.HOME:
-                if self.on_nvme:
-                    self._loan = self._pool.acquire(self.home_nbytes)
-                    self._copy_version = self.home_version
-                    self._io = self._store.read(self.key, self._loan.view(self.dtype, self.home_numel))
-                    self.state = ParamState.STAGING
-                else:
-                    self._copy_version = self.home_version
-            self._finish_staging()
-            assert self.state in (ParamState.HOME, ParamState.STAGED), self.state
-            src = self._loan.view(self.dtype, self.home_numel) if self.on_nvme else self.home_buf
+                self._copy_version = self.home_version
+            assert self.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED), self.state
+            # NVMe: waits (bounded) for a staging buffer and for the read
+            src = self._staged() if self.on_nvme else self.home_buf
             if self._gather is not None:       # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 self._work = self._gather(self.device_buf, src.to(self.device))
@@ -145,7 +155,7 @@ class BlockParams:
             else:
                 self.device_buf = dev.empty_on(h2d_stream, self.numel, self.dtype, self.device)
                 self._event = dev.copy_(self.device_buf, src, h2d_stream)
-            self.state = ParamState.FETCHING
+            self._device_state = ParamState.FETCHING
 
     def ensure(self, h2d_stream) -> torch.Tensor:
         """The parameters on the device, current, with every parameter bound to its view."""
@@ -166,7 +176,7 @@ class BlockParams:
                         self._drop_host()
                 for s in self.layout.segments:
                     s.param.data = self.device_buf[s.offset:s.offset + s.numel].view(s.shape)
-                self.state = ParamState.ON_DEVICE
+                self._device_state = ParamState.ON_DEVICE
             return self.device_buf
 
     def release(self) -> None:
@@ -174,12 +184,6 @@ class BlockParams:
         with self._lock:
             if self.state is ParamState.HOME:
                 return
-            if self.state is ParamState.STAGING:
-                try:
-                    self._io.wait()
-                except BaseException:
-                    pass                       # the data is discarded anyway
-                self._io = None
             if self._event is not None:
                 dev.sync_event(self._event)
                 self._event = None
@@ -187,8 +191,8 @@ class BlockParams:
             for s in self.layout.segments:
                 s.param.data = self.placeholder
             self.device_buf = None
-            self._drop_host()
-            self.state = ParamState.HOME
+            self._device_state = None
+            self._drop_host()                  # a read in flight is waited for and discarded
 
     def _wait_gather(self) -> None:
         work, self._work = self._work, None
@@ -198,9 +202,8 @@ class BlockParams:
                 self._drop_host()
 
     def _drop_host(self) -> None:
-        loan, self._loan = self._loan, None
-        if loan is not None:
-            loan.release()
+        if self._loan is not None:
+            self._loan.release()
 
     def release_initial(self) -> None:
         """After construction: the parameters' original memory goes, placeholders come."""
@@ -214,31 +217,26 @@ class BlockParams:
         durable on its tier; device copies made before this are stale from now on. A source
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
-            if self.on_nvme and src.data_ptr() % 4096:
+            if self.on_nvme:
                 # (frozen parts have no write pool: they are written rarely, through a staging buffer)
-                with (self._write_pool or self._pool).acquire(self.home_nbytes) as loan:
-                    buf = loan.view(self.dtype, self.home_numel)
-                    buf.copy_(src)
-                    self._store.write(self.key, buf).wait()
-            elif self.on_nvme:
-                self._store.write(self.key, src).wait()
+                self._tier.put(self.key, src, self.what, write_pool=self._write_pool or self._tier.pool)
             elif src.data_ptr() != self.home_buf.data_ptr():
                 self.home_buf.copy_(src)
             self.home_version += 1
 
     def read_home(self) -> torch.Tensor:
         """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
-        and state dicts, not the training path. The device copy is not touched."""
+        and state dicts, not the training path. A staged copy is used as it is; otherwise
+        the home is read through a staging buffer, which goes back at once."""
         with self._lock:
             if not self.on_nvme:
                 return self.home_buf.clone()
-            self._finish_staging()             # a read in flight on the key completes first
-            if self._loan is not None and not self.stale:
-                return self._loan.view(self.dtype, self.home_numel).clone()   # the staged copy
-            with self._pool.acquire(self.home_nbytes) as loan:
-                buf = loan.view(self.dtype, self.home_numel)
-                self._store.read(self.key, buf).wait()
-                return buf.clone()
+            if self._loan.in_memory:
+                return self._staged().clone()
+            try:
+                return self._staged().clone()
+            finally:
+                self._loan.release()
 
     def home_view_for_write(self):
         """Where the optimizer may write the new home copy directly (HOST home), else None."""

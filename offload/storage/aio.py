@@ -3,7 +3,8 @@
 Both take the same request, ``offload._native.IoReq``: a body of whole pages moved straight
 between a caller's buffer and a file, an optional tail page moved through a bounce page, and
 an optional array of per-extent crc32c checksums (written by a write, checked by a read).
-See native/offload_native.h for the on-disk layout.
+The extents are those of ``offload.storage.layout.ExtentLayout`` (one description of the
+on-disk layout; native/aio.c implements the same geometry from the same block size).
 
   * ``NativeBackend``: the C engine (native/aio.c): io_uring rings where the kernel allows
     them, else a pthread pool of pread/pwrite. ``OFFLOAD_IO_URING=auto|on|off`` (or the
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from offload import _native
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
+from offload.storage.layout import ExtentLayout
 
 BACKENDS = ("native", "portable")
 
@@ -110,11 +112,9 @@ class PortableBackend(Backend):
 
     def __init__(self, block_size: int, queue_depth: int, threads: int, io_uring: bool | None = None):
         del queue_depth, io_uring  # one extent in flight per thread
-        if block_size <= 0 or block_size % IO_PAGE:
-            raise ValueError(f"block_size={block_size} must be a positive multiple of {IO_PAGE}")
         self.name = "portable"
         self.in_flight = threads
-        self._block = block_size
+        self._layout = ExtentLayout(block_size)
         self._crc = crc_function()[1]
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="offload-io")
         self._cond = threading.Condition()
@@ -123,8 +123,7 @@ class PortableBackend(Backend):
         self._stats = {"bytes": [0, 0], "busy_ns": [0, 0], "requests": [0, 0]}
 
     def submit(self, req: IoReq) -> None:
-        nbody = -(-req.nbytes // self._block)
-        req.nextents = nbody + (1 if req.tail_len else 0)
+        req.nextents = self._layout.count(req.nbytes, req.tail_len)
         if req.nextents == 0 or req.op not in (IO_READ, IO_WRITE):
             raise ValueError("bad I/O request")
         req.remaining = req.nextents
@@ -135,16 +134,12 @@ class PortableBackend(Backend):
                 self._busy_since[req.op] = req.submit_ns
             self._outstanding[req.op] += 1
             self._stats["requests"][req.op] += 1
-        for i in range(req.nextents):
-            self._pool.submit(self._run_extent, req, i, nbody)
+        for x in self._layout.extents(req.nbytes, req.tail_len):
+            self._pool.submit(self._run_extent, req, x)
 
-    def _run_extent(self, req: IoReq, i: int, nbody: int) -> None:
-        if i < nbody:
-            start = i * self._block
-            addr, off, length = req.buf + start, req.offset + start, min(self._block, req.nbytes - start)
-        else:  # tail page, right after the body
-            addr, off, length = req.tail_page, req.offset + req.nbytes, IO_PAGE
-        tail = i == nbody
+    def _run_extent(self, req: IoReq, x) -> None:
+        i, tail, length, off = x.index, x.tail, x.length, req.offset + x.offset
+        addr = req.tail_page if tail else req.buf + x.offset
         status = got = 0
         try:
             if req.op == IO_WRITE:

@@ -1,14 +1,12 @@
 """The NVMe tier: flat tensors in preallocated swap files, moved with O_DIRECT.
 
 Layout. Each ``reserve()`` call creates one swap file in this store's private run directory
-and preallocates it; every key gets a 4096-aligned region of ``round_up(nbytes, 4096)``
-bytes. A key of N bytes is stored as its body (N rounded down to 4096, in extents of
-``block_size`` bytes) and, when N is not a multiple of 4096, one zero-padded tail page. The
-body moves straight between the caller's buffer and the file; the tail moves through a small
-bounce page owned by the key, because the bytes after the caller's tensor may belong to
-someone else (a neighbouring view in the same pool slot) and must be neither read nor
-clobbered. Each extent has a crc32c, computed by the I/O worker that writes it and checked
-by the worker that reads it.
+and preallocates it; every key gets a 4096-aligned region. Within it a key is stored as the
+extents that ``offload.storage.layout.ExtentLayout`` describes (a body of ``block_size``
+extents moved straight between the caller's buffer and the file, and a zero-padded tail page
+moved through a small bounce page owned by the key, because the bytes after the caller's
+tensor may belong to someone else and must be neither read nor clobbered). Each extent has a
+crc32c, computed by the I/O worker that writes it and checked by the worker that reads it.
 
 Lifetimes. ``write(key, src)`` and ``read(key, dst)`` return an IOHandle at once; ``src``
 must not be modified and ``dst`` not used until the handle is done. The store keeps both
@@ -44,7 +42,8 @@ from torch.profiler import record_function
 
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
 from offload.storage.aio import ENODATA_SHORT, crc_function, make_backend
-from offload.storage.pinned_pool import _fmt as _gib, _round_up  # 4 KiB pages (PAGE == IO_PAGE)
+from offload.storage.layout import ExtentLayout
+from offload.storage.pinned_pool import _fmt as _gib
 
 RUN_PREFIX = "offload-"
 # 4 MiB extents, 64 in flight: on the virtio disk this was tuned on (max_sectors_kb = 4096),
@@ -103,7 +102,7 @@ class _Key:
     """Where one key lives and what it holds. ``nbytes`` is the size of the valid data, or
     None (never written, a write in flight, or the last write failed)."""
 
-    __slots__ = ("name", "file", "offset", "capacity", "crcs", "tail_page", "nbytes", "pending")
+    __slots__ = ("name", "file", "offset", "capacity", "crcs", "tail_page", "nbytes", "pending", "failed")
 
     def __init__(self, name, file, offset, capacity, crcs, tail_page):
         self.name, self.file, self.offset, self.capacity = name, file, offset, capacity
@@ -111,6 +110,7 @@ class _Key:
         self.tail_page = tail_page  # address of a 4096-aligned page (an mmap the store owns)
         self.nbytes: int | None = None
         self.pending: IOHandle | None = None
+        self.failed: Exception | None = None  # the error of the last write, when it failed
 
 
 class IOHandle:
@@ -154,6 +154,7 @@ class IOHandle:
             k = self._k
             if self.op == IO_WRITE:
                 k.nbytes = self.nbytes if self._error is None else None
+                k.failed = self._error
             if k.pending is self:
                 k.pending = None
             self._tensor = None
@@ -278,6 +279,7 @@ class NvmeStore:
             raise ValueError(f"name={name!r}: use 1-64 letters, digits, '_', '.' or '-'")
         self.path = os.path.abspath(os.fspath(path))
         self.name, self.block_size, self.checksum = name, block_size, bool(checksum)
+        self.layout = ExtentLayout(block_size)
         if not os.path.exists(self.path):
             raise FileNotFoundError(errno.ENOENT, f"nvme_path {self.path} does not exist: create it, or point "
                                     "nvme_path at a directory on a fast local disk", self.path)
@@ -344,7 +346,7 @@ class NvmeStore:
         offsets, total = {}, 0
         for key, n in new.items():
             offsets[key] = total
-            total += _round_up(n)
+            total += self.layout.reserved(n)
         usage = psutil.disk_usage(self.run_dir)
         free = usage.free
         if usage.total and total > free:  # total 0: the filesystem does not say (ramfs)
@@ -359,15 +361,15 @@ class NvmeStore:
                 raise NvmeSpaceError(exc.errno, f"cannot preallocate {_gib(total)} for swap file {fpath} under "
                                      f"nvme_path {self.path}: {exc.strerror}") from exc
             self._files.append(swap)
-            # Per key: up to ceil(body / block_size) body extents + 1 tail page.
-            max_extents = {k: -(-(n // IO_PAGE * IO_PAGE) // self.block_size) + 1 for k, n in new.items()}
+            max_extents = {k: self.layout.max_extents(n) for k, n in new.items()}
             crcs = (ctypes.c_uint32 * sum(max_extents.values()))()
             pages = mmap.mmap(-1, IO_PAGE * len(new))  # page-aligned bounce pages, one per key
             pages_addr = ctypes.addressof(ctypes.c_char.from_buffer(pages))
             self._buffers += [crcs, pages]
             crc_at = ctypes.addressof(crcs)
             for i, (key, n) in enumerate(new.items()):
-                self._keys[key] = _Key(key, swap, offsets[key], _round_up(n), crc_at, pages_addr + i * IO_PAGE)
+                self._keys[key] = _Key(key, swap, offsets[key], self.layout.reserved(n), crc_at,
+                                       pages_addr + i * IO_PAGE)
                 crc_at += 4 * max_extents[key]
 
     # -- I/O -----------------------------------------------------------------------------------
@@ -390,6 +392,10 @@ class NvmeStore:
             self._check_tensor(dst, "dst")
             with self._lock:
                 self._settle(k)
+                if k.pending is None and k.nbytes is None and k.failed is not None:
+                    code = getattr(k.failed, "errno", None) or errno.EIO
+                    raise NvmeIOError(code, f"key {key!r} holds no data: its last write failed ({k.failed})",
+                                      k.file.path)
                 if k.pending is None and k.nbytes is None:
                     raise NvmeIOError(errno.ENODATA, f"key {key!r} holds no data: it was never written, or its "
                                       "last write failed")
@@ -398,9 +404,8 @@ class NvmeStore:
             return self._submit(k, IO_READ, dst)
 
     def _submit(self, k: _Key, op: int, t: torch.Tensor) -> IOHandle:
-        ptr, n = t.data_ptr(), t.nbytes
-        body = n // IO_PAGE * IO_PAGE
-        tail = n - body
+        ptr = t.data_ptr()
+        body, tail = self.layout.split(t.nbytes)
         aligned = ptr % IO_PAGE == 0
         if self.direct and not aligned and not self._warned_unaligned:
             self._warned_unaligned = True
@@ -432,17 +437,17 @@ class NvmeStore:
         if req.status == 0:
             return None
         k, i = h._k, req.error_extent
-        nbody = -(-req.nbytes // self.block_size)
-        start = k.offset + (i * self.block_size if i < nbody else req.nbytes)
+        start = k.offset + self.layout.extent(req.nbytes, req.tail_len, i).offset
         where = f"extent {i} (file {k.file.path}, offset {start})"
         code = -req.status
+        path = k.file.path
         if code == errno.EBADMSG and self.checksum:
             return ChecksumError(errno.EBADMSG, f"checksum mismatch reading key {h.key!r}: {where} does not "
-                                 "match the crc32c recorded when it was written; the swap file is corrupt")
+                                 "match the crc32c recorded when it was written; the swap file is corrupt", path)
         if code == ENODATA_SHORT:
             return NvmeIOError(errno.EIO, f"short {h._verb} of key {h.key!r}: {where} moved {req.short_got} of "
-                               f"{req.short_want} bytes")
-        return NvmeIOError(code, f"{h._verb} of key {h.key!r} failed at {where}: {os.strerror(code)}")
+                               f"{req.short_want} bytes", path)
+        return NvmeIOError(code, f"{h._verb} of key {h.key!r} failed at {where}: {os.strerror(code)}", path)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

@@ -1,0 +1,486 @@
+/* kernel.h: the plumbing every elementwise optimizer kernel shares (internal, not the ABI).
+ *
+ * A rule's .c file holds only its per-element math, twice: a readable scalar reference
+ * (`<rule>_ref`, plain C on floats) and the same IEEE operations written once for every
+ * vector width (`<rule>_MATH(T)`, T = f32x8 or f32x16, GCC vector extensions plus the
+ * helpers below). KERNEL_ELEMENTWISE_RULE(rule, hparams type) then generates the rest:
+ *   - loads of fp32 / bf16 / fp16 (widened in registers) and stores with round-to-nearest-even,
+ *     bit-exact with torch's c10::BFloat16 / c10::Half conversions;
+ *   - one loop per (grad, state, copy) dtype combination, for the scalar reference, AVX2
+ *     (8 lanes, scalar tail) and AVX-512 (16 lanes, masked tail; instantiated with and without
+ *     the AVX512-BF16 conversion instruction);
+ *   - streamed (non-temporal) stores of the low-precision param copy in whole cache lines;
+ *   - int8 blockwise state (OFFLOAD_Q8): each block of KERNEL_Q8_BLOCK elements is dequantized
+ *     into an fp32 scratch block, stepped by the fp32 loop, and requantized with a fresh
+ *     absmax (see the Q8 section below);
+ *   - chunking over the thread pool and runtime ISA dispatch (kernel.c).
+ * The tests force each ISA and require every variant to equal the scalar reference bit for bit.
+ *
+ * fp-contract is off in every kernel file (KERNEL_NO_CONTRACT below): a multiply-add is
+ * fused only where vfma / fmaf is written, so all variants perform the same operations.
+ */
+#ifndef OFFLOAD_KERNEL_H
+#define OFFLOAD_KERNEL_H
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "offload_native.h"
+#include "threadpool.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+#define KINLINE static inline __attribute__((always_inline))
+
+/* ---- chunking over the pool (kernel.c) ------------------------------------------------- */
+struct chunking { int64_t n, size; }; /* [0, n) in chunks of `size` (the last shorter) */
+
+struct chunking kernel_chunking(int64_t n);  /* chunks are multiples of KERNEL_Q8_BLOCK */
+long kernel_nchunks(struct chunking ch);
+void kernel_chunk_range(struct chunking ch, long c, int64_t *begin, int64_t *end);
+int kernel_isa(void);                        /* offload_kernel_isa() */
+
+/* ---- scalar conversions (bit-exact with torch's c10::BFloat16 / c10::Half) ------------- */
+KINLINE uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+KINLINE float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+KINLINE float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+KINLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN -> quiet NaN */
+    uint32_t u = f32_bits(f);
+    return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* IEEE half <-> single without F16C (the FP16 library's method, as in c10/util/Half.h). */
+KINLINE float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
+}
+
+KINLINE uint16_t f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+KINLINE float load1(const void *base, int dtype, int64_t i) {
+    switch (dtype) {
+    case OFFLOAD_BF16: return bf16_to_f32(((const uint16_t *)base)[i]);
+    case OFFLOAD_F16: return f16_to_f32(((const uint16_t *)base)[i]);
+    default: return ((const float *)base)[i];
+    }
+}
+
+KINLINE void store1(void *base, int dtype, int64_t i, float x) {
+    switch (dtype) {
+    case OFFLOAD_BF16: ((uint16_t *)base)[i] = f32_to_bf16(x); break;
+    case OFFLOAD_F16: ((uint16_t *)base)[i] = f32_to_f16(x); break;
+    default: ((float *)base)[i] = x; break;
+    }
+}
+
+KINLINE int dtype_size(int dtype) {
+    return dtype == OFFLOAD_F32 ? 4 : dtype == OFFLOAD_Q8 ? 1 : dtype == OFFLOAD_DTYPE_NONE ? 0 : 2;
+}
+
+/* ---- the job every elementwise rule runs ---------------------------------------------- */
+#define KERNEL_MAX_ROWS 2
+#define KERNEL_HP_BYTES 64 /* room for any rule's hparams struct (checked at compile time) */
+
+struct kjob {
+    float *param;
+    const void *grad;
+    void *state[KERNEL_MAX_ROWS];
+    float *absmax[KERNEL_MAX_ROWS];  /* OFFLOAD_Q8 state: one fp32 scale per block */
+    void *param_copy;
+    int64_t n;
+    int grad_dtype, state_dtype, copy_dtype, nrows, isa;
+    _Alignas(16) unsigned char hp[KERNEL_HP_BYTES]; /* the rule's hparams struct, by value */
+    const float *qcode[KERNEL_MAX_ROWS];  /* OFFLOAD_Q8: each row's 256-entry code */
+    float qmid[KERNEL_MAX_ROWS][256];     /* midpoints between neighbouring codes, +inf last */
+    struct chunking chunks;
+};
+
+/* Checks the arguments and fills a job (the rule's hparams are copied in by the caller). */
+int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, int rows_max);
+/* Runs fn over every chunk of the job on the pool. */
+int kernel_run(struct kjob *j, void (*range)(const struct kjob *, int64_t, int64_t));
+
+/* Every (grad, state, copy) dtype combination, for the loops to specialise on. State here is
+ * the in-register state dtype: int8 state is stepped as fp32 in a scratch block. */
+#define KERNEL_COMBOS(X)                                                                        \
+    X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_BF16)    \
+    X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
+    X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_F16)         \
+    X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_BF16)  \
+    X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)  \
+    X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_F16)       \
+    X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_BF16)    \
+    X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
+    X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_F16)
+#define KERNEL_COMBOS_R(X, R)                                                                        \
+    X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_BF16)    \
+    X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
+    X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_F16)         \
+    X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_BF16)  \
+    X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)  \
+    X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_F16)       \
+    X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_BF16)    \
+    X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
+    X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_F16)
+#define KERNEL_COMBO(g, s, c) (((g) * 2 + (s)) * 4 + (c) + 1)
+
+/* ---- int8 blockwise state (OFFLOAD_Q8) --------------------------------------------------
+ * As 8-bit Adam (Dettmers et al. 2022) stores it: a row is n uint8 codes plus one fp32
+ * absmax per block of KERNEL_Q8_BLOCK elements (the last block shorter). Value of code q in
+ * block b: code[q] * absmax[b], with `code` a sorted 256-entry non-linear map in [-1, 1]
+ * (offload/optim/quant.py builds it: signed for signed moments, unsigned for non-negative
+ * ones). Requantizing a block: absmax = max |x| over the block's new values, then
+ * q = #{k : x * (1 / absmax) > mid[k]}, the nearest code (ties to the lower one; absmax 0
+ * stores every value as the code nearest 0). Blocks start at element 0 of the call: a shard
+ * handed to the kernel starts on a block boundary of its row. */
+#define KERNEL_Q8_BLOCK 256
+
+KINLINE uint8_t q8_index_scalar(const float *mid, float x) { /* branchless binary search */
+    int k = 0;
+    for (int step = 128; step >= 1; step >>= 1) k += (x > mid[k + step - 1]) ? step : 0;
+    return (uint8_t)k;
+}
+
+/* ---- vector types and the math helpers rules use ---------------------------------------- */
+typedef float f32x8 __attribute__((vector_size(32), aligned(4)));
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i32x8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
+
+#ifdef HAVE_X86
+#define TARGET_f32x8 __attribute__((target("avx2,fma,f16c")))
+/* The AVX-512 target also names avx512bf16 so that one body serves both AVX-512 variants;
+ * only the instantiation with native_bf16 = 1 (dispatched to on CPUs that have it) contains
+ * vcvtneps2bf16. */
+#define TARGET_f32x16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define I256 KINLINE TARGET_f32x8
+#define I512 KINLINE TARGET_f32x16
+
+I256 f32x8 vfma_8(f32x8 a, f32x8 b, f32x8 c) { return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+I256 f32x8 vsqrt_8(f32x8 a) { return (f32x8)_mm256_sqrt_ps((__m256)a); }
+I256 f32x8 vmax_8(f32x8 a, f32x8 b) { return (f32x8)_mm256_max_ps((__m256)a, (__m256)b); }
+I512 f32x16 vfma_16(f32x16 a, f32x16 b, f32x16 c) { return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+I512 f32x16 vsqrt_16(f32x16 a) { return (f32x16)_mm512_sqrt_ps((__m512)a); }
+I512 f32x16 vmax_16(f32x16 a, f32x16 b) { return (f32x16)_mm512_max_ps((__m512)a, (__m512)b); }
+
+/* torch.sign on floats: +1, -1, or x itself for +-0 (and NaN): copysign(1, x) where x != 0. */
+#define VSIGN_BODY(T, I)                                                                       \
+    const I one = (I)((T){0} + 1.0f), sgn = (I)x & ((I){0} + INT32_MIN);                        \
+    const I nz = (I)(x != 0);                                                                    \
+    return (T)(((one | sgn) & nz) | ((I)x & ~nz));
+I256 f32x8 vsign_8(f32x8 x) { VSIGN_BODY(f32x8, i32x8) }
+I512 f32x16 vsign_16(f32x16 x) { VSIGN_BODY(f32x16, i32x16) }
+#define VABS_BODY(T, I) return (T)((I)x & ((I){0} + INT32_MAX));
+I256 f32x8 vabs_8(f32x8 x) { VABS_BODY(f32x8, i32x8) }
+I512 f32x16 vabs_16(f32x16 x) { VABS_BODY(f32x16, i32x16) }
+
+/* The math helpers by lane type (rules call these; + - * / are the vector operators). */
+#define vfma(a, b, c) _Generic((a), f32x8: vfma_8, f32x16: vfma_16)(a, b, c)
+#define vsqrt(a) _Generic((a), f32x8: vsqrt_8, f32x16: vsqrt_16)(a)
+#define vsign(a) _Generic((a), f32x8: vsign_8, f32x16: vsign_16)(a)
+#define vabs(a) _Generic((a), f32x8: vabs_8, f32x16: vabs_16)(a)
+/* A vector with every lane x (a scalar operand of + - * / is broadcast by GCC already). */
+#define vset1(T, x) ((T){0} + (float)(x))
+
+/* ---- AVX2 loads and stores (8 lanes, full vectors only) -------------------------------- */
+I256 f32x8 ld_8(const void *base, int dtype, int64_t i) {
+    if (dtype == OFFLOAD_F32) return (f32x8)_mm256_loadu_ps((const float *)base + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dtype == OFFLOAD_F16) return (f32x8)_mm256_cvtph_ps(h);
+    return (f32x8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+I256 __m128i bf16_round_8(__m256 x) { /* f32_to_bf16 on 8 lanes */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* lanes 0-3, 4-7 -> low 128 */
+    return _mm256_castsi256_si128(r);
+}
+
+I256 void st_8(void *base, int dtype, int64_t i, f32x8 v, int stream) {
+    __m256 x = (__m256)v;
+    if (dtype == OFFLOAD_F32) { _mm256_storeu_ps((float *)base + i, x); return; }
+    __m128i h = dtype == OFFLOAD_F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                     : bf16_round_8(x);
+    __m128i *q = (__m128i *)((uint16_t *)base + i);
+    if (stream) _mm_stream_si128(q, h); /* q is 16-byte aligned */
+    else _mm_storeu_si128(q, h);
+}
+
+/* ---- AVX-512 loads and stores (16 lanes; the first lanes of mask k unless `full`) ------- */
+I512 f32x16 ld_16(const void *base, int dtype, int64_t i, __mmask16 k, int full) {
+    if (dtype == OFFLOAD_F32)
+        return (f32x16)(full ? _mm512_loadu_ps((const float *)base + i) : _mm512_maskz_loadu_ps(k, (const float *)base + i));
+    const uint16_t *q = (const uint16_t *)base + i;
+    __m256i h = full ? _mm256_loadu_si256((const __m256i *)q) : _mm256_maskz_loadu_epi16(k, q);
+    if (dtype == OFFLOAD_F16) return (f32x16)_mm512_cvtph_ps(h);
+    return (f32x16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+I512 __m256i bf16_round_16_sw(__m512 x) { /* f32_to_bf16 on 16 lanes */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+I512 __m256i bf16_round_16(__m512 x, int native_bf16) {
+    if (!native_bf16) return bf16_round_16_sw(x);
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+    /* vcvtneps2bf16 flushes denormal inputs to zero; round those lanes like the scalar code. */
+    __mmask16 denormal = _mm512_fpclass_ps_mask(x, 0x20);
+    if (__builtin_expect(denormal != 0, 0)) r = _mm256_mask_blend_epi16(denormal, r, bf16_round_16_sw(x));
+    return r;
+}
+
+/* x rounded to nearest even as 16 bf16 or fp16 values. */
+I512 __m256i narrow_16(f32x16 x, int dtype, int native_bf16) {
+    return dtype == OFFLOAD_F16 ? _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                : bf16_round_16((__m512)x, native_bf16);
+}
+
+I512 void st_16(void *base, int dtype, int64_t i, f32x16 x, __mmask16 k, int full, int native_bf16) {
+    if (dtype == OFFLOAD_F32) {
+        if (full) _mm512_storeu_ps((float *)base + i, (__m512)x);
+        else _mm512_mask_storeu_ps((float *)base + i, k, (__m512)x);
+        return;
+    }
+    __m256i h = narrow_16(x, dtype, native_bf16);
+    uint16_t *q = (uint16_t *)base + i;
+    if (full) _mm256_storeu_si256((__m256i *)q, h);
+    else _mm256_mask_storeu_epi16(q, k, h);
+}
+
+/* The param copy is write-only and leaves by DMA: non-temporal stores put it in memory
+ * without first reading each line in and without evicting the state from cache. They need
+ * aligned addresses (a head loop aligns the copy; a copy at an odd byte address, or a short
+ * range, uses plain stores) and an sfence before the chunk is reported done, since they are
+ * not ordered by the pool's mutex. */
+#ifndef STREAM_MIN
+#define STREAM_MIN 4096
+#endif
+KINLINE int kernel_stream_copy(const struct kjob *j, int64_t begin, int64_t end) {
+    return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN && ((uintptr_t)j->param_copy & 1) == 0;
+}
+
+/* int8 code lookups: dequantize 16 / 8 codes, and the binary search on 16 / 8 lanes. */
+I512 f32x16 q8_dequant_16(const uint8_t *q, const float *code, float scale) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    return (f32x16)_mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), _mm512_set1_ps(scale));
+}
+I512 void q8_quant_16(uint8_t *q, const float *mid, f32x16 x) {
+    __m512i k = _mm512_setzero_si512();
+    for (int step = 128; step >= 1; step >>= 1) {
+        __m512i probe = _mm512_add_epi32(k, _mm512_set1_epi32(step - 1));
+        __mmask16 gt = _mm512_cmp_ps_mask((__m512)x, _mm512_i32gather_ps(probe, mid, 4), _CMP_GT_OQ);
+        k = _mm512_mask_add_epi32(k, gt, k, _mm512_set1_epi32(step));
+    }
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(k));
+}
+I256 f32x8 q8_dequant_8(const uint8_t *q, const float *code, float scale) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    return (f32x8)_mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(scale));
+}
+I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
+    __m256i k = _mm256_setzero_si256();
+    for (int step = 128; step >= 1; step >>= 1) {
+        __m256i probe = _mm256_add_epi32(k, _mm256_set1_epi32(step - 1));
+        __m256 gt = _mm256_cmp_ps((__m256)x, _mm256_i32gather_ps(mid, probe, 4), _CMP_GT_OQ);
+        k = _mm256_add_epi32(k, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(step)));
+    }
+    int32_t out[8];
+    _mm256_storeu_si256((__m256i *)out, k);
+    for (int l = 0; l < 8; l++) q[l] = (uint8_t)out[l];
+}
+#endif /* HAVE_X86 */
+
+/* ---- the generated kernel ---------------------------------------------------------------
+ * A rule defines:
+ *   typedef struct { ... } HP;                                        (offload_native.h)
+ *   KINLINE void RULE_ref(const HP *h, float *p, float g, float *s0, float *s1)
+ *                        the scalar reference: one element, g already widened to fp32
+ *   #define RULE_MATH(T) ... RULE_vec_##T(const HP *h, T *p, T g, T *s0, T *s1) ...
+ *                        the same operations on a vector (instantiated for f32x8, f32x16)
+ * Rows the rule does not keep (nrows below 2) are passed as dummies and never stored. */
+#define KERNEL_ELEMENTWISE_RULE(RULE, HP)                                                        \
+    KINLINE void RULE##_elem(const struct kjob *j, const HP *h, int64_t i, int gdt, int sdt, int cdt) { \
+        float p = j->param[i], g = load1(j->grad, gdt, i), s0 = 0.0f, s1 = 0.0f;                \
+        if (j->nrows > 0) s0 = load1(j->state[0], sdt, i);                                      \
+        if (j->nrows > 1) s1 = load1(j->state[1], sdt, i);                                      \
+        RULE##_ref(h, &p, g, &s0, &s1);                                                          \
+        j->param[i] = p;                                                                         \
+        if (j->nrows > 0) store1(j->state[0], sdt, i, s0);                                      \
+        if (j->nrows > 1) store1(j->state[1], sdt, i, s1);                                      \
+        if (cdt != OFFLOAD_DTYPE_NONE) store1(j->param_copy, cdt, i, p);                        \
+    }                                                                                            \
+    static void RULE##_scalar(const struct kjob *j, int64_t begin, int64_t end) {               \
+        HP h; memcpy(&h, j->hp, sizeof h); /* a local copy: the stores cannot alias it */       \
+        switch (KERNEL_COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {                   \
+        KERNEL_COMBOS_R(KERNEL_SCALAR_CASE, RULE)                                                        \
+        }                                                                                        \
+    }                                                                                            \
+    KERNEL_SIMD_RULE(RULE, HP)                                                                   \
+    static void RULE##_range(const struct kjob *j, int64_t begin, int64_t end) {                \
+        KERNEL_DISPATCH(RULE, j, begin, end);                                                    \
+    }
+
+#define KERNEL_SCALAR_CASE(RULE, g, s, c) \
+    case KERNEL_COMBO(g, s, c): for (int64_t i = begin; i < end; i++) RULE##_elem(j, &h, i, g, s, c); return;
+
+#ifdef HAVE_X86
+#define KERNEL_DISPATCH(RULE, j, begin, end)                                                     \
+    switch ((j)->isa) {                                                                          \
+    case OFFLOAD_ISA_AVX512_BF16: RULE##_avx512(j, begin, end, 1); return;                       \
+    case OFFLOAD_ISA_AVX512: RULE##_avx512(j, begin, end, 0); return;                            \
+    case OFFLOAD_ISA_AVX2: RULE##_avx2(j, begin, end); return;                                   \
+    default: RULE##_scalar(j, begin, end); return;                                               \
+    }
+
+#define KERNEL_SIMD_RULE(RULE, HP)                                                               \
+    RULE##_MATH(f32x8)                                                                           \
+    RULE##_MATH(f32x16)                                                                          \
+    /* ---- AVX2: 8 lanes, scalar tail ---- */                                                   \
+    I256 void RULE##_v8(const struct kjob *j, const HP *h, int64_t i, int gdt, int sdt, int cdt, int stream) { \
+        f32x8 p = ld_8(j->param, OFFLOAD_F32, i), g = ld_8(j->grad, gdt, i), s0 = {0}, s1 = {0};   \
+        if (j->nrows > 0) s0 = ld_8(j->state[0], sdt, i);                                        \
+        if (j->nrows > 1) s1 = ld_8(j->state[1], sdt, i);                                        \
+        RULE##_vec_f32x8(h, &p, g, &s0, &s1);                                                    \
+        st_8(j->param, OFFLOAD_F32, i, p, 0);                                                    \
+        if (j->nrows > 0) st_8(j->state[0], sdt, i, s0, 0);                                      \
+        if (j->nrows > 1) st_8(j->state[1], sdt, i, s1, 0);                                      \
+        if (cdt != OFFLOAD_DTYPE_NONE) st_8(j->param_copy, cdt, i, p, stream);                   \
+    }                                                                                            \
+    I256 void RULE##_range8(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt) { \
+        int64_t i = begin;                                                                       \
+        const int stream = kernel_stream_copy(j, begin, end);                                    \
+        if (stream) /* a scalar head brings the copy to 16-byte alignment */                     \
+            for (int64_t stop = i + (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 15) / 2; i < stop; i++) \
+                RULE##_elem(j, h, i, gdt, sdt, cdt);                                             \
+        for (; i + 8 <= end; i += 8) RULE##_v8(j, h, i, gdt, sdt, cdt, stream);                  \
+        for (; i < end; i++) RULE##_elem(j, h, i, gdt, sdt, cdt);                                \
+        if (stream) _mm_sfence(); /* the streamed copy lands before the chunk is reported done */ \
+    }                                                                                            \
+    TARGET_f32x8 static void RULE##_avx2(const struct kjob *job, int64_t begin, int64_t end) {  \
+        const struct kjob local = *job, *j = &local; /* no aliasing: pointers stay in registers */ \
+        HP h; memcpy(&h, j->hp, sizeof h);                                                       \
+        switch (KERNEL_COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {                   \
+        KERNEL_COMBOS_R(KERNEL_AVX2_CASE, RULE)                                                          \
+        }                                                                                        \
+    }                                                                                            \
+    /* ---- AVX-512: 16 lanes, masked tail ---- */                                              \
+    I512 f32x16 RULE##_v16(const struct kjob *j, const HP *h, int64_t i, __mmask16 k, int full, int gdt, int sdt, int nb) { \
+        f32x16 p = ld_16(j->param, OFFLOAD_F32, i, k, full), g = ld_16(j->grad, gdt, i, k, full); \
+        f32x16 s0 = {0}, s1 = {0};                                                               \
+        if (j->nrows > 0) s0 = ld_16(j->state[0], sdt, i, k, full);                              \
+        if (j->nrows > 1) s1 = ld_16(j->state[1], sdt, i, k, full);                              \
+        RULE##_vec_f32x16(h, &p, g, &s0, &s1);                                                   \
+        st_16(j->param, OFFLOAD_F32, i, p, k, full, 0);                                          \
+        if (j->nrows > 0) st_16(j->state[0], sdt, i, s0, k, full, nb);                           \
+        if (j->nrows > 1) st_16(j->state[1], sdt, i, s1, k, full, nb);                           \
+        return p;                                                                                \
+    }                                                                                            \
+    I512 void RULE##_step16(const struct kjob *j, const HP *h, int64_t i, int64_t count, int gdt, int sdt, int cdt, int nb) { \
+        const int full = count == 16;                                                            \
+        const __mmask16 k = full ? 0xFFFF : (__mmask16)((1u << count) - 1u);                    \
+        f32x16 p = RULE##_v16(j, h, i, k, full, gdt, sdt, nb);                                   \
+        if (cdt != OFFLOAD_DTYPE_NONE) st_16(j->param_copy, cdt, i, p, k, full, nb);             \
+    }                                                                                            \
+    I512 void RULE##_range16(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nb) { \
+        int64_t i = begin;                                                                       \
+        if (kernel_stream_copy(j, begin, end)) {                                                 \
+            /* Head: bring the copy to 64-byte alignment. Then 32 elements at a time, their     \
+             * copy streamed as one full cache line (no partially written combining lines). */   \
+            uint16_t *copy = (uint16_t *)j->param_copy;                                          \
+            const int64_t aligned = i + (int64_t)((-(uintptr_t)(copy + i)) & 63) / 2;            \
+            for (int64_t k; i < aligned; i += k) {                                               \
+                k = aligned - i < 16 ? aligned - i : 16;                                         \
+                RULE##_step16(j, h, i, k, gdt, sdt, cdt, nb);                                    \
+            }                                                                                    \
+            for (; i + 32 <= end; i += 32) {                                                     \
+                __m256i lo = narrow_16(RULE##_v16(j, h, i, 0xFFFF, 1, gdt, sdt, nb), cdt, nb);    \
+                __m256i hi = narrow_16(RULE##_v16(j, h, i + 16, 0xFFFF, 1, gdt, sdt, nb), cdt, nb); \
+                _mm512_stream_si512((__m512i *)(copy + i), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)); \
+            }                                                                                    \
+            _mm_sfence(); /* the streamed copy lands before the chunk is reported done */       \
+        }                                                                                        \
+        for (int64_t k; i < end; i += k) {                                                       \
+            k = end - i < 16 ? end - i : 16;                                                     \
+            RULE##_step16(j, h, i, k, gdt, sdt, cdt, nb);                                        \
+        }                                                                                        \
+    }                                                                                            \
+    TARGET_f32x16 static void RULE##_avx512(const struct kjob *job, int64_t begin, int64_t end, int native_bf16) { \
+        const struct kjob local = *job, *j = &local;                                             \
+        HP h; memcpy(&h, j->hp, sizeof h);                                                       \
+        /* native_bf16 is a constant in each instantiation: the one without BF16 instructions  \
+         * contains none, whatever the compiler does with branches. */                          \
+        if (native_bf16) {                                                                       \
+            switch (KERNEL_COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {               \
+            KERNEL_COMBOS_R(KERNEL_AVX512_CASE_BF16, RULE)                                               \
+            }                                                                                    \
+        } else {                                                                                 \
+            switch (KERNEL_COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {               \
+            KERNEL_COMBOS_R(KERNEL_AVX512_CASE, RULE)                                                    \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+#define KERNEL_AVX2_CASE(RULE, g, s, c) case KERNEL_COMBO(g, s, c): RULE##_range8(j, &h, begin, end, g, s, c); return;
+#define KERNEL_AVX512_CASE(RULE, g, s, c) \
+    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, 0); return;
+#define KERNEL_AVX512_CASE_BF16(RULE, g, s, c) \
+    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, 1); return;
+#else
+#define KERNEL_DISPATCH(RULE, j, begin, end) RULE##_scalar(j, begin, end)
+#define KERNEL_SIMD_RULE(RULE, HP)
+#endif
+
+/* The entry point of an elementwise rule: `offload_<rule>_step(args, hparams)`. int8 state
+ * goes through kernel_q8_range with this rule's fp32 range. */
+void kernel_q8_range(const struct kjob *j, int64_t begin, int64_t end,
+                     void (*range)(const struct kjob *, int64_t, int64_t));
+
+#define KERNEL_ENTRY_POINT(RULE, HP, ROWS_MIN, ROWS_MAX)                                         \
+    static void RULE##_chunk_range(const struct kjob *j, int64_t begin, int64_t end) {          \
+        if (j->state_dtype == OFFLOAD_Q8) kernel_q8_range(j, begin, end, RULE##_range);          \
+        else RULE##_range(j, begin, end);                                                        \
+    }                                                                                            \
+    OFFLOAD_API int offload_##RULE##_step(const offload_step_args *a, const HP *hp) {            \
+        _Static_assert(sizeof(HP) <= KERNEL_HP_BYTES, "hparams too large for struct kjob");      \
+        if (a == NULL || hp == NULL) return -EINVAL;                                             \
+        struct kjob *j = __builtin_alloca(sizeof(struct kjob));                                  \
+        int rc = kernel_job_init(j, a, ROWS_MIN, ROWS_MAX);                                      \
+        if (rc != 0 || a->n == 0) return rc;                                                     \
+        memcpy(j->hp, hp, sizeof *hp);                                                           \
+        return kernel_run(j, RULE##_chunk_range);                                                \
+    }                                                                                            \
+    OFFLOAD_API int64_t offload_##RULE##_hparams_size(void) { return sizeof(HP); }
+
+#endif

@@ -1,0 +1,284 @@
+"""The accumulation window and its commit: when gradients are summed, when the update happens.
+
+The contract (the same with and without clipping, fp32 / bf16 / fp16, on every tier)::
+
+    backward()  lands gradients in the window's buffers; never changes the weights, the
+                optimizer state or the counters a checkpoint records
+    step()      closes one micro-step (``micro_step += 1``); the step() that closes a window
+                of ``gradient_accumulation_steps`` micro-steps commits the update:
+                norm -> clip / unscale -> (fp16 overflow: skip) -> every block queued
+    zero_grad() discards the window's gradients (all its micro-steps so far)
+
+Several backward() calls between two step() calls sum into one micro-step, as torch sums
+``.grad``. A window abandoned before its step() (an exception, Ctrl-C, a checkpoint) leaves
+weights, state and counters at the previous commit; its gradients stay until zero_grad().
+
+The window, as an explicit state::
+
+    EMPTY --backward()--> BACKWARD --(returns or raises)--> ACCUMULATED --backward()--> ...
+    ACCUMULATED --step() inside the window--> ACCUMULATED
+    ACCUMULATED --step() at the boundary--> COMMITTING --> EMPTY   (updates queued / skipped)
+    ACCUMULATED --zero_grad()--> EMPTY                             (gradients discarded)
+    EMPTY --step() at the boundary--> EMPTY                        (nothing to commit: False)
+
+Overlap: the commit queues every block's update in forward order and returns at once; the
+next forward of block k waits for block k's update alone (the engine's wait hooks), so the
+optimizer runs under the next forward. Work that changes nothing is moved earlier, into the
+backward that is expected to close the window: reading optimizer state back from NVMe
+(read-ahead in forward order) and each block's gradient norm (clipping, fp16) on the
+optimizer workers as its gradients land. A further backward() in the same micro-step
+discards those norms (they are recomputed at the commit).
+
+Synchronization: the commit's jobs read the gradient buffers until they finish; the next
+backward() waits for every job in flight before it lands anything (``BlockShard.wait_update``).
+"""
+from __future__ import annotations
+
+import enum
+import math
+import warnings
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from offload.dist import sharding
+from offload.dist.comm import Comm
+from offload.dist.grad_sync import GradSync
+from offload.engine.block_shard import BlockShard
+from offload.engine.loss_scaler import LossScaler
+from offload.engine.telemetry import Telemetry
+
+
+class Window(enum.Enum):
+    EMPTY = "empty"                # no gradient since the last commit (its updates may still run)
+    BACKWARD = "backward"          # a backward() is landing gradients
+    ACCUMULATED = "accumulated"    # gradients held; weights, state and counters untouched
+    COMMITTING = "committing"      # step() at the boundary: norm, scale, queueing the updates
+
+
+class StepControl:
+    """Owns the window state, the step counters, the clipping and the fp16 loss scale.
+
+    ``submit(block, grad_scale)`` queues one block's update (the engine builds the job);
+    ``on_block_complete(index)``, if given, is told when a block's gradients of a backward
+    are all in (parameter offload releases the block)."""
+
+    def __init__(self, *, blocks: Sequence[BlockShard], pipeline, grad_sync: GradSync, comm: Comm,
+                 scaler: LossScaler, telemetry: Telemetry, gradient_accumulation_steps: int,
+                 gradient_clipping: float, param_order: dict, read_ahead: bool,
+                 submit: Callable[[BlockShard, float], None],
+                 on_block_complete: Optional[Callable[[int], None]] = None):
+        self.blocks = list(blocks)
+        self.pipeline = pipeline
+        self.grad_sync = grad_sync
+        self.comm = comm
+        self.scaler = scaler
+        self.telemetry = telemetry
+        self.gas = gradient_accumulation_steps
+        self.clip = gradient_clipping
+        self._param_order = param_order       # id(param) -> position in model.parameters()
+        self._read_ahead = read_ahead         # optimizer state on NVMe: read it during backward
+        self._submit = submit
+        self._on_complete = on_block_complete
+        self.state = Window.EMPTY
+        self.global_step = 0                  # commits (fp16 overflow skips excluded)
+        self.micro_step = 0                   # step() calls
+        self.last_grad_norm: Optional[float] = None
+        self._boundary = False                # the current micro-step closes the window
+        self._arrival: List[int] = []         # block completion order of the last backward
+        self._backwards = 0                   # backward() calls in the current micro-step
+        self._warned_multi = False
+        self._norms: list = []                # futures: per-block norms of the last backward
+
+    # ---- queries ------------------------------------------------------------------------
+    def at_boundary(self) -> bool:
+        """Whether the next step() closes the accumulation window."""
+        return (self.micro_step + 1) % self.gas == 0
+
+    @property
+    def needs_norm(self) -> bool:
+        return self.clip > 0 or self.scaler.enabled
+
+    # ---- backward -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Land ``loss``'s gradients in the window: ``loss / gradient_accumulation_steps``
+        (DeepSpeed's convention), times the fp16 loss scale."""
+        if self.state is Window.BACKWARD:
+            raise RuntimeError("backward() called from inside backward(): one backward at a time")
+        if self.state is Window.COMMITTING:
+            raise RuntimeError("backward() called while step() commits the window")
+        for b in self.blocks:
+            if b.pending is not None:         # the last commit's jobs still read the grad buffers
+                b.wait_update()
+        if self.state is Window.ACCUMULATED:  # another backward joins this micro-step
+            self._drop_norms()
+            self.grad_sync.reopen()
+        self._backwards += 1
+        if self._backwards == 2 and self.gas > 1 and not self._warned_multi:
+            self._warned_multi = True
+            warnings.warn(f"two backward() calls without step() between them sum into one micro-step; with "
+                          f"gradient_accumulation_steps={self.gas} the update is committed by every "
+                          f"{self.gas}th step(): call step() after every backward() (it is a no-op inside "
+                          f"the window), as DeepSpeed does", stacklevel=3)
+        self._boundary = self.at_boundary()
+        self._arrival = []
+        self.grad_sync.begin(self._boundary)
+        for b in self.blocks:
+            (b.landing or b.grad).begin_backward()
+        if self._boundary and self._read_ahead:   # the commit will queue blocks in forward order
+            self.pipeline.set_order([b.index for b in self.blocks])
+        scaled = loss / self.gas if self.gas > 1 else loss
+        if self.scaler.enabled:
+            scaled = scaled * self.scaler.scale
+        self.state = Window.BACKWARD
+        try:
+            with self.telemetry.span("offload::backward"):
+                scaled.backward()
+        finally:
+            self.state = Window.ACCUMULATED   # a failed backward leaves partial gradients
+        for b in self.blocks:                 # parameters that took no part in this backward
+            buf = b.landing or b.grad
+            if not buf.complete:
+                buf.arrived = buf.num_segments
+                self.on_block_complete(b)
+        if not self._boundary:
+            self.grad_sync.wait_all()         # summed in place before the next backward lands
+
+    def on_block_complete(self, block: BlockShard) -> None:
+        """All of ``block``'s gradients of this backward have landed (from its grad hook)."""
+        self._arrival.append(block.index)
+        if self._on_complete is not None:
+            self._on_complete(block.index)
+        for b in self.grad_sync.ready(block):     # collectives issued in the fixed block order
+            norm = self._boundary and self.needs_norm and not self.comm.active
+            if b.grad.spills:
+                # the window's sum waits for step() or the next micro-step on NVMe (grads.py),
+                # parked on a worker right after its norm is taken
+                fut = b.grad.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None)
+                if norm:
+                    self._norms.append(fut)
+            elif norm:
+                # the global norm needs every block: compute this block's share now, on a
+                # worker, while backward goes on (read-only; dropped if another backward comes)
+                self._norms.append(self.pipeline.run(self._block_norms, b))
+
+    # ---- step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Close one micro-step; at the window's boundary commit the update. Returns True when
+        an update was committed (False inside the window and on an fp16 overflow skip)."""
+        if self.state in (Window.BACKWARD, Window.COMMITTING):
+            raise RuntimeError(f"step() called during {self.state.value}: call it after backward() returns")
+        committed = self._commit() if self.at_boundary() else False
+        self.micro_step += 1
+        self._backwards = 0
+        return committed
+
+    def _commit(self) -> bool:
+        if self.state is Window.EMPTY:        # no gradient in this window: nothing to commit
+            return False
+        self.state = Window.COMMITTING
+        try:
+            self.comm.step = self.global_step + 1
+            if self.comm.active:              # the ranks took the same path through the model
+                self.comm.check_same("block order of backward", self._arrival)
+            self.grad_sync.wait_all()
+            coef, overflow = 1.0, False
+            if self.needs_norm:
+                with self.telemetry.span("offload::grad_norm"):
+                    coef, overflow = self._unscale_clip_coef()
+            if overflow:
+                self.scaler.update(True)
+                self._discard()
+                self.telemetry.count("skipped_steps")
+                return False
+            self.scaler.update(False)
+            order = [b.index for b in self.blocks]   # the next forward's order
+            if self._read_ahead:
+                self.pipeline.set_order(order)
+            for b in self.blocks:
+                self._submit(b, coef)
+            self.global_step += 1
+            return True
+        finally:
+            self.state = Window.EMPTY
+
+    # ---- discarding ---------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Discard the window's gradients; weights, state and counters are not touched."""
+        if self.state in (Window.BACKWARD, Window.COMMITTING):
+            raise RuntimeError(f"zero_grad() called during {self.state.value}")
+        if self.state is Window.EMPTY:
+            return
+        self._discard()
+        self._backwards = 0
+        self.state = Window.EMPTY
+
+    def _discard(self) -> None:
+        self._drop_norms()
+        self.grad_sync.discard()
+        for b in self.blocks:
+            b.grad.reset_window()
+            if b.landing is not None:
+                b.landing.reset_window()
+
+    def _drop_norms(self) -> None:
+        norms, self._norms = self._norms, []
+        for fut in norms:                     # read-only jobs: let them finish, ignore the values
+            fut.result()
+
+    # ---- norm, clipping, loss scale --------------------------------------------------------------
+    def _block_norms(self, block: BlockShard):
+        """(parameter order, norm) of each parameter of ``block`` that got a gradient in
+        this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
+        self.grad_sync.wait(block)
+        block.grad.wait_landed()
+        g = block.grad_shard()
+        items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
+                 for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
+        if not items:
+            return []
+        norms = torch._foreach_norm([g for _, g in items], 2.0)
+        return [(o, n) for (o, _), n in zip(items, norms)]
+
+    def _unscale_clip_coef(self):
+        """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
+        torch.nn.utils.clip_grad_norm_ does: per-parameter norms (parameters without a
+        gradient skipped), stacked in model.parameters() order, then the norm of those."""
+        if not self.comm.active:
+            if not self._norms:               # not computed during backward: now, on the workers
+                self._norms = [self.pipeline.run(self._block_norms, b) for b in self.blocks]
+            per_param = [item for fut in self._norms for item in fut.result()]
+            self._norms = []
+            per_param.sort(key=lambda t: t[0])
+            norms = [n for _, n in per_param]
+        else:
+            per_param = []
+            partitioned = self.grad_sync.stage >= 1   # each rank holds the grads of its shard
+            for b in self.blocks:
+                b.grad.wait_landed()
+                s0, s1 = b.shard
+                g = b.grad_shard()
+                for s in b.layout.segments:
+                    r = sharding.clip_range(s.offset, s.offset + s.numel, s0, s1) if partitioned \
+                        else (s.offset, s.offset + s.numel)
+                    if r is not None:
+                        per_param.append((self._param_order.get(id(s.param), 0), g[r[0] - s0:r[1] - s0]))
+            per_param.sort(key=lambda t: t[0])
+            norms = torch._foreach_norm([g for _, g in per_param], 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0) if len(norms) \
+            else torch.zeros(())
+        if self.comm.active and self.grad_sync.stage >= 1:   # sqrt of the sum over ranks of the local squares
+            sq = (total.double() ** 2).reshape(1)
+            self.comm.all_reduce(sq, "gradient norm")
+            total = sq.sqrt()[0].float()
+        inv_scale = 1.0 / self.scaler.scale
+        if not math.isfinite(total.item()):
+            self.last_grad_norm = math.inf
+            return 1.0, True
+        self.last_grad_norm = float(total) * inv_scale if self.scaler.enabled else float(total)
+        coef = inv_scale
+        if self.clip > 0:
+            unscaled = total * inv_scale if self.scaler.enabled else total
+            c = torch.clamp(self.clip / (unscaled + 1e-6), max=1.0)
+            coef = c.item() * inv_scale if self.scaler.enabled else c.item()
+        return coef, False

@@ -1,0 +1,262 @@
+"""The UpdateRule protocol: what an optimizer is, for the engine and for the standalone CPU
+optimizers, written once per rule (adam.py, lion.py, sgd.py, adagrad.py, adafactor.py).
+
+A rule says
+  * the state it keeps: named rows (torch's state names) with their int8 code sign and
+    initial value; elementwise rows have the parameter's numel, Adafactor's factored rows
+    the shape they derive from the parameter's (``rows(group, shape)``);
+  * its bytes per parameter on each tier, for every ``state_dtype`` (fp32 | bf16 | int8);
+  * its hyper-parameters: torch's names and defaults (``defaults``), checked by ``validate``;
+  * ``cpu_step``: one step of a flat CPU shard, by the native kernel named ``kernel``
+    (native/<kernel>.c, through offload/_native.py; the GIL is released) or, with
+    ``OFFLOAD_NATIVE=off`` or no native kernel, by ``reference`` in torch;
+  * ``device_step``: a step of tensors on the compute device with torch's fused / foreach
+    kernels where torch has them;
+  * ``reference``: the plain-torch update on fp32 tensors, in torch's single-tensor order.
+
+State of one shard (``State``): a dict from row name to tensor. fp32 / bf16 rows are tensors
+of that dtype; an int8 row ``name`` is ``name`` (uint8 codes) plus ``name + "_absmax"`` (fp32
+scales, quant.py). Every tensor flat, contiguous, on the CPU.
+
+Adding a rule: a class here-like in its own file (rows, defaults, validate, native_hparams,
+reference), its per-element math in native/<rule>.c, and one line ``register(MyRule)`` in
+offload/optim/__init__.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import math
+from typing import ClassVar, Dict, Optional, Sequence
+
+import torch
+
+from offload import _native
+from offload.optim import quant
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
+                 torch.float16: _native.DTYPE_F16}
+_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16}
+
+State = Dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One named row of optimizer state.
+
+    name: torch's state key (``exp_avg``, ``momentum_buffer``, ``sum``, ``row_var``, ...).
+    signed: whether values may be negative (picks the int8 code; quant.py).
+    init: the group key holding its initial value (Adagrad's ``initial_accumulator_value``),
+        or None for zeros.
+    shape: None for an elementwise row (the parameter's numel), else the row's shape.
+    """
+    name: str
+    signed: bool = True
+    init: Optional[str] = None
+    shape: Optional[tuple] = None
+
+    @property
+    def elementwise(self) -> bool:
+        return self.shape is None
+
+
+class UpdateRule:
+    """Base of every rule; subclasses set the class attributes and the hooks below."""
+
+    name: ClassVar[str]                          # the config's optimizer.type
+    kernel: ClassVar[Optional[str]] = None       # native/<kernel>.c, or None: torch only
+    hparams_type: ClassVar[Optional[type]] = None  # ctypes mirror of the kernel's hparams struct
+    torch_optimizer: ClassVar[Optional[str]] = None  # torch.optim class with the same update
+    defaults: ClassVar[dict] = {}                # torch's hyper-parameter names and defaults
+    state_dtypes: ClassVar[tuple] = STATE_DTYPES
+
+    # ---- what the rule keeps ---------------------------------------------------------------
+    def rows(self, group: dict, shape: Optional[Sequence[int]] = None) -> tuple:
+        """The state rows for a parameter of ``shape`` in ``group``."""
+        raise NotImplementedError
+
+    def state_bytes_per_param(self, state_dtype: str = "fp32", group: Optional[dict] = None) -> float:
+        """Bytes of state per parameter (elementwise rows; a factored rule reports its
+        unfactored worst case), the fp32 master excluded."""
+        rows = self.rows(dict(self.defaults, **(group or {})))
+        per_row = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / quant.BLOCK}[state_dtype]
+        return per_row * len(rows)
+
+    def bytes_per_param(self, tier: str, state_dtype: str = "fp32", group: Optional[dict] = None) -> float:
+        """Bytes per parameter the optimizer keeps on ``tier``: ``device`` holds the state next
+        to fp32 parameters; ``host`` / ``nvme`` hold the fp32 master and the state."""
+        state = self.state_bytes_per_param(state_dtype, group)
+        if tier == "device":
+            return state
+        if tier in ("host", "nvme"):
+            return 4.0 + state
+        raise ValueError(f"tier={tier!r}: use device, host or nvme")
+
+    def passes(self) -> int:
+        """Passes over the parameter's bytes per step (1 for elementwise rules)."""
+        return 1
+
+    # ---- hyper-parameters --------------------------------------------------------------------
+    def validate(self, group: dict) -> None:
+        """Raise ValueError naming the key for a hyper-parameter out of range."""
+        for key in ("lr", "weight_decay", "eps"):
+            if key in group and not isinstance(group[key], (tuple, list)):
+                value = float(group[key])
+                if not (math.isfinite(value) and value >= 0.0):
+                    raise ValueError(f"{self.name}: {key}={group[key]!r} must be a finite number >= 0")
+        if "betas" in group:
+            betas = tuple(group["betas"])
+            if len(betas) != 2 or not all(math.isfinite(float(b)) and 0.0 <= float(b) < 1.0 for b in betas):
+                raise ValueError(f"{self.name}: betas={betas!r} must be two numbers in [0, 1)")
+
+    def native_hparams(self, group: dict, step: int, grad_scale: float) -> ctypes.Structure:
+        """The kernel's per-call scalars for 1-based ``step``, computed in double as torch does."""
+        raise NotImplementedError
+
+    # ---- the update ----------------------------------------------------------------------------
+    def reference(self, param: torch.Tensor, grad: torch.Tensor, state: State, group: dict, step: int,
+                  grad_scale: float = 1.0) -> None:
+        """The plain-torch update in place: fp32 ``param``, fp32 ``grad`` (not modified), fp32
+        state rows; torch's single-tensor order of operations."""
+        raise NotImplementedError
+
+    def init_state(self, param: torch.Tensor, group: dict, state_dtype: str = "fp32") -> State:
+        """Fresh state for ``param`` (its shape matters for factored rows), flat, on the CPU."""
+        out: State = {}
+        for row in self.rows(group, tuple(param.shape)):
+            numel = param.numel() if row.elementwise else math.prod(row.shape)
+            value = float(group[row.init]) if row.init else 0.0
+            fp32 = torch.full((numel,), value, dtype=torch.float32)
+            store_row(out, row, fp32, state_dtype if row.elementwise else "fp32")
+        return out
+
+    def cpu_step(self, param: torch.Tensor, grad: torch.Tensor, state: State, group: dict, step: int, *,
+                 param_copy: Optional[torch.Tensor] = None, grad_scale: float = 1.0,
+                 shape: Optional[Sequence[int]] = None) -> None:
+        """One step of a flat CPU shard in place. param: fp32; grad: fp32 / bf16 / fp16 (read
+        only); state: this rule's rows (any of its state dtypes); param_copy: None or bf16 /
+        fp16, receives the new param rounded to nearest even. ``shape``: the parameter's shape
+        (factored rules). Native kernel when loaded, else the reference in torch."""
+        rows = self.rows(group, shape)
+        n = param.numel()
+        _check_flat("param", param, (torch.float32,), n)
+        _check_flat("grad", grad, tuple(_NATIVE_DTYPE), n)
+        if param_copy is not None:
+            _check_flat("param_copy", param_copy, tuple(_COPY_DTYPES), n)
+        dtype = state_dtype_of(state, rows)
+        with _profiler_range(self.name):
+            L = _native.lib() if self.kernel else None
+            if L is None or not all(r.elementwise for r in rows):
+                with torch.no_grad():
+                    self._torch_step(param, grad, state, rows, group, step, param_copy, grad_scale, shape)
+                return
+            args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=n, nrows=len(rows),
+                                    grad_dtype=_NATIVE_DTYPE[grad.dtype],
+                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else _COPY_DTYPES[param_copy.dtype],
+                                    param_copy=None if param_copy is None else param_copy.data_ptr())
+            args.state_dtype = _native.DTYPE_Q8 if dtype == "int8" else _NATIVE_DTYPE[_TORCH_DTYPE[dtype]]
+            for r, row in enumerate(rows):
+                args.state[r] = state[row.name].data_ptr()
+                if dtype == "int8":
+                    args.absmax[r] = state[row.name + "_absmax"].data_ptr()
+                    args.qcode[r] = quant.dynamic_map(row.signed).data_ptr()
+            _native.kernel_step(L, self.kernel, args, self.native_hparams(group, step, grad_scale))
+
+    def _torch_step(self, param, grad, state, rows, group, step, param_copy, grad_scale, shape) -> None:
+        """The fallback: widen the rows to fp32, run the reference, store them back."""
+        fp32 = {row.name: load_row(state, row) for row in rows}
+        g = grad if grad.dtype == torch.float32 else grad.float()
+        p, g = (param.view(shape), g.view(shape)) if shape is not None else (param, g)
+        self.reference(p, g, fp32, group, step, grad_scale)
+        for row in rows:
+            store_row(state, row, fp32[row.name], state_dtype_of(state, (row,)))
+        if param_copy is not None:
+            param_copy.copy_(param)
+
+    def device_step(self, params: list, grads: list, states: list, group: dict, steps: list) -> None:
+        """A step of fp32 tensors on the compute device (any shape), state rows fp32. Default:
+        the reference per tensor; rules with torch kernels override it."""
+        for p, g, s, step in zip(params, grads, states, steps):
+            self.reference(p, g, s, group, step)
+
+
+# ---- state rows ---------------------------------------------------------------------------------
+def state_dtype_of(state: State, rows: Sequence[Row]) -> str:
+    """fp32 | bf16 | int8, from the tensors (every elementwise row has the same)."""
+    dtypes = {state[r.name].dtype for r in rows if r.elementwise}
+    if not dtypes:
+        return "fp32"
+    if len(dtypes) > 1:
+        raise TypeError(f"state rows have dtypes {sorted(map(str, dtypes))}: every row must have the same")
+    d = dtypes.pop()
+    if d == torch.uint8:
+        return "int8"
+    for name, td in _TORCH_DTYPE.items():
+        if td == d:
+            return name
+    raise TypeError(f"state dtype {d} is not one of fp32, bf16, int8 (uint8 codes)")
+
+
+def load_row(state: State, row: Row) -> torch.Tensor:
+    """The row as a flat fp32 tensor (the stored tensor itself when it is fp32)."""
+    t = state[row.name]
+    if t.dtype == torch.uint8:
+        return quant.dequantize(t, state[row.name + "_absmax"], row.signed)
+    return t.view(-1) if t.dtype == torch.float32 else t.float().view(-1)
+
+
+def store_row(state: State, row: Row, fp32: torch.Tensor, state_dtype: str) -> None:
+    """Store flat fp32 values into the row (created when missing), rounding or quantizing."""
+    t = state.get(row.name)
+    if state_dtype == "int8":
+        if t is None:
+            t = state[row.name] = torch.empty(fp32.numel(), dtype=torch.uint8)
+            state[row.name + "_absmax"] = torch.empty(quant.nblocks(fp32.numel()), dtype=torch.float32)
+        quant.quantize(fp32, t, state[row.name + "_absmax"], row.signed)
+        return
+    if t is None:
+        state[row.name] = fp32.to(_TORCH_DTYPE[state_dtype], copy=True).view(-1)
+    elif t.data_ptr() != fp32.data_ptr():
+        t.view(-1).copy_(fp32.view(-1))
+
+
+def _check_flat(name: str, t, dtypes: tuple, n: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; cpu_step updates CPU tensors (device_step is for "
+                         f"tensors on the compute device)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be one of {', '.join(map(str, dtypes))}")
+    if not t.is_contiguous() or t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense contiguous tensor (cpu_step never copies)")
+    if t.numel() != n:
+        raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
+
+
+def _profiler_range(name: str):
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"offload::cpu_{name.lower()}")
+    return contextlib.nullcontext()
+
+
+# ---- registry ---------------------------------------------------------------------------------
+RULES: Dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    """Make ``cls`` selectable as ``optimizer.type = cls.name`` (case-insensitive)."""
+    RULES[cls.name.lower()] = cls
+    return cls
+
+
+def get_rule(name: str) -> UpdateRule:
+    """The rule for an ``optimizer.type``, or a ValueError listing the known ones."""
+    cls = RULES.get(str(name).lower())
+    if cls is None:
+        raise ValueError(f"optimizer type {name!r} is unknown: use one of {', '.join(c.name for c in RULES.values())}")
+    return cls()

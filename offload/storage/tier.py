@@ -1,0 +1,306 @@
+"""Tiers: where a block's bytes live between uses, behind one interface, and the one
+loaned-buffer state machine every owner of offloaded bytes uses (optimizer state,
+parameter homes).
+
+A tier holds keyed byte ranges:
+
+* ``DeviceTier``: a tensor on the compute device, always resident;
+* ``HostTier``: a persistent host-pool buffer, always resident;
+* ``NvmeTier``: a swap-file extent; the bytes visit a buffer lent by a host pool only
+  around their use.
+
+``tier.reserve({key: nbytes, ...})`` makes room for keys (NVMe: one preallocated file for
+the lot), ``tier.loan(key, nbytes, what)`` returns a key's ``Loan``, whose verbs move it::
+
+    ON_TIER --fetch()--> READING --acquire()--> READY --commit()--> WRITING --release()--> ON_TIER
+        \\--fill()------------------------------> READY --release()--------------------> ON_TIER
+    RESIDENT (device and host tiers): every verb is a no-op, acquire() returns the bytes.
+
+``release()`` from READY returns the buffer without writing it (the bytes were only read);
+from READING it waits for the read and discards it; from WRITING it waits for the write.
+``poll()`` settles a finished read (-> READY) or write (-> ON_TIER) without waiting.
+
+Lifetimes: the lent buffer belongs to the loan from ``fetch()``/``fill()`` until it is back
+ON_TIER; another key may use it only after that. The loan is agnostic of what the bytes mean
+(rows, dtypes, sizes): owners view ``acquire()``'s 1-D uint8 tensor as they need.
+
+Failures and waits: every wait is bounded (``timeout``, default the tier's
+``wait_timeout_s``) and raises ``TierTimeout`` naming the key's owner and the stage. A failed
+read or write gives its buffer back (the loan returns to ON_TIER) before the error is raised,
+as ``TierIOError`` naming the operation, the owner (``what``: the block), the file and the
+errno. A failed write leaves the key without data; the next read says why (the store keeps
+the write's error).
+"""
+from __future__ import annotations
+
+import enum
+import errno as errno_mod
+import threading
+from typing import Optional
+
+import torch
+
+DEFAULT_WAIT_S = 600.0
+
+
+class TierKind(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class LoanState(enum.Enum):
+    RESIDENT = "resident"   # device / host tier: always in memory
+    ON_TIER = "on_tier"     # only on the tier, no buffer held
+    READING = "reading"     # read into the lent buffer in flight
+    READY = "ready"         # in the lent buffer
+    WRITING = "writing"     # write from the lent buffer in flight
+
+
+class TierTimeout(TimeoutError):
+    """A wait on a tier (a buffer, a read, a write) did not finish in time."""
+
+
+class TierIOError(OSError):
+    """A read or write of a tier failed; names the operation, the owner, the file, the errno."""
+
+
+def io_error(op: str, what: str, exc: BaseException) -> BaseException:
+    """``exc`` (from an I/O of ``what``) as a TierIOError naming the operation, the owner,
+    the path and the errno; a non-OSError is returned as it is."""
+    if isinstance(exc, TierIOError) or not isinstance(exc, OSError):
+        return exc
+    code = exc.errno or errno_mod.EIO
+    err = TierIOError(code, f"{op} of {what} failed: {exc.strerror or exc}", exc.filename)
+    err.__cause__ = exc
+    return err
+
+
+class NvmeTier:
+    """Keys in an ``NvmeStore``; buffers lent by ``pool`` (a HostPool) around their use."""
+
+    kind = TierKind.NVME
+
+    def __init__(self, store, pool, *, wait_timeout_s: float = DEFAULT_WAIT_S):
+        self.store, self.pool, self.wait_timeout_s = store, pool, wait_timeout_s
+
+    def reserve(self, sizes) -> None:
+        self.store.reserve(dict(sizes))
+
+    def loan(self, key: str, nbytes: int, what: str = "") -> "Loan":
+        return Loan(self, key, nbytes, what or key)
+
+    def put(self, key: str, src: torch.Tensor, what: str = "", write_pool=None,
+            timeout: Optional[float] = None) -> None:
+        """Write the whole key from ``src`` (1-D, host) and wait until it is durable. A source
+        that is not 4 KiB-aligned goes through a buffer of ``write_pool`` (O_DIRECT stays)."""
+        what = what or key
+        timeout = self.wait_timeout_s if timeout is None else timeout
+        nbytes = src.numel() * src.element_size()
+        if src.data_ptr() % 4096 and write_pool is not None:
+            with write_pool.acquire(nbytes, timeout=timeout) as loan:
+                buf = loan.view(src.dtype, src.numel())
+                buf.copy_(src)
+                _wait(self.store.write(key, buf), "write", what, timeout)
+            return
+        _wait(self.store.write(key, src), "write", what, timeout)
+
+
+class HostTier:
+    """Keys in persistent buffers of a HostPool: always resident."""
+
+    kind = TierKind.HOST
+
+    def __init__(self, pool, *, wait_timeout_s: float = DEFAULT_WAIT_S):
+        self.pool, self.wait_timeout_s = pool, wait_timeout_s
+
+    def reserve(self, sizes) -> None:
+        """The pool was sized for its keys when it was built: nothing to do."""
+
+    def loan(self, key: str, nbytes: int, what: str = "") -> "Loan":
+        buf = self.pool.acquire(nbytes).view(torch.uint8, nbytes)
+        return Loan.resident(buf, key, what or key, self)
+
+
+class DeviceTier:
+    """Keys in tensors on the compute device: always resident."""
+
+    kind = TierKind.DEVICE
+
+    def __init__(self, device: torch.device, *, wait_timeout_s: float = DEFAULT_WAIT_S):
+        self.device, self.wait_timeout_s = device, wait_timeout_s
+
+    def reserve(self, sizes) -> None:
+        """Device memory is allocated per loan."""
+
+    def loan(self, key: str, nbytes: int, what: str = "") -> "Loan":
+        return Loan.resident(torch.zeros(nbytes, dtype=torch.uint8, device=self.device), key, what or key, self)
+
+
+def _wait(io, op: str, what: str, timeout: Optional[float]) -> None:
+    try:
+        io.wait(timeout)
+    except TimeoutError:
+        raise TierTimeout(f"{op} of {what} not done after {timeout} s: the disk is stalled or far too slow "
+                          f"(raise wait_timeout_s if it is only slow)") from None
+    except OSError as exc:
+        raise io_error(op, what, exc) from exc
+
+
+class Loan:
+    """One key's bytes, lent into memory around their use. Thread-safe; see the module doc."""
+
+    def __init__(self, tier: NvmeTier, key: str, nbytes: int, what: str):
+        self.tier, self.key, self.nbytes, self.what = tier, key, nbytes, what
+        self.state = LoanState.ON_TIER
+        self._lock = threading.RLock()
+        self._buf = None       # HostBuffer on loan while not ON_TIER
+        self._bytes: Optional[torch.Tensor] = None   # 1-D uint8 view of the bytes
+        self._io = None        # IOHandle of the read or write in flight
+
+    @classmethod
+    def resident(cls, data: torch.Tensor, key: str, what: str, tier=None) -> "Loan":
+        """A loan whose bytes always stay in memory (device or host tier)."""
+        loan = cls(tier, key, data.numel() * data.element_size(), what)
+        loan._bytes = data.view(-1).view(torch.uint8)
+        loan.state = LoanState.RESIDENT
+        return loan
+
+    @property
+    def in_memory(self) -> bool:
+        return self.state is not LoanState.ON_TIER
+
+    def _timeout(self, timeout: Optional[float]) -> float:
+        if timeout is not None:
+            return timeout
+        return self.tier.wait_timeout_s if self.tier is not None else DEFAULT_WAIT_S
+
+    # ---- verbs -----------------------------------------------------------------------------
+    def fetch(self) -> bool:
+        """ON_TIER -> READING if the pool has a buffer free now. True when the bytes are in
+        memory or on their way; False (nothing started) when no buffer is free."""
+        with self._lock:
+            if self.state is not LoanState.ON_TIER:
+                return True
+            buf = self.tier.pool.try_acquire(self.nbytes)
+            if buf is None:
+                return False
+            self._start_read(buf)
+            return True
+
+    def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """The bytes in memory (1-D uint8): waits for a read in flight; from ON_TIER first
+        waits for a pool buffer and reads. -> READY (or RESIDENT)."""
+        with self._lock:
+            t = self._timeout(timeout)
+            if self.state is LoanState.ON_TIER:
+                self._start_read(self._lend(t, "read"))
+            if self.state is LoanState.READING:
+                io, self._io = self._io, None
+                try:
+                    _wait(io, "read", self.what, t)
+                except BaseException:
+                    self._settle_failed(io, t)
+                    raise
+                self.state = LoanState.READY
+            assert self.state in (LoanState.READY, LoanState.RESIDENT), f"{self.what}: {self.state}"
+            return self._bytes
+
+    def fill(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """A buffer for bytes that will be overwritten whole: ON_TIER -> READY without a read."""
+        with self._lock:
+            if self.state is LoanState.ON_TIER:
+                self._take(self._lend(self._timeout(timeout), "buffer for"))
+                self.state = LoanState.READY
+            return self.acquire(timeout)
+
+    def commit(self) -> None:
+        """The bytes were modified: start writing them back (READY -> WRITING)."""
+        with self._lock:
+            if self.state is LoanState.RESIDENT:
+                return
+            assert self.state is LoanState.READY, f"{self.what}: commit from {self.state}"
+            try:
+                self._io = self.tier.store.write(self.key, self._bytes)
+            except BaseException as exc:
+                self._give_back()
+                raise io_error("write", self.what, exc) from exc
+            self.state = LoanState.WRITING
+
+    def poll(self) -> bool:
+        """Settle a finished read (-> READY) or write (-> ON_TIER, buffer back) without
+        waiting; True when nothing is in flight afterwards. A failed I/O raises (its buffer
+        is back first)."""
+        with self._lock:
+            if self.state not in (LoanState.READING, LoanState.WRITING):
+                return True
+            if not self._io.done():
+                return False
+            if self.state is LoanState.READING:
+                self.acquire()
+            else:
+                self.release()
+            return True
+
+    def release(self, timeout: Optional[float] = None) -> None:
+        """Back to ON_TIER: waits for a write in flight (raising its error after the buffer
+        is back), discards a read in flight or the READY bytes. No-op when RESIDENT."""
+        with self._lock:
+            if self.state in (LoanState.RESIDENT, LoanState.ON_TIER):
+                return
+            t = self._timeout(timeout)
+            io, self._io = self._io, None
+            op = "write" if self.state is LoanState.WRITING else "read"
+            try:
+                if io is not None:
+                    _wait(io, op, self.what, t)
+            except TierTimeout:
+                self._settle_failed(io, t)
+                raise
+            except BaseException:
+                self._give_back()
+                if op == "write":
+                    raise          # the read was going to be discarded anyway
+            else:
+                self._give_back()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _lend(self, timeout: float, op: str):
+        try:
+            return self.tier.pool.acquire(self.nbytes, timeout=timeout)
+        except TimeoutError:
+            raise TierTimeout(f"{op} {self.what}: no host buffer free after {timeout} s (every buffer is "
+                              "held by another block)") from None
+
+    def _take(self, buf) -> None:
+        self._buf = buf
+        self._bytes = buf.view(torch.uint8, self.nbytes)
+
+    def _start_read(self, buf) -> None:
+        self._take(buf)
+        try:
+            self._io = self.tier.store.read(self.key, self._bytes)
+        except BaseException as exc:
+            self._give_back()
+            raise io_error("read", self.what, exc) from exc
+        self.state = LoanState.READING
+
+    def _settle_failed(self, io, timeout: float) -> None:
+        """After a failed or timed-out wait: the buffer goes back only once the I/O no longer
+        uses it (a timed-out I/O keeps its buffer, which is then leaked, never reused live)."""
+        if io is not None and not io.done():
+            self._buf = None          # still in the backend's hands: never lent again
+            self._bytes = None
+            self.state = LoanState.ON_TIER
+            return
+        self._give_back()
+
+    def _give_back(self) -> None:
+        self._bytes = None
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            buf.release()
+        self.state = LoanState.ON_TIER
+
+    def __repr__(self) -> str:
+        return f"Loan({self.what!r}, {self.nbytes} bytes, {self.state.value})"

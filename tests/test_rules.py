@@ -1,0 +1,313 @@
+"""Update rules (offload/optim/rule.py) against torch.optim, on the native kernels and on the
+torch fallback; every SIMD variant against the scalar reference; int8 blockwise state.
+
+Tolerances: each parity test runs torch's single-tensor (foreach=False) optimizer and its
+fused one (foreach for Adafactor, which has no fused kernel) on the same data and requires
+ours to be within their distance of the single-tensor result, with a floor of one ulp of
+the largest parameter (where torch's two kernels agree bit for bit).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offload import _native
+from offload.optim import (CPUAdafactor, CPUAdagrad, CPUAdamW, CPULion, CPURuleAdam, CPUSGD, get_rule, quant)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+STEPS = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on" if request.param == "native" else "off")
+    if request.param == "native":
+        try:
+            _native.lib()
+        except ImportError as exc:
+            pytest.skip(str(exc))
+    return request.param
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _grads(shapes, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+def _run(make_opt, p0, grads, snapshot_state=False):
+    params = [p.clone().requires_grad_(True) for p in p0]
+    opt = make_opt(params)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+def _ulp(ts):
+    return max(torch.finfo(F32).eps * t.abs().max().item() for t in ts)
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+SHAPES = [(7,), (33, 17), (1023,), (4, 5, 6)]
+
+# (our optimizer, torch class, hyper-parameters, the kwargs of torch's "other" kernel)
+CASES = [
+    ("AdamW", CPUAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01), {"fused": True}),
+    ("Adam", CPURuleAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01), {"fused": True}),
+    ("SGD", CPUSGD, torch.optim.SGD, dict(lr=1e-2), {"fused": True}),
+    ("SGD-momentum", CPUSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01),
+     {"fused": True}),
+    ("SGD-nesterov", CPUSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+     {"fused": True}),
+    ("Adagrad", CPUAdagrad, torch.optim.Adagrad, dict(lr=1e-1), {"fused": True}),
+    ("Adagrad-all", CPUAdagrad, torch.optim.Adagrad,
+     dict(lr=1e-1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, eps=1e-6), {"fused": True}),
+    ("Adafactor", CPUAdafactor, getattr(torch.optim, "Adafactor", None), dict(lr=1e-2, weight_decay=0.01),
+     {"foreach": True}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_parity_with_torch(case, backend):
+    name, ours, theirs, hp, other = case
+    if theirs is None:
+        pytest.skip("this torch has no torch.optim.Adafactor (torch >= 2.5)")
+    p0, grads = _params(SHAPES), _grads(SHAPES, STEPS)
+    single, topt = _run(lambda ps: theirs(ps, foreach=False, **hp), p0, grads)
+    fused, _ = _run(lambda ps: theirs(ps, **other, **hp), p0, grads)
+    got, oopt = _run(lambda ps: ours(ps, **hp), p0, grads)
+    bound = max(_max_diff(single, fused), _ulp(single))
+    assert _max_diff(got, single) <= bound, (name, _max_diff(got, single), bound)
+    assert _max_diff(single, p0) > 1e-3  # the parameters moved
+    # state_dict: the torch layout, both ways; continuing gives the same next step
+    sd_t, sd_o = topt.state_dict(), oopt.state_dict()
+    for (kt, st), (ko, so) in zip(sorted(sd_t["state"].items()), sorted(sd_o["state"].items())):
+        assert set(st) <= set(so) | {"momentum_buffer"}, (set(st), set(so))
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert so[key].shape == value.shape and so[key].dtype == value.dtype, key
+    g_next = _grads(SHAPES, 1, seed=7)[0]
+    ps_t = [p.clone().requires_grad_(True) for p in single]
+    ps_o = [p.clone().requires_grad_(True) for p in single]
+    t2, o2 = theirs(ps_t, foreach=False, **hp), ours(ps_o, **hp)
+    t2.load_state_dict(copy.deepcopy(sd_t))  # torch shares "step" tensors with the source
+    o2.load_state_dict(copy.deepcopy(sd_t))  # torch's state into ours
+    for ps in (ps_t, ps_o):
+        for p, g in zip(ps, g_next):
+            p.grad = g.clone()
+    t2.step()
+    o2.step()
+    assert _max_diff(ps_o, ps_t) <= max(bound, _ulp(ps_t))
+
+
+def lion_published(params, grads_per_step, lr, betas, wd):
+    """Lion, Algorithm 2 of Chen et al. 2023, in plain torch (the authors' PyTorch order)."""
+    ms = [torch.zeros_like(p) for p in params]
+    for gs in grads_per_step:
+        for p, g, m in zip(params, gs, ms):
+            p.mul_(1 - lr * wd)
+            c = m.mul(betas[0]).add(g, alpha=1 - betas[0])
+            p.add_(torch.sign(c), alpha=-lr)
+            m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
+    return params, ms
+
+
+def test_lion_matches_published_algorithm(backend):
+    p0, grads = _params(SHAPES), _grads(SHAPES, STEPS)
+    hp = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    want, ms = lion_published([p.clone() for p in p0], grads, hp["lr"], hp["betas"], hp["weight_decay"])
+    got, opt = _run(lambda ps: CPULion(ps, **hp), p0, grads)
+    assert _max_diff(got, want) <= _ulp(want)
+    assert _max_diff(want, p0) > 1e-3
+    got_m = [opt.state[p]["exp_avg"] for p in opt.param_groups[0]["params"]]
+    assert _max_diff(got_m, ms) <= _ulp(ms)
+
+
+# ---- every SIMD variant equals the scalar reference ------------------------------------------
+KERNEL_RULES = [("AdamW", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)),
+                ("Adam", dict(lr=1e-2, betas=(0.3, 0.99), eps=1e-8, weight_decay=0.01)),
+                ("Lion", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+                ("SGD", dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True)),
+                ("SGD", dict(lr=1e-2, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)),
+                ("Adagrad", dict(lr=1e-1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1,
+                                 eps=1e-10))]
+
+
+def _view(n, dtype, offset):
+    """A flat tensor of n elements starting `offset` elements into its storage (unaligned)."""
+    return torch.zeros(n + offset, dtype=dtype)[offset:]
+
+
+def _kernel_run(rule, group, n, g_dtype, state_dtype, copy_dtype, offset, steps=3):
+    gen = torch.Generator().manual_seed(3)
+    p = _view(n, F32, offset)
+    p.copy_(torch.randn(n, generator=gen))
+    state = rule.init_state(p, group, state_dtype)
+    if state_dtype != "int8":  # unaligned state rows too
+        for k, t in list(state.items()):
+            v = _view(n, t.dtype, offset)
+            v.copy_(t)
+            state[k] = v
+    copy_t = None if copy_dtype is None else _view(n, copy_dtype, offset)
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen)
+        g[::5] *= 1e-37  # denormal moments
+        g = g.to(g_dtype)
+        gv = _view(n, g_dtype, offset)
+        gv.copy_(g)
+        rule.cpu_step(p, gv, state, group, step, param_copy=copy_t, grad_scale=0.5)
+    return [p.clone()] + [t.clone() for t in state.values()] + ([] if copy_t is None else [copy_t.clone()])
+
+
+@pytest.mark.parametrize("name,group", KERNEL_RULES, ids=[f"{r}{i}" for i, (r, _) in enumerate(KERNEL_RULES)])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_isa_variants_equal_scalar(name, group, state_dtype, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+    try:
+        L = _native.lib()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    rule = get_rule(name)
+    isas = [n for c, n in sorted(_native.ISA_NAMES.items()) if c <= L.offload_kernel_best_isa()]
+    combos = [(F32, None, 0, 1), (BF16, BF16, 1, 15), (F16, F16, 1, 257), (BF16, None, 3, 1023), (F32, BF16, 1, 5000),
+              (F16, BF16, 0, 70001)]
+    try:
+        for g_dtype, c_dtype, offset, n in combos:
+            results = []
+            for isa in isas:
+                _native.kernel_set_isa(L, isa)
+                results.append(_kernel_run(rule, group, n, g_dtype, state_dtype, c_dtype, offset))
+            for isa, r in zip(isas[1:], results[1:]):
+                for a, b in zip(r, results[0]):
+                    assert torch.equal(a, b), (isa, name, state_dtype, g_dtype, c_dtype, n)
+    finally:
+        _native.kernel_set_isa(L, None)
+
+
+@pytest.mark.parametrize("name,group", KERNEL_RULES[2:4], ids=["Lion", "SGD"])
+def test_native_equals_torch_fallback_every_state_dtype(name, group, monkeypatch):
+    """Lion and SGD use only operations torch's CPU kernels perform identically (fused
+    multiply-adds, sign), so the native kernel and the torch fallback agree bit for bit, the
+    int8 quantization included."""
+    rule = get_rule(name)
+    for state_dtype in ("fp32", "bf16", "int8"):
+        out = {}
+        for mode in ("on", "off"):
+            monkeypatch.setenv("OFFLOAD_NATIVE", mode)
+            out[mode] = _kernel_run(rule, group, 1000, F32, state_dtype, BF16, 0)
+        for a, b in zip(out["on"], out["off"]):
+            assert torch.equal(a, b), (name, state_dtype)
+
+
+# ---- int8 blockwise state ----------------------------------------------------------------------
+def test_dynamic_map_is_bitsandbytes():
+    """bitsandbytes' create_dynamic_map: 256 sorted values, 0 and 1 included, decades 1e-6..1."""
+    for signed in (True, False):
+        code = quant.dynamic_map(signed)
+        assert code.shape == (256,) and bool((code[1:] >= code[:-1]).all())
+        assert code.max().item() == 1.0 and (code == 0).sum().item() == 1
+        assert abs(code[code > 0].min().item() - (5.5e-7 if signed else 3.25e-7)) < 1e-12
+    assert quant.dynamic_map(True).min().item() == pytest.approx(-0.99296875, abs=1e-7)
+    assert quant.dynamic_map(False).min().item() == 0.0
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_picks_nearest_code(signed):
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * quant.BLOCK + 17
+    x = torch.randn(n, generator=gen) * torch.logspace(-6, 0, n)
+    if not signed:
+        x = x.abs()
+    x[quant.BLOCK:2 * quant.BLOCK] = 0  # an all-zero block
+    codes, absmax = torch.empty(n, dtype=torch.uint8), torch.empty(quant.nblocks(n))
+    quant.quantize(x, codes, absmax, signed)
+    code = quant.dynamic_map(signed)
+    scale = absmax.repeat_interleave(quant.BLOCK)[:n]
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    best = ((x * inv)[:, None] - code[None, :]).abs()
+    got = best.gather(1, codes.long()[:, None])[:, 0]
+    assert bool((got <= best.min(dim=1).values).all())
+    back = quant.dequantize(codes, absmax, signed)
+    assert bool((back[quant.BLOCK:2 * quant.BLOCK] == 0).all())
+    # the non-linear code keeps relative precision down to 1e-3 of the block maximum: at most
+    # half the relative gap between neighbouring codes there (a linear code would give 0)
+    mag = code[code >= 1e-3]
+    half_gap = ((mag[1:] - mag[:-1]) / (2 * mag[:-1])).max().item()
+    big = x.abs() > 1e-3 * scale
+    assert ((back - x).abs()[big] / x.abs()[big]).max().item() <= half_gap * 1.001 < 0.3
+
+
+def test_int8_state_bytes_per_param():
+    adam = get_rule("AdamW")
+    assert adam.bytes_per_param("host", "int8") <= 6.2
+    assert adam.bytes_per_param("host", "fp32") == 12.0
+    assert get_rule("Lion").state_bytes_per_param("int8") == pytest.approx(1 + 4 / 256)
+    p = torch.zeros(1000)
+    st = adam.init_state(p, dict(adam.defaults), "int8")
+    assert sum(t.numel() * t.element_size() for t in st.values()) == 2 * (1000 + 4 * 4)
+
+
+def test_int8_adam_tracks_fp32(backend):
+    """A least-squares fit: Adam with int8 state reaches the fp32-state loss within 2 %."""
+    gen = torch.Generator().manual_seed(0)
+    a, w_true = torch.randn(512, 64, generator=gen), torch.randn(64, 16, generator=gen)
+    y = a @ w_true
+
+    def fit(state_dtype):
+        w = torch.zeros(64, 16, requires_grad=True)
+        opt = CPUAdamW([w], lr=3e-2, weight_decay=0.0, state_dtype=state_dtype)
+        for _ in range(200):
+            loss = ((a @ w - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return ((a @ w - y) ** 2).mean().item()
+    l32, l8 = fit("fp32"), fit("int8")
+    start = (y ** 2).mean().item()
+    assert l32 < 0.05 * start and abs(l8 - l32) <= 0.02 * start
+
+
+def test_state_dtype_converts_loaded_state():
+    """A torch AdamW state dict loads into an int8 optimizer (quantized at its next step)."""
+    p0, grads = _params([(300,)]), _grads([(300,)], 3)
+    _, topt = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False), p0, grads)
+    ps = [p0[0].clone().requires_grad_(True)]
+    opt = CPUAdamW(ps, lr=1e-2, state_dtype="int8")
+    opt.load_state_dict(topt.state_dict())
+    ps[0].grad = grads[0][0].clone()
+    opt.step()
+    st = opt.state[ps[0]]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_absmax"].shape == (2,)
+    assert int(st["step"].item()) == 4
+
+
+def test_bad_hyperparameters_name_the_key():
+    with pytest.raises(ValueError, match="lr"):
+        CPULion([torch.zeros(3, requires_grad=True)], lr=float("nan"))
+    with pytest.raises(ValueError, match="nesterov"):
+        CPUSGD([torch.zeros(3, requires_grad=True)], nesterov=True)
+    with pytest.raises(TypeError, match="momentum"):
+        CPUAdagrad([torch.zeros(3, requires_grad=True)], momentum=0.9)
+    with pytest.raises(ValueError, match="state_dtype"):
+        CPULion([torch.zeros(3, requires_grad=True)], state_dtype="int4")
+    with pytest.raises(ValueError, match="Lion"):
+        get_rule("Adamax")
