@@ -162,8 +162,9 @@ def _write_block(fname: str, block, a: int, e: int) -> int:
 def _key_map(engine, tensors: bool = True):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
     where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
-    frozen = _frozen_values(engine) if tensors else {}
     base = origin.base_keys(engine)
+    sd = engine.module.state_dict(keep_vars=True)
+    frozen = _frozen_values(engine, {id(v) for k, v in sd.items() if k not in base}) if tensors else {}
     keys, extra = {}, {}
     for k, v in engine.module.state_dict(keep_vars=True).items():
         if id(v) in where:
@@ -178,10 +179,11 @@ def _key_map(engine, tensors: bool = True):
     return keys, extra
 
 
-def _frozen_values(engine) -> dict:
-    """``id(param) -> value`` of the offloaded frozen parameters (read from their homes)."""
+def _frozen_values(engine, wanted=None) -> dict:
+    """``id(param) -> value`` of the offloaded frozen parameters (read from their homes),
+    only those in ``wanted`` (ids) when given: a part with none of them is not read."""
     po = engine.param_offload
-    return po.read_frozen() if po is not None else {}
+    return po.read_frozen(wanted) if po is not None else {}
 
 
 def _rng_state() -> dict:

@@ -345,12 +345,15 @@ class ParamOffload:
         """The most device parameter bytes at any point since initialize."""
         return max(self.peak_all, self.peak_step)
 
-    def read_frozen(self) -> Dict[int, torch.Tensor]:
-        """``id(param) -> host tensor`` of every offloaded frozen parameter, read from its
-        home (one read per part; for checkpoints and state dicts)."""
+    def read_frozen(self, wanted=None) -> Dict[int, torch.Tensor]:
+        """``id(param) -> host tensor`` of every offloaded frozen parameter (those in
+        ``wanted``, ids, when given), read from its home (one read per part; for checkpoints
+        and state dicts)."""
         out = {}
         for bp in self.params:
             for part in (bp.frozen if bp is not None else ()):
+                if wanted is not None and not any(id(s.param) in wanted for s in part.layout.segments):
+                    continue
                 flat = part.read_home()
                 for s in part.layout.segments:
                     out[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
