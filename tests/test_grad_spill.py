@@ -24,8 +24,8 @@ def run(model, data, config):
     snaps = []
     for i, (x, y) in enumerate(data):
         eng.backward(eng(x, y))
+        eng.step()                      # every micro-step; the window commits every gas-th
         if (i + 1) % gas == 0:
-            eng.step()
             snaps.append(eng.full_state_dict())
     stats, plan = eng.stats(), eng.plan
     eng.close()
@@ -83,7 +83,7 @@ def test_host_pools_do_not_grow_with_depth(precision, tmp_path):
             eng = offload.initialize(model, cfg)
             for x, y in batches(gas):
                 eng.backward(eng(x, y))
-            eng.step()
+                eng.step()
             eng.synchronize()
             host.append(eng.stats()["tier_bytes"]["host"])
             assert host[-1] == eng.plan.host
