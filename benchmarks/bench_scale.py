@@ -206,10 +206,10 @@ x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generato
 losses, times = [], []
 for step in range(a["steps"]):
     t0 = time.perf_counter()
-    for _ in range(a["gas"]):
+    for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
         loss = eng(input_ids=x, labels=x).loss
         eng.backward(loss)
-    eng.step()
+        eng.step()
     eng.synchronize()
     times.append(time.perf_counter() - t0)
     losses.append(loss.item())
@@ -271,6 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--path", default=None, help="directory on the disk under test (default: a temp dir)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--only", choices=["lora", "full"], help="run one part only")
     args = p.parse_args(argv)
     lora_shape, ft_shape = shapes(args.size)
     lora_tokens = 128 if args.size == "7b" else 64
@@ -278,7 +279,8 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="bench_scale-", dir=args.path)
     free = shutil.disk_usage(root).free
     deep, shallow = ft_shape["layers"], ft_shape["layers"] // 4
-    runs_lora, runs_ft = args.size != "2b", args.size != "7b"
+    runs_lora = args.size != "2b" and args.only in (None, "lora")
+    runs_ft = args.size != "7b" and args.only in (None, "full")
     need = disk_need(args.size)
     print(f"free disk at {root}: {free / GIB:.1f} GiB; --size {args.size} needs about {need / GIB:.1f} GiB", flush=True)
     if need > 0.95 * free:
