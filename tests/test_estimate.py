@@ -167,7 +167,7 @@ def test_world_size_shards_per_rank_state():
     assert b.nvme <= a.nvme <= b.nvme + 2 * SPEC.params + pad
     # each rank stages two blocks per link direction of its own; the pools hold shards
     link = 2 * 2 * 2 * SPEC.largest_block
-    assert b.pinned - 4 * link <= a.pinned - link + pad
+    assert b.pinned - 4 * link <= a.pinned - link + 2 * SPEC.params + pad   # (their gradients, in RAM)
 
 
 def test_deepspeed_reference_formulas():
