@@ -10,7 +10,8 @@ def cmd_estimate(args) -> int:
     from offload.planner import estimate as est
     spec = model_spec(args)
     machine = est.this_machine(args.nvme_path, parse_size(args.device_memory, "--device-memory"))
-    rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count)
+    rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count, args.gradient_clipping,
+                        args.gradient_accumulation_steps, parse_size(args.grad_host_bytes, "--grad-host-bytes"))
     if args.json:
         print(json.dumps({"model": spec.__dict__, "machine": machine.__dict__, "placements": [
             {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
@@ -48,6 +49,11 @@ def register(sub) -> None:
     add_model_args(e, gpt_defaults=False)
     e.add_argument("--world-size", type=int, default=1, help="data-parallel ranks on this node")
     e.add_argument("--buffer-count", type=int, default=4, help="swap slots per NVMe tier")
+    e.add_argument("--gradient-clipping", type=float, default=0.0,
+                   help="clipping (> 0) makes gradients wait for the global norm: parked on NVMe")
+    e.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    e.add_argument("--grad-host-bytes", metavar="SIZE",
+                   help="offload_optimizer.grad_host_bytes: host memory for gradient buffers")
     e.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
     e.add_argument("--nvme-path", metavar="DIR", help="where the NVMe tier would live (free space is checked)")
     e.add_argument("--deepspeed", action="store_true", help="also print DeepSpeed's estimator figures")

@@ -105,11 +105,17 @@ class OffloadOptimizerConfig:
     pin_memory: bool = True
     # Blocks whose state is read ahead of the CPU step (nvme only): bounds the pinned pool.
     buffer_count: int = 4
+    # Host bytes for gradient buffers (pool offload-grads). None: with nvme, buffer_count
+    # buffers (at least workers + 2) and gradients that wait (clipping, fp16, accumulation)
+    # go to NVMe; with cpu, every block's gradients stay in host memory. A number: the
+    # gradients stay in host memory if they fit, else a pool of this size and NVMe.
+    grad_host_bytes: Optional[int] = None
 
     def __post_init__(self):
         _check_finite(self, "offload_optimizer.")
         _check_choice("offload_optimizer.device", self.device, TIER_DEVICES)
         _check_positive("offload_optimizer.buffer_count", self.buffer_count)
+        _check_positive("offload_optimizer.grad_host_bytes", self.grad_host_bytes)
         if self.device == "nvme":
             _require_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
 

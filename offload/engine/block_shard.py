@@ -59,7 +59,7 @@ class BlockShard:
 
     def grad_shard(self) -> torch.Tensor:
         """The gradients of this rank's shard (a view into the gradient buffer)."""
-        t = self.grad.tensor
+        t = self.grad.resident()          # a gradient parked on NVMe comes back first
         s0, s1 = self.shard
         return t if t.numel() == s1 - s0 else t[s0:s1]
 

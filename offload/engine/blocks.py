@@ -10,7 +10,9 @@ a list of module names.
 
 A parameter shared between modules (tied weights) belongs to the first block that reaches
 it, and is one parameter everywhere. Frozen parameters (``requires_grad=False``) are not in
-any flat buffer: they get no gradient buffer and no optimizer state.
+the trainable flat buffer: they get no gradient buffer and no optimizer state. When
+parameters are offloaded, ``frozen_parts`` groups them by the same block roots into one flat
+buffer per dtype (a bf16 frozen base beside fp32 adapters is two parts of one block).
 
 Layout of one block's flat buffer (1-D, one dtype)::
 
@@ -89,17 +91,24 @@ def auto_block_roots(model: nn.Module) -> List[str]:
     return roots
 
 
-def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_group_of: Dict[int, int],
-                  world_size: int = 1) -> List[BlockLayout]:
-    """Assign every trainable parameter to exactly one block and lay the blocks out.
-
-    ``param_group_of`` maps ``id(param)`` to its optimizer group index."""
+def block_roots(model: nn.Module, block_names: Optional[Sequence[str]]) -> List[str]:
+    """The module names that become blocks (``Config.blocks`` or automatic), checked."""
     modules = dict(model.named_modules())
     names = list(block_names) if block_names is not None else auto_block_roots(model)
     for n in names:
         if n not in modules:
             raise ModelError(f"config blocks names module {n!r}, which the model does not have; "
                              f"use names from model.named_modules()")
+    return names
+
+
+def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_group_of: Dict[int, int],
+                  world_size: int = 1) -> List[BlockLayout]:
+    """Assign every trainable parameter to exactly one block and lay the blocks out.
+
+    ``param_group_of`` maps ``id(param)`` to its optimizer group index."""
+    modules = dict(model.named_modules())
+    names = block_roots(model, block_names)
     claimed: Dict[int, int] = {}
     per_block: List[List[Tuple[str, nn.Parameter]]] = []
     for bi, n in enumerate(names):
@@ -142,6 +151,45 @@ def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_
     if not layouts:
         raise ModelError("the model has no trainable parameters: nothing to optimize")
     return layouts
+
+
+def frozen_parts(model: nn.Module, block_names: Optional[Sequence[str]],
+                 dtype_of) -> List[Tuple[str, nn.Module, List[BlockLayout]]]:
+    """The frozen parameters grouped by the same block roots as ``build_layouts``: per root
+    ``(name, module, parts)``, one part (a ``BlockLayout`` with ``group`` -1 segments) per
+    storage dtype, ``dtype_of(param)`` giving it. Parameters under no root go to the root
+    block ``""``; roots without frozen parameters are left out. A part is padded to the
+    4 KiB element unit (never sharded: every rank keeps the whole frozen part)."""
+    modules = dict(model.named_modules())
+    names = block_roots(model, block_names)
+    seen = set()
+    per_root: List[Tuple[str, List[Tuple[str, nn.Parameter]]]] = []
+    for n in names:
+        items = []
+        for pname, p in modules[n].named_parameters(prefix=n, remove_duplicate=True):
+            if id(p) not in seen:
+                seen.add(id(p))              # a tied parameter belongs to its first root
+                if not p.requires_grad:
+                    items.append((pname, p))
+        per_root.append((n, items))
+    rest = [(pn, p) for pn, p in model.named_parameters() if id(p) not in seen and not p.requires_grad]
+    if rest:
+        per_root.append(("", rest))
+    out = []
+    for n, items in per_root:
+        by_dtype: Dict[torch.dtype, List[Tuple[str, nn.Parameter]]] = {}
+        for pn, p in items:
+            by_dtype.setdefault(dtype_of(p), []).append((pn, p))
+        parts = []
+        for dt in sorted(by_dtype, key=str):
+            segs, off = [], 0
+            for pn, p in by_dtype[dt]:
+                segs.append(Segment(pn, p, off, p.numel(), p.shape, -1))
+                off += p.numel()
+            parts.append(BlockLayout(-1, n, modules[n], segs, off, sharding.padded_numel(off, 1)))
+        if parts:
+            out.append((n, modules[n], parts))
+    return out
 
 
 def materialize_meta(layout: BlockLayout, loader) -> None:

@@ -51,6 +51,7 @@ from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.engine.grads import GradBuffer
 from offload.engine.hooks import Hooks
+from offload.engine.memory_plan import GradHome
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
@@ -73,6 +74,8 @@ class _UpdateAndGrads:
         self.engine = engine
 
     def pre_forward(self, i: int) -> None:
+        if i >= len(self.engine.blocks):
+            return                           # a block of frozen parameters only: no update
         b = self.engine.blocks[i]
         if b.pending is not None or b.update_event is not None:
             with self.engine.telemetry.span("offload::wait_update"):
@@ -89,6 +92,14 @@ class _UpdateAndGrads:
         param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
         if buf.complete:
             e.control.on_block_complete(block)
+
+
+def _fill_flat(flat: torch.Tensor, part: blk.BlockLayout) -> None:
+    """Write a part's parameter values into ``flat`` (padding zeroed), converting dtypes."""
+    with torch.no_grad():
+        flat.zero_()
+        for sg in part.segments:
+            flat[sg.offset:sg.offset + sg.numel].copy_(sg.param.detach().reshape(-1))
 
 
 class _ParamGroups(torch.optim.Optimizer):
@@ -152,6 +163,18 @@ class Engine:
         self.optimizer = self._make_optimizer(model, param_groups)
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
+        # Frozen parameters are offloaded with their blocks whenever parameters are:
+        # (root name, root module, parts) per block root holding any
+        self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
+            if self._param_home_device() != "none" else []
+        from offload.engine.memory_plan import plan as memory_plan
+        sizes = self._block_sizes()
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize)
+        if self.plan.param_budget is not None:     # the default budget covers the working set
+            self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
+            self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
+                                    working_set=self._working_set[0])
         self.comm.check_same("model and config", self._signature())
         from offload.io.loader import WeightLoader
         self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
@@ -164,9 +187,11 @@ class Engine:
         self._param_home_pool = None
         self._param_stage_pool = None
         self._param_write_pool = None
+        self._grad_pool = None
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self._act_store = None
+        self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
         self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
@@ -265,37 +290,44 @@ class Engine:
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
+    def _block_sizes(self) -> list:
+        """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
+        from offload.engine.memory_plan import BlockSize
+        return [BlockSize(name, lay.numel if lay is not None else 0,
+                          tuple(self._frozen_part_bytes(p) for p in parts))
+                for name, _, lay, parts in self._unit_parts()]
+
     def _build_storage(self) -> None:
+        """Host pools and NVMe stores, sized by the memory plan (engine/memory_plan.py says
+        what each pool holds)."""
+        from offload.engine.memory_plan import GradHome
         from offload.storage.pinned_pool import HostPool
-        cfg = self.config
+        cfg, plan = self.config, self.plan
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
-        state_bytes = [3 * (self._shard(lay)[1] - self._shard(lay)[0]) * 4 for lay in self.layouts]
-        grad_dtype = self._grad_dtype()
-        grad_bytes = [self._grad_numel(lay) * torch.empty((), dtype=grad_dtype).element_size()
-                      for lay in self.layouts]
-        host_slots = []
-        # Gradients of the whole window are held until step() commits it: one buffer per block.
-        if self.tier is not Tier.DEVICE:
-            host_slots += grad_bytes
-        if self.tier is Tier.HOST:
-            host_slots += state_bytes
+
+        def pool(name):
+            pl = plan.pool(name)
+            return HostPool(list(pl.slots), pin=pin, name=name) if pl is not None else None
+        self._grad_pool = pool("offload-grads")
+        self._host_pool = pool("offload-host")
         self._swap_slots = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1)
-        if host_slots:
-            self._host_pool = HostPool(host_slots, pin=pin, name="offload-host")
         if self.tier is Tier.NVME:
             from offload.storage.nvme import NvmeStore
             a = cfg.aio
             self._store = NvmeStore(cfg.offload_optimizer.nvme_path, backend=a.backend, block_size=a.block_size,
                                     queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                     name="optimizer")
-            self._store.reserve({self._state_key(lay): n for lay, n in zip(self.layouts, state_bytes)})
-            self._swap_pool = HostPool([max(state_bytes)] * self._swap_slots, pin=pin, name="offload-swap")
+            self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
+            self._swap_pool = pool("offload-swap")
+            if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
+                self._store.reserve({f"b{lay.index}.grad": bp.grad_numel * plan.grad_bytes
+                                     for lay, bp in zip(self.layouts, plan.blocks)})
+        elif plan.grad_home is GradHome.SPILL:
+            raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
+                             "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
+                             "or raise grad_host_bytes")
 
     # ---- parameter offload ------------------------------------------------------------------
-    def _param_bytes(self, lay: blk.BlockLayout) -> int:
-        """Bytes of a block's parameters on the device: the full flat."""
-        return lay.padded_numel * torch.empty((), dtype=self.dtype).element_size()
-
     def _home_numel(self, lay: blk.BlockLayout) -> int:
         """Elements of a block's parameter home: the shard with ZeRO-3, else the full flat."""
         s0, s1 = self._shard(lay)
@@ -309,50 +341,116 @@ class Engine:
         pc = self.config.offload_param
         return "cpu" if pc.device == "none" and self.stage == 3 else pc.device
 
+    def _frozen_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype a frozen parameter is kept in: its own, or the compute dtype when that is
+        narrower (an fp32 frozen weight in a bf16 run); a bf16 base beside fp32 training
+        stays bf16. Integer parameters keep theirs."""
+        if not p.is_floating_point():
+            return p.dtype
+        own, comp = p.element_size(), torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype if comp < own else p.dtype
+
+    def _unit_parts(self) -> list:
+        """(name, module, trainable layout or None, frozen part layouts) per block that
+        visits the device: the trained blocks in order, then blocks holding only frozen
+        parameters."""
+        frozen = {name: (mod, parts) for name, mod, parts in self.frozen}
+        units = [(lay.name, lay.module, lay, frozen.pop(lay.name, (None, []))[1]) for lay in self.layouts]
+        units += [(name, mod, None, parts) for name, (mod, parts) in frozen.items()]
+        return units
+
+    def _frozen_part_bytes(self, part: blk.BlockLayout) -> int:
+        return part.padded_numel * torch.empty((), dtype=self._frozen_dtype(part.segments[0].param)).element_size()
+
+    def _find_working_set(self, unit_bytes: List[int]) -> tuple:
+        """(bytes, blocks): the largest set of blocks one module's forward needs on the
+        device at once (see params/offload.py ``working_set``)."""
+        from offload.params.offload import working_set
+        owner = {}
+        units = self._unit_parts()
+        for i, (_, _, lay, parts) in enumerate(units):
+            for part in ([lay] if lay is not None else []) + parts:
+                for sg in part.segments:
+                    owner[id(sg.param)] = i
+        return working_set(self.module, owner, [u[1] for u in units], unit_bytes)
+
+    def _check_budget(self, budget: int, unit_bytes: List[int]) -> None:
+        """The device budget is a contract: it must hold the working set."""
+        from offload.params.offload import DeviceBudgetError
+        units = self._unit_parts()
+        need, which = self._working_set
+        if budget < need:
+            names = ", ".join(repr(units[i][0] or "<root>") for i in which)
+            raise DeviceBudgetError(
+                f"offload_param.device_budget_bytes={budget} ({budget / 2**30:.3f} GiB) cannot hold the "
+                f"parameters one forward step needs at once: blocks {names} take {need} bytes "
+                f"({need / 2**30:.3f} GiB). The smallest budget that works is {need}; "
+                f"{need + max(unit_bytes)} lets the next block arrive while one runs")
+
     def _build_param_homes(self) -> None:
-        """Host or NVMe homes for the parameter copies when offload_param asks for them."""
+        """Host or NVMe homes for the parameter copies (trainable and frozen parts) when
+        offload_param asks for them; pools sized by the memory plan."""
+        from offload.engine import memory_plan as mp
         from offload.storage.pinned_pool import HostPool
         pc = self.config.offload_param
         home_device = self._param_home_device()
         if home_device == "none":
             return
-        sizes = [self._param_bytes(lay) for lay in self.layouts]
-        homes = [self._home_bytes(lay) for lay in self.layouts]
+        units, plan = self._unit_parts(), self.plan
+        sizes = [bp.device_bytes for bp in plan.blocks]
         largest = max(sizes)
-        budget = pc.device_budget_bytes or 2 * largest
-        if budget < largest:
-            big = self.layouts[sizes.index(largest)]
-            raise ValueError(f"offload_param.device_budget_bytes={budget} is smaller than block "
-                             f"{big.name or '<root>'!r} ({largest} bytes): raise it to at least {largest} "
-                             f"(twice that lets the next block arrive while one runs)")
-        pf = self.config.prefetch
+        budget = plan.param_budget
+        self._check_budget(budget, sizes)
         self._param_budget = budget
-        self._device_lookahead = pf.device_lookahead_bytes if pf.device_lookahead_bytes is not None \
-            else budget - largest
-        self._host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None \
-            else 2 * budget
+        self._device_lookahead = mp.device_lookahead(self.config, budget, largest)
+        self._host_lookahead = mp.host_lookahead(self.config, budget)
         pin = pc.pin_memory and dev.can_pin()
+
+        def pool(name):
+            return HostPool(list(plan.pool(name).slots), pin=pin, name=name)
         if home_device == "cpu":
-            self._param_home_pool = HostPool(homes, pin=pin, name="offload-param-home")
+            self._param_home_pool = pool("offload-param-home")
             return
         from offload.storage.nvme import NvmeStore
         a = self.config.aio
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        self._param_store.reserve({f"b{lay.index}.param": n for lay, n in zip(self.layouts, homes)})
-        # Staging buffers: the blocks that fit in the device budget and the host lookahead
-        # (on a CPU device a staged buffer is the device copy), largest first, plus one spare.
-        # (ZeRO-3: a staged buffer holds the shard; the all-gather output is the device copy.)
-        slots, total, largest_home = [], 0, max(homes)
-        for n, h in sorted(zip(sizes, homes), reverse=True):
-            if total >= budget + self._host_lookahead + largest:
-                break
-            slots.append(h)
-            total += n
-        self._param_stage_pool = HostPool(slots + [largest_home], pin=pin, name="offload-param-stage")
-        self._param_write_pool = HostPool([largest_home] * self.config.optimizer_workers, pin=pin,
-                                          name="offload-param-write")
+        homes = [([bp.home_bytes] if bp.padded_numel else []) + list(bp.frozen) for bp in plan.blocks]
+        self._param_store.reserve({key: n for i, hs in enumerate(homes)
+                                   for key, n in zip(self._part_keys(i, units[i]), hs)})
+        self._param_stage_pool = pool("offload-param-stage")
+        self._param_write_pool = pool("offload-param-write")
+
+    @staticmethod
+    def _part_keys(i: int, unit) -> List[str]:
+        """NVMe keys of block i's parts: the trainable part keeps today's key."""
+        _, _, lay, parts = unit
+        return ([f"b{i}.param"] if lay is not None else []) + [f"b{i}.frozen{k}" for k in range(len(parts))]
+
+    def _frozen_home(self, i: int, k: int, part: blk.BlockLayout):
+        """The BlockParams of frozen part ``k`` of block ``i``, its values written home from
+        the parameters (materialized from the meta device block by block when needed),
+        whose original memory then goes."""
+        from offload.params.residency import BlockParams
+        # from the checkpoint (remembered as the base's origin, so checkpoints refer to it),
+        # or the model's own initialisation for a meta part
+        self.weights.load([s.param for s in part.segments], frozen_reference=True)
+        dtype = self._frozen_dtype(part.segments[0].param)
+        n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
+        if self._param_home_device() == "cpu":
+            home = self._param_home_pool.acquire(nbytes).view(dtype, n)
+            _fill_flat(home, part)
+            bp = BlockParams(part, dtype, self.device, home_buf=home)
+        else:
+            bp = BlockParams(part, dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
+                             key=f"b{i}.frozen{k}")
+            with self._param_stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
+                flat = loan.view(dtype, n)
+                _fill_flat(flat, part)
+                bp.write_home(flat)
+        bp.release_initial()
+        return bp
 
     def _param_home(self, lay: blk.BlockLayout):
         from offload.params.residency import BlockParams
@@ -379,13 +477,17 @@ class Engine:
         from offload.params.offload import ParamOffload
         if self._param_home_device() == "none":
             return
-        self.param_offload = ParamOffload(self, [b.params for b in self.blocks], budget=self._param_budget,
+        self.param_offload = ParamOffload(self, self.units, budget=self._param_budget,
                                           device_lookahead=self._device_lookahead,
                                           host_lookahead=self._host_lookahead,
                                           prefetch=self.config.prefetch.enabled)
-        self.param_offload.resident_bytes = sum(
-            p.numel() * p.element_size() for p in self.module.parameters()
-            if not any(p is s.param for b in self.blocks for s in b.layout.segments))
+        offloaded = {id(s.param) for u in self.units for _, s in u.segments}
+        self.param_offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                                if id(p) not in offloaded)
+
+    def _jobs_in_flight(self) -> bool:
+        """Whether work in flight will give a gradient buffer back (an update, or a park)."""
+        return any((b.pending is not None and not b.pending.done()) or b.grad.parking for b in self.blocks)
 
     def _start_activation_offload(self) -> None:
         from offload.engine.activations import ActivationOffload
@@ -416,7 +518,8 @@ class Engine:
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
-        self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts])
+        self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts] +
+                              [[s.param for s in part.segments] for *_, parts in self._unit_parts() for part in parts])
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
             n, gn = s1 - s0, self._grad_numel(lay)
@@ -430,8 +533,13 @@ class Engine:
                                    tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
-                nb = gn * torch.empty((), dtype=grad_dtype).element_size()
-                grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
+                if self._grad_pool is not None:
+                    spill = self._store if self.plan.grad_home is GradHome.SPILL else None
+                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
+                                      has_jobs=self._jobs_in_flight, spill=spill, key=f"b{lay.index}.grad")
+                else:
+                    nb = gn * torch.empty((), dtype=grad_dtype).element_size()
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
                     state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
@@ -461,10 +569,25 @@ class Engine:
             self.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
                                           landing=landing))
             del full, master
+        self._build_units()
+
+    def _build_units(self) -> None:
+        """The BlockParts of parameter offload: each trained block's part with the frozen
+        parts of the same root, then blocks holding only frozen parameters."""
+        from offload.params.parts import BlockParts
+        if self._param_home_device() == "none":
+            return
+        for i, (name, module, lay, parts) in enumerate(self._unit_parts()):
+            frozen = [self._frozen_home(i, k, part) for k, part in enumerate(parts)]
+            trainable = self.blocks[i].params if lay is not None else None
+            self.units.append(BlockParts(i, name, module, trainable, frozen))
+        dev.return_freed_host_memory()
 
     def _move_rest(self, model: nn.Module) -> None:
-        """Frozen parameters and buffers go to the device in the compute dtype."""
+        """Frozen parameters that are not offloaded go to the device (in the dtype
+        ``_frozen_dtype`` gives), buffers in the compute dtype."""
         bound = {id(s.param) for lay in self.layouts for s in lay.segments}
+        bound |= {id(s.param) for _, _, parts in self.frozen for part in parts for s in part.segments}
         self.weights.load_rest(model, bound, self.device, self.dtype, groups=[lay.module for lay in self.layouts])
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in bound and t.is_meta:
@@ -473,7 +596,7 @@ class Engine:
         for m in model.modules():
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in bound:
-                    p.data = p.data.to(device=self.device, dtype=self.dtype if p.is_floating_point() else None)
+                    p.data = p.data.to(device=self.device, dtype=self._frozen_dtype(p))
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
@@ -483,7 +606,7 @@ class Engine:
         the engine's own part first, then the update waits for reads outside a block's modules
         (without parameter offload, whose materialize waits itself), parameter offload,
         activation offload."""
-        self.hooks = Hooks(self.module, self.layouts)
+        self.hooks = Hooks(self.module, self.layouts, self.units)
         self.hooks.join(_UpdateAndGrads(self))
         if self.param_offload is None:
             self.hooks.join(UpdateWaits(self.blocks, self.telemetry))
@@ -630,7 +753,7 @@ class Engine:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
         pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool) if p is not None]
+                             self._param_write_pool, self._grad_pool) if p is not None]
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
@@ -753,9 +876,12 @@ class Engine:
         for i, bp in enumerate(po.params):
             if bp is None:
                 continue
-            flat = po.materialize(i).detach().to(self._origin[i], copy=True)
+            po.materialize(i)
+            origin = self._origin[i] if i < len(self._origin) else torch.device("cpu")
+            for part in bp.parts:             # the trainable part and each frozen part
+                flat = part.device_buf.detach().to(origin, copy=True)
+                out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in part.layout.segments]
             po.release_all()
-            out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in bp.layout.segments]
         return out
 
     def _release_storage(self) -> None:
@@ -764,7 +890,7 @@ class Engine:
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool) if r is not None]
+                             self._param_write_pool, self._grad_pool) if r is not None]
         if clean:
             for r in pools:
                 r.close()
@@ -772,7 +898,7 @@ class Engine:
             from offload.storage import nvme
             nvme.keep_alive(pools)
         self._act_store = None
-        self._store = self._swap_pool = self._host_pool = self._param_store = None
+        self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
     def __enter__(self):

@@ -11,9 +11,22 @@ Synchronization: a CUDA landing is an asynchronous copy on the D2H stream; ``eve
 holds the completion events, which the optimizer waits for (``wait_landed``) before it
 reads the buffer. The device gradient is freed by the caller right after the landing is
 queued (its memory is protected by ``record_stream``).
+
+Spilling (a pooled buffer with a ``spill`` store): gradients that must outlive their buffer
+(the update waits for the global norm; the window spans several micro-steps) are parked on
+the NVMe tier between uses::
+
+    NONE --land/_borrow--> BORROWED --park()--> PARKED --resident()/land--> BORROWED
+    any --reset_window()--> NONE (a parked sum is discarded: the update consumed it)
+
+``park`` runs on an optimizer worker; a later borrow waits for it (``_parking``). Zeroing the
+ranges of parameters without a gradient (``close_window``) on a parked buffer is applied when
+it comes back.
 """
 from __future__ import annotations
 
+import enum
+import threading
 from typing import List, Optional
 
 import torch
@@ -21,19 +34,37 @@ import torch
 from offload import device as dev
 
 
+class Spill(enum.Enum):
+    NONE = "none"            # no sum of this window anywhere but the buffer (if borrowed)
+    PARKED = "parked"        # this window's running sum is on NVMe; no buffer held
+
+
 class GradBuffer:
+    """With a ``pool`` the buffer is borrowed at the window's first landing and returned
+    when the window is consumed (``reset_window``), so host memory for gradients is bounded
+    by the pool, not the model. ``has_jobs`` tells whether an update in flight will return a
+    buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
+
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None):
-        self.tensor = tensor                          # 1-D, padded numel (None while transient and empty)
+                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None,
+                 spill=None, key: str = ""):
+        self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
         self._device = device
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
+        self._pool, self._has_jobs = pool, has_jobs
+        self._loan = None
         self._seen = [False] * num_segments           # landed in the current window
         self.arrived = 0                              # landings in the current backward
         self.events: List = []                        # CUDA copies still in flight
         self._staging: Optional[torch.Tensor] = None  # pinned, for accumulating CUDA landings
+        self._spill, self._key = spill, key           # NvmeStore and key parking this buffer
+        self.spill = Spill.NONE
+        self._parking = None                          # Future of park() in flight
+        self._park_thread = None                      # the worker running the park job
+        self._zero_on_return = None                   # segments to zero when a parked sum returns
 
     # ---- one backward ------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -46,8 +77,10 @@ class GradBuffer:
     def land(self, index: int, offset: int, grad: torch.Tensor, stream) -> None:
         """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
         flat = grad.detach().reshape(-1)
+        if self._parking is not None:
+            self._wait_parking()                      # the park of the last micro-step first
         if self.tensor is None:
-            self._allocate()
+            self._borrow()
         dst = self.tensor[offset:offset + flat.numel()]
         if not self._seen[index]:
             if dst.device == flat.device:
@@ -69,8 +102,81 @@ class GradBuffer:
             dst.add_(tmp)
         self.arrived += 1
 
-    def _allocate(self) -> None:
-        self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
+    def _borrow(self) -> None:
+        self._wait_parking()
+        if self._pool is None:
+            self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
+            return
+        nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
+        loan = self._pool.try_acquire(nbytes)
+        while loan is None:
+            if not self._has_jobs():
+                # every buffer is held by a block still collecting gradients: allocate
+                self.tensor = torch.empty(self._numel, dtype=self._dtype)
+                return
+            try:
+                loan = self._pool.acquire(nbytes, timeout=0.05)
+            except TimeoutError:
+                pass
+        self._loan = loan
+        self.tensor = loan.view(self._dtype, self._numel)
+        if self.spill is Spill.PARKED:               # the window's sum so far comes back
+            self._spill.read(self._key, self.tensor).wait()
+            self.spill = Spill.NONE
+            segs, self._zero_on_return = self._zero_on_return, None
+            if segs is not None:
+                self._zero_unseen(segs)
+
+    # ---- spilling ------------------------------------------------------------------------------
+    @property
+    def spills(self) -> bool:
+        return self._spill is not None
+
+    def park(self) -> None:
+        """Write the window's sum so far to the NVMe tier and give the buffer back (BORROWED
+        -> PARKED); a no-op without a buffer. Runs on a worker; see ``start_park``."""
+        if self.tensor is None or self._loan is None:
+            return
+        self.wait_landed()
+        self._spill.write(self._key, self.tensor).wait()
+        self.tensor = None
+        loan, self._loan = self._loan, None
+        self.spill = Spill.PARKED
+        loan.release()
+
+    def start_park(self, run, first=None):
+        """Park on a worker (``run(fn)`` returns a Future), after ``first()`` (a reader of the
+        buffer, e.g. its norms) if given; the next borrow waits for it. Returns the Future,
+        whose result is ``first()``'s."""
+        self._wait_parking()
+
+        def job():
+            self._park_thread = threading.get_ident()   # first() reads the buffer before the park
+            try:
+                out = first() if first is not None else None
+                self.park()
+            finally:
+                self._park_thread = None
+            return out
+        self._parking = run(job)
+        return self._parking
+
+    @property
+    def parking(self) -> bool:
+        return self._parking is not None and not self._parking.done()
+
+    def _wait_parking(self) -> None:
+        fut, self._parking = self._parking, None
+        if fut is not None:
+            fut.result()
+
+    def resident(self) -> torch.Tensor:
+        """The buffer in memory (a parked sum is read back into a borrowed buffer)."""
+        if self._park_thread != threading.get_ident():
+            self._wait_parking()
+        if self.tensor is None and self.spill is Spill.PARKED:
+            self._borrow()
+        return self.tensor
 
     def seen(self, index: int) -> bool:
         """Whether parameter ``index`` got a gradient in the current window."""
@@ -88,12 +194,19 @@ class GradBuffer:
         any_seen = any(self._seen)
         if not any_seen:
             return False
+        self._wait_parking()
+        if self.tensor is None and self.spill is Spill.PARKED:
+            self._zero_on_return = segments           # applied when the sum comes back
+            return True
         if self.tensor is None:     # every landing was whole-shard (land_whole) and none came
             return False
+        self._zero_unseen(segments)
+        return any_seen
+
+    def _zero_unseen(self, segments) -> None:
         for i, s in enumerate(segments):
             if not self._seen[i]:
                 self.tensor[s.offset:s.offset + s.numel].zero_()
-        return any_seen
 
     @property
     def any_landed(self) -> bool:
@@ -103,7 +216,7 @@ class GradBuffer:
         """Make the buffer exist and zero every range that got no gradient (a rank must take
         part in a collective even when none of its parameters got a gradient)."""
         if self.tensor is None:
-            self._allocate()
+            self._borrow()
             self.tensor.zero_()
             self._seen = [True] * self.num_segments
         self.close_window(segments)
@@ -113,7 +226,7 @@ class GradBuffer:
         """Add a whole-buffer gradient (a reduce-scattered shard): the window's first
         landing overwrites, later ones add."""
         if self.tensor is None:
-            self._allocate()
+            self._borrow()
         if not any(self._seen):
             self.tensor.copy_(src)
         else:
@@ -121,9 +234,17 @@ class GradBuffer:
         self._seen = [True] * self.num_segments
 
     def reset_window(self) -> None:
-        """After the optimizer consumed the buffer (or the window was discarded): the next
-        landing overwrites; a transient buffer is freed."""
+        """After the optimizer consumed the buffer: the next landing overwrites (a borrowed
+        buffer goes back to the pool)."""
+        self._wait_parking()
         self._seen = [False] * self.num_segments
-        if self._device is not None:
+        self.spill, self._zero_on_return = Spill.NONE, None
+        if self._pool is None and self._device is not None:
             self.wait_landed()
             self.tensor = None                        # transient: freed
+        elif self._pool is not None and self.tensor is not None:
+            self.wait_landed()
+            self.tensor = None
+            loan, self._loan = self._loan, None
+            if loan is not None:
+                loan.release()

@@ -90,18 +90,16 @@ class _OutsideReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        read = self.hooks.param_read
-        for a in args:
-            if isinstance(a, nn.Parameter):
-                read(a)
-            elif isinstance(a, (list, tuple)):
-                for x in a:
-                    if isinstance(x, nn.Parameter):
-                        read(x)
-        for a in kwargs.values():
-            if isinstance(a, nn.Parameter):
-                read(a)
-        return func(*args, **kwargs)
+        params = [a for a in args if isinstance(a, nn.Parameter)]
+        params += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, nn.Parameter)]
+        params += [a for a in kwargs.values() if isinstance(a, nn.Parameter)]
+        if not params:
+            return func(*args, **kwargs)
+        held = self.hooks.param_read(params)      # kept in use until the op returns
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.hooks.param_read_done(held)
 
 
 class Hooks:
@@ -109,14 +107,26 @@ class Hooks:
 
     ``join(participant)`` before ``install()``; ``remove()`` takes every hook off again."""
 
-    def __init__(self, model: nn.Module, layouts: Sequence) -> None:
+    def __init__(self, model: nn.Module, layouts: Sequence, units: Sequence = ()) -> None:
+        """``layouts``: the trained blocks (their parameters get gradient hooks). ``units``:
+        parameter offload's blocks (``index``, ``module``, ``segments`` of (part, segment)),
+        whose frozen parameters and frozen-only blocks need forward hooks too."""
         self.model = model
         self.layouts = list(layouts)
         self.participants: List = []
         self.saved = SavedTensorChain()
-        self.phase = [BlockPhase.IDLE] * len(self.layouts)
-        self._depth = [0] * len(self.layouts)       # nesting of FORWARD (re-used modules)
         self._owner: Dict[int, int] = {id(s.param): lay.index for lay in self.layouts for s in lay.segments}
+        self._roots: Dict[int, List[int]] = {}      # id(module) -> blocks rooted there
+        for lay in self.layouts:
+            self._roots.setdefault(id(lay.module), []).append(lay.index)
+        for u in units:
+            for _, s in u.segments:
+                self._owner.setdefault(id(s.param), u.index)
+            if u.index not in self._roots.get(id(u.module), ()):
+                self._roots.setdefault(id(u.module), []).append(u.index)
+        n = 1 + max([lay.index for lay in self.layouts] + [u.index for u in units])
+        self.phase = [BlockPhase.IDLE] * n
+        self._depth = [0] * n                        # nesting of FORWARD (re-used modules)
         self._handles: list = []
         self._context = None                         # the saved-tensor hooks context while a forward runs
         self._mode = None                            # the outside-reads mode while a forward runs
@@ -138,7 +148,8 @@ class Hooks:
     def install(self) -> None:
         model = self.model
         self._pre, self._post = self._each("pre_forward"), self._each("post_forward")[::-1]
-        self._reads = self._each("param_read")
+        self._reads = [(p.param_read, getattr(p, "param_read_done", None)) for p in self.participants
+                       if getattr(p, "param_read", None) is not None]
         # a participant with param_read and no wants_reads wants every forward's reads
         self._watch = [getattr(p, "wants_reads", lambda: True) for p in self.participants
                        if getattr(p, "param_read", None) is not None]
@@ -150,7 +161,7 @@ class Hooks:
             self._handles.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
         for m in model.modules():
             used = sorted({self._owner[id(p)] for p in m.parameters(recurse=False) if id(p) in self._owner}
-                          | {lay.index for lay in self.layouts if lay.module is m})
+                          | set(self._roots.get(id(m), ())))
             if used:
                 self._handles.append(m.register_forward_pre_hook(self._make_pre(used)))
                 self._handles.append(m.register_forward_hook(self._make_post(used), always_call=True))
@@ -198,9 +209,16 @@ class Hooks:
         for f in self._end:
             f()
 
-    def param_read(self, param: nn.Parameter) -> None:
-        for f in self._reads:
-            f(param)
+    def param_read(self, params) -> list:
+        """Parameters reached one torch op: each participant's ``param_read(p)`` per
+        parameter; what they return is handed back to their ``param_read_done`` when the op
+        has returned (parameter offload holds the blocks the op reads)."""
+        return [(done, [f(p) for p in params]) for f, done in self._reads]
+
+    def param_read_done(self, held: list) -> None:
+        for done, tokens in held:
+            if done is not None:
+                done(tokens)
 
     # ---- block verbs ---------------------------------------------------------------------
     def _make_pre(self, used: List[int]):

@@ -161,7 +161,14 @@ class StepControl:
         if self._on_complete is not None:
             self._on_complete(block.index)
         for b in self.grad_sync.ready(block):     # collectives issued in the fixed block order
-            if self._boundary and self.needs_norm and not self.comm.active:
+            norm = self._boundary and self.needs_norm and not self.comm.active
+            if b.grad.spills:
+                # the window's sum waits for step() or the next micro-step on NVMe (grads.py),
+                # parked on a worker right after its norm is taken
+                fut = b.grad.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None)
+                if norm:
+                    self._norms.append(fut)
+            elif norm:
                 # the global norm needs every block: compute this block's share now, on a
                 # worker, while backward goes on (read-only; dropped if another backward comes)
                 self._norms.append(self.pipeline.run(self._block_norms, b))

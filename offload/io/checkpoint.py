@@ -279,6 +279,8 @@ def _key_map(engine, tensors: bool = True):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
     where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
     base = origin.base_keys(engine)
+    sd = engine.module.state_dict(keep_vars=True)
+    frozen = _frozen_values(engine, {id(v) for k, v in sd.items() if k not in base}) if tensors else {}
     keys, extra = {}, {}
     for k, v in engine.module.state_dict(keep_vars=True).items():
         if id(v) in where:
@@ -289,8 +291,15 @@ def _key_map(engine, tensors: bool = True):
         else:
             keys[k] = {"extra": True}
             if tensors:
-                extra[k] = v.detach().to("cpu", copy=True)
+                extra[k] = frozen[id(v)] if id(v) in frozen else v.detach().to("cpu", copy=True)
     return keys, extra
+
+
+def _frozen_values(engine, wanted=None) -> dict:
+    """``id(param) -> value`` of the offloaded frozen parameters (read from their homes),
+    only those in ``wanted`` (ids) when given: a part with none of them is not read."""
+    po = engine.param_offload
+    return po.read_frozen(wanted) if po is not None else {}
 
 
 def _rng_state() -> dict:
@@ -433,10 +442,14 @@ def load(engine, path: str) -> None:
             b.grad.reset_window()
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
         sd = engine.module.state_dict(keep_vars=True)
+        offloaded = engine.param_offload.frozen_ids() if engine.param_offload is not None else set()
         with torch.no_grad():
             for k, v in extra["tensors"].items():
-                if k in sd:
+                if k in sd and id(sd[k]) not in offloaded:
                     sd[k].copy_(v)
+        if offloaded:
+            engine.param_offload.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items()
+                                               if k in sd and id(sd[k]) in offloaded})
         origin.restore_base(engine, meta, path)
         for g, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -489,6 +502,7 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
     """The same consolidated fp32 state_dict from a live engine (streams block by block).
     With ZeRO stages >= 1 across ranks this is a collective: every rank must call it."""
     where = {id(s.param): (b, s) for b in engine.blocks for s in b.layout.segments}
+    frozen = _frozen_values(engine)
     out = {}
     by_block: Dict[int, list] = {}
     for k, v in engine.module.state_dict(keep_vars=True).items():
@@ -496,7 +510,7 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
             b, s = where[id(v)]
             by_block.setdefault(b.index, []).append((k, s))
         else:
-            t = v.detach().to("cpu", copy=True)
+            t = frozen[id(v)] if id(v) in frozen else v.detach().to("cpu", copy=True)
             out[k] = t.float() if t.is_floating_point() else t
     for b in engine.blocks:
         items = by_block.get(b.index)

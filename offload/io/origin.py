@@ -125,7 +125,10 @@ def restore_base(engine, meta: dict, path: str) -> None:
     check_files(meta, path)
     mine = engine.weights.base_reference()
     sd = engine.module.state_dict(keep_vars=True)
+    po = engine.param_offload
+    offloaded = po.frozen_ids() if po is not None else set()
     headers: dict = {}
+    homes = {}                            # offloaded frozen parameters: written to their homes
     for k, ref in refs.items():
         have = mine.get(k)
         algo = _checksum_key(ref)
@@ -133,8 +136,13 @@ def restore_base(engine, meta: dict, path: str) -> None:
             continue                      # the engine holds exactly these bytes already
         if k not in sd:
             raise WeightsError(f"checkpoint {path} refers to base tensor {k!r}, which the model does not have")
+        if id(sd[k]) in offloaded:
+            homes[id(sd[k])] = read_base_tensor(meta, k, headers)
+            continue
         with torch.no_grad():
             sd[k].copy_(read_base_tensor(meta, k, headers))
+    if homes:
+        po.write_frozen(homes)
 
 
 def aux_files(meta: dict) -> List[str]:

@@ -11,25 +11,67 @@ hook and calls the verbs below. Uses are found three ways, all ending in ``mater
     (``F.linear(x, self.embed.weight)`` in a parent's forward).
 In backward a block is released once all its gradients have landed (``post_backward``),
 and activation-checkpoint recomputation (a forward inside backward) keeps its blocks until
-then. The device budget bounds the bytes of offloaded parameters on the device, prefetches
-in flight included; blocks not in use are evicted furthest-next-use first.
+then. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
+move together.
+
+The device budget is a contract on the bytes of offloaded parameters on the device,
+prefetches in flight included: blocks not in use are evicted furthest-next-use first, and
+``working_set`` (the blocks a module's forward needs at once: its own and those of enclosing
+modules and tied parameters) is checked against it at ``initialize``. A use that would still
+exceed it (parameters of a third block read outside any module of theirs) raises
+``DeviceBudgetError`` with the bytes needed; it never runs over silently. The blocks one torch
+op reads outside their modules are held until the op returns (``param_read`` /
+``param_read_done``), so fetching the second cannot evict the first.
 """
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from offload import device as dev
 from offload.engine.hooks import NOT_MINE, in_backward
-from offload.params.residency import BlockParams, ParamState
+from offload.params.parts import BlockParts
+from offload.params.residency import ParamState
 from offload.params.prefetch import Prefetcher
 
+class DeviceBudgetError(RuntimeError):
+    """offload_param.device_budget_bytes cannot hold the parameters needed at once."""
+
+
+def _fmt(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.3f} GiB)"
+
+
+def working_set(model: nn.Module, owner: Dict[int, int], module_of: Sequence[nn.Module],
+                nbytes: Sequence[int]) -> tuple:
+    """(bytes, blocks) of the largest set of blocks that one module's forward needs on the
+    device at once: the blocks whose parameters the module holds (tied ones included) or
+    whose root it is, together with those of every enclosing module with such hooks (a
+    parent block stays in use while its children run). ``owner`` maps ``id(param)`` to its
+    block, ``module_of[i]`` is block i's root module, ``nbytes[i]`` its device bytes."""
+    roots = {id(m): i for i, m in enumerate(module_of)}
+    best = (0, ())
+
+    def visit(m: nn.Module, above: frozenset) -> None:
+        nonlocal best
+        used = {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+        if id(m) in roots:
+            used.add(roots[id(m)])
+        here = above | used
+        total = sum(nbytes[i] for i in here)
+        if total > best[0]:
+            best = (total, tuple(sorted(here)))
+        for c in m.children():
+            visit(c, here)
+    visit(model, frozenset())
+    return best
+
+
 class ParamOffload:
-    def __init__(self, engine, params: List[Optional[BlockParams]], *, budget: int, device_lookahead: int,
+    def __init__(self, engine, params: List[Optional[BlockParts]], *, budget: int, device_lookahead: int,
                  host_lookahead: int, prefetch: bool):
         self.engine = engine
         self.params = params
@@ -37,7 +79,7 @@ class ParamOffload:
         self.busy = False
         self._h2d = dev.new_stream(engine.device)
         self._owner: Dict[int, int] = {id(s.param): i for i, bp in enumerate(params) if bp is not None
-                                       for s in bp.layout.segments}
+                                       for _, s in bp.segments}
         self.prefetcher = Prefetcher(params, budget=budget, device_lookahead=device_lookahead,
                                      host_lookahead=host_lookahead, enabled=prefetch,
                                      telemetry=engine.telemetry, h2d_stream=self._h2d,
@@ -46,6 +88,7 @@ class ParamOffload:
         self.resident_bytes = 0          # parameters that always stay on the device
         self.peak_step = 0               # peak device parameter bytes in the current step
         self.peak_last = 0               # ... in the last completed step
+        self.peak_all = 0                # ... in any completed step
         self.overruns = 0
         self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
@@ -75,28 +118,40 @@ class ParamOffload:
         released parameter wears a shape-only stub (stride-0, one element); right after
         (``grad_accumulated``), it is the empty placeholder again."""
         bp = self.params[i]
-        if bp is not None and bp.state is not ParamState.ON_DEVICE:
-            seg = bp.layout.segments[k]
-            seg.param.data = torch.zeros((), dtype=bp.dtype, device=bp.device).expand(seg.shape)
+        part = bp.trainable if bp is not None else None
+        if part is not None and part.state is not ParamState.ON_DEVICE:
+            seg = part.layout.segments[k]
+            seg.param.data = torch.zeros((), dtype=part.dtype, device=part.device).expand(seg.shape)
 
     def grad_accumulated(self, i: int, k: int, param) -> None:
         bp = self.params[i]
-        if bp is not None and bp.state is not ParamState.ON_DEVICE:
-            param.data = bp.placeholder
+        part = bp.trainable if bp is not None else None
+        if part is not None and part.state is not ParamState.ON_DEVICE:
+            param.data = part.placeholder
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
         if bp is not None and bp.users == 0:
             self._release(i)
 
-    def param_read(self, p: nn.Parameter) -> None:
-        """A parameter reached a torch function outside its module's forward."""
+    def param_read(self, p: nn.Parameter):
+        """A parameter reached a torch function outside its module's forward: its block on
+        the device, held until the op returns (``param_read_done`` with what this returns)."""
         if self.busy:
-            return
+            return None
         i = self._owner.get(id(p))
-        if i is not None and self.params[i].state is not ParamState.ON_DEVICE:
+        if i is None:
+            return None
+        if self.params[i].state is not ParamState.ON_DEVICE:
             self.telemetry.count("param_reads_outside_forward")
             self.materialize(i)
+        self.params[i].users += 1
+        return i
+
+    def param_read_done(self, held) -> None:
+        for i in held:
+            if i is not None:
+                self.params[i].users -= 1
 
     # ---- the saved-tensor chain: parameters (and views of them) become handles ----------------
     def pack(self, t: torch.Tensor):
@@ -104,17 +159,18 @@ class ParamOffload:
             return NOT_MINE
         ptr = t.untyped_storage().data_ptr()
         for i in self._by_storage.get(ptr, ()):       # blocks materialized in this storage
-            bp = self.params[i]
-            if bp.device_buf is not None and \
-                    bp.device_buf.untyped_storage().data_ptr() == ptr and bp.device_buf.dtype == t.dtype:
-                rel = t.storage_offset() - bp.device_buf.storage_offset()
-                if 0 <= rel < bp.numel:
-                    return (i, rel, tuple(t.shape), tuple(t.stride()))
+            for k, part in enumerate(self.params[i].parts):
+                buf = part.device_buf
+                if buf is not None and buf.untyped_storage().data_ptr() == ptr and buf.dtype == t.dtype:
+                    rel = t.storage_offset() - buf.storage_offset()
+                    if 0 <= rel < part.numel:
+                        return (i, k, rel, tuple(t.shape), tuple(t.stride()))
         return NOT_MINE
 
     def unpack(self, packed):
-        i, rel, shape, stride = packed
-        buf = self.materialize(i)
+        i, k, rel, shape, stride = packed
+        self.materialize(i)
+        buf = self.params[i].parts[k].device_buf
         return buf.as_strided(shape, stride, buf.storage_offset() + rel)
 
     @property
@@ -122,40 +178,43 @@ class ParamOffload:
         return self.engine.telemetry
 
     # ---- residency ----------------------------------------------------------------------------
+    def _block(self, i: int):
+        """The engine's block i (its optimizer side), or None for a frozen-only block."""
+        blocks = self.engine.blocks
+        return blocks[i] if i < len(blocks) else None
+
     def _update_in_flight(self, i: int) -> bool:
-        fut = self.engine.blocks[i].pending
+        block = self._block(i)
+        fut = block.pending if block is not None else None
         if self.prefetcher.deterministic:      # queued, whether or not done: timing-free
             return fut is not None
         # a failed update stays pending: its home copy is not to be read (the use raises it)
         return fut is not None and (not fut.done() or fut.exception() is not None)
 
-    def materialize(self, i: int) -> torch.Tensor:
-        """Block ``i`` on the device, current (waits for its update and its copies). An
+    def materialize(self, i: int) -> None:
+        """Block ``i`` (every part) on the device, current (waits for its update and its copies). An
         earlier failure of any block's update is raised here first, naming that block."""
         self.engine.pipeline.raise_failure()
         self.busy = True
         try:
             bp = self.params[i]
             self.prefetcher.request(i)
-            block = self.engine.blocks[i]
-            if block.pending is not None:
+            block = self._block(i)
+            if block is not None and block.pending is not None:
                 with self.telemetry.span("offload::wait_update"):
                     block.wait_update()
             if bp.stale:
                 self._release(i)             # the optimizer wrote the home copy since
             if bp.state is not ParamState.ON_DEVICE:
-                if bp.device_bytes == 0:
-                    self._make_room(i, bp.nbytes)
+                self._make_room(i, bp.nbytes - bp.device_bytes)
                 with self.telemetry.span("offload::param_fetch", "h2d", bp.nbytes):
-                    buf = bp.ensure(self._h2d)
-                holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
-                if i not in holders:
-                    holders.append(i)          # for _pack; entries are checked on use
-            else:
-                buf = bp.device_buf
+                    bp.ensure(self._h2d)
+                for buf in bp.device_bufs():
+                    holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
+                    if i not in holders:
+                        holders.append(i)      # for pack; entries are checked on use
             self.prefetcher.issue()
             self._note_peak()
-            return buf
         finally:
             self.busy = False
 
@@ -164,7 +223,7 @@ class ParamOffload:
         budget and (NVMe home) a host staging buffer is free for it."""
         bp_want = self.params[want]
         while True:
-            over = self.prefetcher.device_bytes() + nbytes > self.budget
+            over = self.resident_bytes + self.prefetcher.device_bytes() + nbytes > self.budget
             no_slot = bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.slot_free()
             if not over and not no_slot:
                 return
@@ -174,14 +233,17 @@ class ParamOffload:
                        and (bp.device_bytes > 0 or not over)]
             if not victims:
                 if no_slot:
-                    raise RuntimeError(
-                        f"no host staging buffer is free for block {bp_want.layout.name!r}: every buffer holds a "
+                    raise DeviceBudgetError(
+                        f"no host staging buffer is free for block {bp_want.name!r}: every buffer holds a "
                         f"block in use; raise offload_param.device_budget_bytes or prefetch.host_lookahead_bytes")
+                in_use = [j for j, bp in enumerate(self.params) if bp is not None and bp.device_bytes > 0]
+                need = sum(self.params[j].device_bytes for j in in_use) + nbytes + self.resident_bytes
                 self.overruns += 1
-                if self.overruns == 1:
-                    warnings.warn("offload_param.device_budget_bytes is smaller than the blocks in use at once; "
-                                  "it is exceeded (counted in stats()['param_budget_overruns'])", stacklevel=3)
-                return
+                raise DeviceBudgetError(
+                    f"offload_param.device_budget_bytes={self.budget} cannot hold block {bp_want.name!r} "
+                    f"({_fmt(nbytes)}) beside the blocks in use now "
+                    f"({', '.join(self.params[j].name for j in in_use)}): {_fmt(need)} are needed at once "
+                    f"(a parameter read outside the modules of its block); raise the budget to at least {need}")
 
             def next_use(j):
                 return upcoming.index(j) if j in upcoming else math.inf
@@ -190,8 +252,7 @@ class ParamOffload:
     def _release(self, i: int) -> None:
         self.busy = True
         try:
-            buf = self.params[i].device_buf
-            if buf is not None:
+            for buf in self.params[i].device_bufs():
                 holders = self._by_storage.get(buf.untyped_storage().data_ptr())
                 if holders and i in holders:
                     holders.remove(i)
@@ -209,6 +270,7 @@ class ParamOffload:
         """A new forward starts: close the last step's accounting, restart the trace."""
         if self.peak_step:
             self.peak_last = self.peak_step
+            self.peak_all = max(self.peak_all, self.peak_step)
         self.peak_step = 0
         self._note_peak()
         self.prefetcher.rewind()
@@ -216,13 +278,48 @@ class ParamOffload:
     def after_step(self) -> None:
         """Updates are queued: drop device copies they make stale, prefetch the next forward."""
         for i, bp in enumerate(self.params):
-            if bp is not None and bp.users == 0 and bp.device_bytes and self.engine.blocks[i].pending is not None:
+            block = self._block(i)
+            if bp is not None and bp.users == 0 and bp.device_bytes and block is not None \
+                    and block.pending is not None:
                 self._release(i)
         self.prefetcher.rewind()
         self.prefetcher.issue()
 
     def device_param_bytes_peak(self) -> int:
-        return self.peak_last or self.peak_step
+        """The most device parameter bytes at any point since initialize."""
+        return max(self.peak_all, self.peak_step)
+
+    def read_frozen(self, wanted=None) -> Dict[int, torch.Tensor]:
+        """``id(param) -> host tensor`` of every offloaded frozen parameter (those in
+        ``wanted``, ids, when given), read from its home (one read per part; for checkpoints
+        and state dicts)."""
+        out = {}
+        for bp in self.params:
+            for part in (bp.frozen if bp is not None else ()):
+                if wanted is not None and not any(id(s.param) in wanted for s in part.layout.segments):
+                    continue
+                flat = part.read_home()
+                for s in part.layout.segments:
+                    out[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
+        return out
+
+    def write_frozen(self, values: Dict[int, torch.Tensor]) -> None:
+        """Replace offloaded frozen parameters' home values (``id(param) -> tensor``); parts
+        with no entry keep theirs. Device copies become stale and are refetched on use."""
+        for i, bp in enumerate(self.params):
+            for part in (bp.frozen if bp is not None else ()):
+                mine = [s for s in part.layout.segments if id(s.param) in values]
+                if not mine:
+                    continue
+                self._release(i)
+                flat = part.read_home()
+                for s in mine:
+                    flat[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
+                part.write_home(flat)
+
+    def frozen_ids(self) -> set:
+        return {id(s.param) for bp in self.params if bp is not None for part in bp.frozen
+                for s in part.layout.segments}
 
     def release_all(self) -> None:
         for i, bp in enumerate(self.params):
@@ -230,6 +327,6 @@ class ParamOffload:
                 self._release(i)
 
     def close(self) -> None:
-        for i, bp in enumerate(self.params):
+        for bp in self.params:
             if bp is not None:
                 bp.release()

@@ -125,6 +125,11 @@ class BlockParams:
         buf.release()
         return True
 
+    def try_slot(self):
+        """A host staging buffer for this block's home copy, or None when none is free (the
+        caller releases it)."""
+        return self._tier.pool.try_acquire(self.home_nbytes)
+
     # ---- transitions ------------------------------------------------------------------
     def stage(self) -> bool:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
@@ -226,10 +231,25 @@ class BlockParams:
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
             if self.on_nvme:             # a failure is the caller's stage (the optimizer's write-back)
-                self._tier.put(self.key, src, self.what, write_pool=self._write_pool)
+                # (frozen parts have no write pool: they are written rarely, through a staging buffer)
+                self._tier.put(self.key, src, self.what, write_pool=self._write_pool or self._tier.pool)
             elif src.data_ptr() != self.home_buf.data_ptr():
                 self.home_buf.copy_(src)
             self.home_version += 1
+
+    def read_home(self) -> torch.Tensor:
+        """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
+        and state dicts, not the training path. A staged copy is used as it is; otherwise
+        the home is read through a staging buffer, which goes back at once."""
+        with self._lock:
+            if not self.on_nvme:
+                return self.home_buf.clone()
+            if self._loan.in_memory:
+                return self._staged().clone()
+            try:
+                return self._staged().clone()
+            finally:
+                self._loan.release()
 
     def home_view_for_write(self):
         """Where the optimizer may write the new home copy directly (HOST home), else None."""

@@ -9,23 +9,21 @@ compares them with this machine's free memory and disk.
 
 Formulas (model states only; activations come on top, on the device). P parameters, W ranks,
 p bytes per parameter at the compute precision (4 fp32, 2 bf16/fp16), B the largest block
-(the engine's unit of residency and I/O: a transformer layer, the embedding), P' = P / W:
-
-  optimizer state: fp32 master (only when p < 4: in fp32 the parameter is the master) + Adam's
-  two fp32 moments -> S = 8 or 12 bytes/param on the device; offloaded, the host keeps its own
-  fp32 master, so 12 bytes/param, plus a 4 byte/param fp32 gradient accumulation buffer.
+(the engine's unit of residency and I/O: a transformer layer, the embedding), P' = P / W,
+S = ``memory_plan.state_bytes_per_param`` (12 for Adam: fp32 master + two moments):
 
   device   params: p*P on the device, or a window of 2 blocks (in use + prefetched) when offloaded
            grads : p*P (no offload), p*P' (params offloaded, optimizer on device: ZeRO-3
                    reduce-scatter), or a window of 2 blocks (streamed out to the host)
-           state : S*P' when the optimizer stays on the device (ZeRO-1/2 sharding)
+           state : S*P' (S-4 in fp32, where the parameter is the master) when the optimizer
+                   stays on the device (ZeRO-1/2 sharding)
   pinned   2 blocks at p bytes per link direction (H2D params, D2H grads) whenever something is
-           offloaded; p*P' for parameters offloaded to the CPU (their home is pinned for H2D);
-           ``buffer_count`` swap slots of one block's shard for each NVMe tier (12 bytes/param
-           for optimizer state, p for parameters)
-  host     12*P' state when the optimizer is on the CPU; 4*P' fp32 gradient buffer whenever
-           the optimizer is offloaded (to cpu or nvme)
-  nvme     12*P' optimizer state (offload_optimizer nvme) + p*P' parameters (offload_param nvme)
+           offloaded, plus every host pool of the engine's memory plan (engine/memory_plan.py:
+           optimizer state on cpu, gradient buffers -- the whole model's, or a pool when they
+           are consumed at once or parked on NVMe --, NVMe swap slots, parameter homes and
+           staging); ``host`` (pageable) is 0: the engine allocates nothing else per parameter
+  nvme     S*P' optimizer state, p*P' parameters, and parked gradients (4*P', or 2*P' in bf16
+           without accumulation) when clipping, fp16 or accumulation make them wait
 
 Host and NVMe figures are per node (all W ranks on this node), device figures per rank. These
 are DeepSpeed's ``estimate_zero2/zero3_model_states_mem_needs`` accountings made specific to
@@ -60,6 +58,7 @@ class ModelSpec:
     name: str = "model"
     n_blocks: int = 1           # blocks the engine would build (pipeline depth of the step)
     exact: bool = True          # False when the counts are approximations
+    blocks: tuple = ()          # parameters of each block, when known (built from a module)
 
     def describe(self) -> str:
         approx = "" if self.exact else " (approximate)"
@@ -111,7 +110,7 @@ def spec_from_module(model, name: str = "model") -> ModelSpec:
     if not blocks:
         raise EstimateError(f"{name} has no parameters")
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True)
+    return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks))
 
 
 def spec_from_callable(target: str) -> ModelSpec:
@@ -210,14 +209,47 @@ class Placement:
         return f"optimizer={self.optimizer} param={self.param}"
 
 
+def spec_blocks(spec: ModelSpec) -> list:
+    """The spec as the memory plan's blocks: its largest block, the rest spread evenly."""
+    from offload.engine.memory_plan import BlockSize
+    if spec.blocks:
+        return [BlockSize(f"block{i}", n) for i, n in enumerate(spec.blocks)]
+    n = max(spec.n_blocks, 1)
+    if n == 1:
+        return [BlockSize("block0", spec.params)]
+    rest = max(spec.params - spec.largest_block, n - 1)
+    return [BlockSize("block0", spec.largest_block)] + \
+        [BlockSize(f"block{i}", rest // (n - 1) + (1 if i <= rest % (n - 1) else 0)) for i in range(1, n)]
+
+
+def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_count: int = 4,
+                gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
+                grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
+                world_size: int = 1):
+    """The engine config of one placement (NVMe paths point at the temp dir: the plan reads
+    no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2."""
+    from offload.config import Config
+    tmp = tempfile.gettempdir()
+    stage = 0 if world_size == 1 else (3 if param != "none" else 2)
+    return Config.from_dict({"zero_optimization": {"stage": stage},
+        "precision": precision, "gradient_clipping": gradient_clipping,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "offload_optimizer": {"device": optimizer, "nvme_path": tmp if optimizer == "nvme" else None,
+                              "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes},
+        "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
+                          "device_budget_bytes": device_budget_bytes}})
+
+
 def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str = "bf16",
-                    world_size: int = 1, buffer_count: int = 4, *, rule: str = "AdamW",
-                    state_dtype: str = "fp32") -> Placement:
-    """Bytes per tier for one placement (see the module docstring for the formulas). The
-    optimizer's bytes per parameter come from the update rule (offload/optim: AdamW with fp32
-    state keeps 12 on the host / NVMe, 8 beside fp32 parameters on the device)."""
-    from offload.optim import get_rule
-    upd = get_rule(rule)
+                    world_size: int = 1, buffer_count: int = 4, gradient_clipping: float = 0.0,
+                    gradient_accumulation_steps: int = 1, grad_host_bytes: Optional[int] = None, *,
+                    rule: Optional[str] = None, state_dtype: Optional[str] = None) -> Placement:
+    """Bytes per tier for one placement (see the module docstring for the formulas): host
+    pools and NVMe from the engine's own memory plan (engine/memory_plan.py), so the host
+    budget keys (buffer_count, grad_host_bytes) and clipping / accumulation count as the
+    engine counts them. The optimizer's bytes per parameter come from the update rule
+    (``rule`` / ``state_dtype``: offload/optim; default AdamW with fp32 state, 12 bytes)."""
+    from offload.engine import memory_plan as mp
     if optimizer not in TIERS or param not in TIERS:
         raise EstimateError(f"placement optimizer={optimizer!r} param={param!r}: use none, cpu or nvme")
     if precision not in BYTES_PER_PARAM:
@@ -226,11 +258,12 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
         raise EstimateError(f"--world-size={world_size!r} must be >= 1")
     p = BYTES_PER_PARAM[precision]
     P, B, W = spec.params, spec.largest_block, world_size
+    cfg = plan_config(optimizer, param, precision, buffer_count, gradient_clipping, gradient_accumulation_steps,
+                      grad_host_bytes, world_size=W)
+    plan = mp.plan(spec_blocks(spec), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype)
     shard = -(-P // W)                      # P' = ceil(P / W)
-    block_shard = -(-B // W)
-    # on-device optimizer: (fp32 master when the parameters are not fp32) + the rule's rows
-    state = upd.bytes_per_param("device", state_dtype) + (4 if p < 4 else 0)
-    offloaded_state = upd.bytes_per_param("host", state_dtype)   # fp32 master + rows
+    sbp = mp.state_bytes_per_param(cfg, rule, state_dtype)
+    state = sbp if p < 4 else sbp - 4       # on-device optimizer: in fp32 the parameter is the master
     window = 2 * B * p                      # two blocks in flight on the device
 
     params_dev = P * p if param == "none" else window
@@ -242,19 +275,16 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     device = params_dev + grads_dev + state_dev
 
     offloaded = optimizer != "none" or param != "none"
-    pinned = 2 * window if offloaded else 0
-    pinned += shard * p if param == "cpu" else 0
-    pinned += buffer_count * block_shard * offloaded_state if optimizer == "nvme" else 0
-    pinned += buffer_count * block_shard * p if param == "nvme" else 0
-    host = (offloaded_state * shard if optimizer == "cpu" else 0) + (4 * shard if optimizer != "none" else 0)
-    nvme = (offloaded_state * shard if optimizer == "nvme" else 0) + (p * shard if param == "nvme" else 0)
-    return Placement(optimizer, param, int(device), int(pinned * W), int(host * W), int(nvme * W))
+    pinned = (2 * window if offloaded else 0) + plan.host    # link staging + the engine's pools
+    return Placement(optimizer, param, int(device), int(pinned * W), 0, int(plan.nvme_total * W))
 
 
-def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1,
-             buffer_count: int = 4) -> List[Placement]:
+def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,
+             gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
+             grad_host_bytes: Optional[int] = None) -> List[Placement]:
     """All nine placements, least offload first."""
-    return [placement_bytes(spec, o, p, precision, world_size, buffer_count) for o in TIERS for p in TIERS]
+    return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
+                            gradient_accumulation_steps, grad_host_bytes) for o in TIERS for p in TIERS]
 
 
 def deepspeed_reference(spec: ModelSpec, world_size: int = 1) -> Dict[str, Dict[str, int]]:

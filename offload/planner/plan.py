@@ -21,7 +21,8 @@ Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). T
     d2h       gradient bytes leaving the device, every micro-step (grad dtype as the engine's)
     h2d       updated parameters going back (optimizer offloaded), and offloaded parameters
               fetched for forward and backward (2 x p x params per micro-step)
-    nvme      state read + write (12 bytes/param each way, once per step), parameters read
+    nvme      state read + write (memory_plan.state_bytes_per_param each way, once per step), parked
+              gradients (clipping / fp16 / accumulation: written and read once per micro-step), parameters read
               once per micro-step (backward re-fetches from the host copy) and written once per
               step; one request per block: requests x latency + bytes / bandwidth, per
               direction; the directions overlap by the measured duplex share d:
@@ -385,8 +386,6 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
             overlap_step: bool = True, *, rule: str = "AdamW", state_dtype: str = "fp32") -> Prediction:
     """Predicted seconds per optimizer step for one placement (module docstring). The optimizer
     state's NVMe bytes per parameter come from the update rule (offload/optim)."""
-    from offload.optim import get_rule
-    state_bytes = get_rule(rule).bytes_per_param("nvme", state_dtype)
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
     grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
@@ -403,11 +402,20 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     # One request per block and direction: optimizer state read + written once per step,
     # offloaded parameters read from NVMe once per micro-step (the backward's fetch comes from
     # the host copy the forward's read left) and written once per step.
+    # Gradients that wait (clipping, fp16, accumulation) are parked on NVMe once per micro-step
+    # and read back for the next one or the update (engine/memory_plan.py decides).
+    from offload.engine import memory_plan as mp
+    from offload.planner.estimate import plan_config
+    cfg = plan_config(optimizer, param, precision, gradient_clipping=1.0 if clipping else 0.0,
+                      gradient_accumulation_steps=gas)
+    S = mp.state_bytes_per_param(cfg, rule, state_dtype)
+    park = mp.grad_home(cfg, 1, 1) is mp.GradHome.SPILL
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
-    nvme_read = (state_bytes * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0)
-    nvme_write = (state_bytes * P if opt_nvme else 0) + (P * p if prm_nvme else 0)
-    reads = n * ((1 if opt_nvme else 0) + (gas if prm_nvme else 0))
-    writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0))
+    g_park = P * mp.grad_bytes_per_param(cfg) * gas if park else 0
+    nvme_read = (S * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0) + g_park
+    nvme_write = (S * P if opt_nvme else 0) + (P * p if prm_nvme else 0) + g_park
+    reads = n * ((1 if opt_nvme else 0) + (gas if prm_nvme else 0) + (gas if park else 0))
+    writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0) + (gas if park else 0))
     t_read = nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s
     t_write = nvme_write / (profile.nvme_write_gbps * gb) + writes * profile.nvme_write_latency_s
     t["nvme"] = max(t_read, t_write) + (1.0 - profile.nvme_duplex) * min(t_read, t_write)
@@ -468,7 +476,8 @@ def rank(spec: ModelSpec, profile: Profile, compute: Compute, machine: Machine, 
     out = []
     for o, prm in placements or [(o, prm) for o in TIERS for prm in TIERS]:
         pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping)
-        mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count)
+        mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count, 1.0 if clipping else 0.0,
+                              gradient_accumulation_steps)
         out.append(RankedPlacement(pred, mem, check_fit(mem, machine)))
     out.sort(key=lambda r: (not r.fits, r.prediction.step_s))
     return out

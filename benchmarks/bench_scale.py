@@ -1,0 +1,351 @@
+"""Fine-tuning a Llama-shaped checkpoint larger than the device (and, at --size 7b, larger than
+host memory): LoRA with the frozen base offloaded, and a full fine-tune with clipping and
+gradient accumulation, each in a fresh process that reports its own peak RSS.
+
+1. Writes a Llama-shaped checkpoint as sharded bf16 safetensors (Hugging Face layout, random
+   tensors written shard by shard, never the whole model in memory), then reads it once with
+   O_DIRECT (the raw read rate of the same files, in this run).
+2. (a) LoRA: the model is built on the meta device, loaded, and trained on a repeated batch
+   with the frozen base and the adapters offloaded (parameters and optimizer state on NVMe),
+   a device budget of a few layers.
+   (b) Full fine-tune of a smaller model at two depths (a quarter and all of its layers),
+   clipping 1.0 and gradient accumulation 4, everything on NVMe: peak RSS must not grow
+   with depth.
+Reports parameters, load time, step time (median), peak RSS (ru_maxrss), peak device
+parameter bytes against the budget, NVMe bytes and the loss per step.
+
+Loading uses ``offload.initialize(..., weights=DIR)`` when this offload has it; otherwise
+the model is materialized by the engine from the meta device with its own initialisation,
+block by block straight to its tier (labelled ``load: "init (simulated: no weights= loader)"``,
+and ``load_vs_raw_read`` is null). On a CPU-only machine the "device" is the process heap,
+so the device budget is inside the RSS.
+
+    python benchmarks/bench_scale.py                    # small shapes, about a minute
+    python benchmarks/bench_scale.py --size 7b          # Llama-7B shape LoRA (writes ~13.4 GB)
+    python benchmarks/bench_scale.py --size 2b          # the full fine-tune at hidden 2048, 10 and 40 layers
+    offload bench scale [...]                           # the same
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Llama shapes: hidden, layers, intermediate, vocab, heads, kv heads
+SHAPES = {
+    "small": dict(hidden=384, layers=6, inter=1024, vocab=4000, heads=6, kv=6),
+    "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv=32),
+    "ft-small": dict(hidden=384, layers=8, inter=1024, vocab=4000, heads=6, kv=6),
+    "ft-2b": dict(hidden=2048, layers=40, inter=5504, vocab=32000, heads=16, kv=16),
+}
+GIB = 2 ** 30
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+def tensor_specs(s: dict, layers: int):
+    """(name, shape, init) of a Llama checkpoint in Hugging Face key names."""
+    h, i, v = s["hidden"], s["inter"], s["vocab"]
+    kvd = h // s["heads"] * s["kv"]
+    out = [("model.embed_tokens.weight", (v, h), "normal")]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        out += [(p + "self_attn.q_proj.weight", (h, h), "normal"), (p + "self_attn.k_proj.weight", (kvd, h), "normal"),
+                (p + "self_attn.v_proj.weight", (kvd, h), "normal"), (p + "self_attn.o_proj.weight", (h, h), "normal"),
+                (p + "mlp.gate_proj.weight", (i, h), "normal"), (p + "mlp.up_proj.weight", (i, h), "normal"),
+                (p + "mlp.down_proj.weight", (h, i), "normal"),
+                (p + "input_layernorm.weight", (h,), "ones"), (p + "post_attention_layernorm.weight", (h,), "ones")]
+    out += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (v, h), "normal")]
+    return out
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_checkpoint(out_dir: str, s: dict, layers: int, max_shard: int = 2 << 30, seed: int = 0) -> int:
+    """Sharded bf16 safetensors + index + config.json, written tensor by tensor in chunks of
+    at most 64 MiB (random normal * 0.02; norms 1). Returns the bytes written."""
+    import torch
+    os.makedirs(out_dir, exist_ok=True)
+    specs = tensor_specs(s, layers)
+    shards, cur, size = [], [], 0
+    for name, shape, init in specs:
+        nb = _numel(shape) * 2
+        if cur and size + nb > max_shard:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape, init))
+        size += nb
+    shards.append(cur)
+    g = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    chunk = 32 << 20                                   # elements per chunk (64 MiB of bf16)
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, shape, _ in shard:
+            nb = _numel(shape) * 2
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nb]}
+            off += nb
+            weight_map[name] = fname
+        hb = json.dumps(header).encode()
+        hb += b" " * (-(len(hb) + 8) % 8)
+        path = os.path.join(out_dir, fname)
+        with open(path, "wb") as f:
+            f.write(len(hb).to_bytes(8, "little") + hb)
+            for name, shape, init in shard:
+                left = _numel(shape)
+                while left:
+                    n = min(left, chunk)
+                    t = torch.ones(n) if init == "ones" else torch.randn(n, generator=g) * 0.02
+                    f.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+                    left -= n
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)   # the page cache goes
+        total += os.path.getsize(path)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(s, layers), f)
+    return total
+
+
+def hf_config(s: dict, layers: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s["hidden"],
+            "intermediate_size": s["inter"], "num_hidden_layers": layers, "num_attention_heads": s["heads"],
+            "num_key_value_heads": s["kv"], "vocab_size": s["vocab"], "max_position_embeddings": 2048,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5}
+
+
+def raw_read_rate(ckpt: str) -> float:
+    """Bytes per second of an O_DIRECT read of every safetensors file of ``ckpt``."""
+    files = sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    buf = mmap.mmap(-1, 64 << 20)                      # page-aligned
+    total, t0 = 0, time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            while True:
+                n = os.readv(fd, [buf])
+                total += n
+                if n < len(buf):
+                    break
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t0)
+
+
+def read_rate(ckpt: str, s: dict):
+    """bench_load.load_vs_raw_read on this checkpoint (the loader's read path against a raw
+    O_DIRECT read, interleaved rounds), or None where this offload has no loader."""
+    try:
+        sys.path.insert(0, HERE)
+        from bench_load import load_vs_raw_read
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    conf = transformers.LlamaConfig(**{k: v for k, v in hf_config(s, s["layers"]).items()
+                                       if k not in ("architectures", "torch_dtype")})
+
+    def model_fn():
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(conf)
+    out = load_vs_raw_read(ckpt, model_fn, rounds=2, full_load=False)
+    return {k: out[k] for k in ("load_vs_raw_read", "raw_read_gbps", "load_read_gbps")}
+
+
+# ---- one run, in a fresh process ---------------------------------------------------------------
+CHILD = r"""
+import inspect, json, os, resource, statistics, sys, time
+sys.path.insert(0, sys.argv[2])
+import torch
+import offload
+a = json.loads(sys.argv[1])
+import transformers
+from accelerate import init_empty_weights
+
+torch.manual_seed(0)
+conf = transformers.LlamaConfig(**{k: v for k, v in a["hf"].items() if k not in ("architectures", "torch_dtype")})
+with init_empty_weights():                               # parameters on meta, buffers real
+    model = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)
+if a["lora"]:
+    import peft
+    model = peft.get_peft_model(model, peft.LoraConfig(r=a["rank"], lora_alpha=2 * a["rank"], lora_dropout=0.0,
+                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
+loader = "weights" in inspect.signature(offload.initialize).parameters
+if not loader:      # simulated load: the engine materializes each meta block with the model's init
+    for m in lm.modules():
+        if not hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
+            m.reset_parameters = (lambda m=m: [p.fill_(1.0) for p in m.parameters(recurse=False)])
+cfg = {"precision": "bf16", "optimizer": {"lr": a["lr"]},
+       "gradient_clipping": a["clip"], "gradient_accumulation_steps": a["gas"],
+       "offload_optimizer": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": 2},
+       "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "device_budget_bytes": a["budget"]},
+       "prefetch": {"host_lookahead_bytes": a["budget"]}}    # one budget staged ahead on the host
+t0 = time.perf_counter()
+eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.initialize(lm, cfg)
+load_s = time.perf_counter() - t0
+rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
+losses, times = [], []
+for step in range(a["steps"]):
+    t0 = time.perf_counter()
+    for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
+        loss = eng(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+    eng.synchronize()
+    times.append(time.perf_counter() - t0)
+    losses.append(loss.item())
+st = eng.stats()
+out = {"params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
+       "trainable": sum(b.layout.numel for b in eng.blocks), "load": "weights=" if loader else
+       "init (simulated: no weights= loader)", "load_s": load_s, "step_s": statistics.median(times[1:] or times),
+       "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
+       "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
+       "rss_after_load_bytes": rss_load}
+eng.close()
+out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("RESULT " + json.dumps(out))
+"""
+
+
+def child(args: dict, timeout: float) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args), ROOT], capture_output=True, text=True,
+                       timeout=timeout)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def layer_bytes(s: dict) -> int:
+    h, i = s["hidden"], s["inter"]
+    kvd = h // s["heads"] * s["kv"]
+    return 2 * (2 * h * h + 2 * kvd * h + 3 * h * i + 2 * h)
+
+
+def checkpoint_bytes(s: dict, layers: int) -> int:
+    return sum(_numel(shape) * 2 for _, shape, _ in tensor_specs(s, layers))
+
+
+def nvme_need(s: dict, layers: int, full: bool) -> int:
+    """Checkpoint + the engine's swap files (bf16 params; fp32 state and parked grads if full)."""
+    ck = checkpoint_bytes(s, layers)
+    return ck + ck + (ck // 2 * (12 + 4) if full else 0)
+
+
+def shapes(size: str):
+    """(LoRA shape, full fine-tune shape) of a --size."""
+    return SHAPES["7b" if size == "7b" else "small"], SHAPES["ft-2b" if size == "2b" else "ft-small"]
+
+
+def disk_need(size: str) -> int:
+    """Bytes of disk a --size needs at its peak: the LoRA run, or the deep full fine-tune."""
+    lora, ft = shapes(size)
+    a = nvme_need(lora, lora["layers"], False) if size != "2b" else 0
+    b = nvme_need(ft, ft["layers"], True) if size != "7b" else 0
+    return max(a, b)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=["small", "7b", "2b"], default="small",
+                   help="small: ~1 minute; 7b: Llama-7B LoRA (writes ~13.4 GB); 2b: full fine-tune at hidden 2048")
+    p.add_argument("--path", default=None, help="directory on the disk under test (default: a temp dir)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--only", choices=["lora", "full"], help="run one part only")
+    args = p.parse_args(argv)
+    lora_shape, ft_shape = shapes(args.size)
+    lora_tokens = 128 if args.size == "7b" else 64
+    steps = args.steps or 3
+    root = tempfile.mkdtemp(prefix="bench_scale-", dir=args.path)
+    free = shutil.disk_usage(root).free
+    deep, shallow = ft_shape["layers"], ft_shape["layers"] // 4
+    runs_lora = args.size != "2b" and args.only in (None, "lora")
+    runs_ft = args.size != "7b" and args.only in (None, "full")
+    need = disk_need(args.size)
+    print(f"free disk at {root}: {free / GIB:.1f} GiB; --size {args.size} needs about {need / GIB:.1f} GiB", flush=True)
+    if need > 0.95 * free:
+        fit = [k for k in ("small", "2b", "7b") if disk_need(k) < 0.95 * free]
+        print(f"not enough free disk for --size {args.size}: sizes that fit here: {', '.join(fit) or 'none'}")
+        shutil.rmtree(root, ignore_errors=True)
+        return 2
+    out = {"size": args.size, "load_avg": os.getloadavg()[0]}
+    try:
+        if runs_lora:
+            ck = os.path.join(root, "lora-ckpt")
+            t0 = time.perf_counter()
+            nbytes = write_checkpoint(ck, lora_shape, lora_shape["layers"])
+            print(f"wrote {nbytes / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t0:.1f} s", flush=True)
+            raw = raw_read_rate(ck)
+            rate = read_rate(ck, lora_shape)
+            budget = 4 * layer_bytes(lora_shape) + (1 << 20)    # a few layers (+ their adapters)
+            nv = os.path.join(root, "nvme-lora")
+            os.makedirs(nv)
+            r = child({"hf": hf_config(lora_shape, lora_shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3,
+                       "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
+                       "ckpt": ck, "nvme": nv}, timeout=3600)
+            r.update({"checkpoint_bytes": nbytes, "raw_read_gbps": raw / 1e9,
+                      "load_gbps": nbytes / r["load_s"] / 1e9, "read_rate": rate})
+            out["lora"] = r
+            print(f"(a) LoRA: {json.dumps(r)}", flush=True)
+            if not args.keep:
+                shutil.rmtree(ck, ignore_errors=True)
+            shutil.rmtree(nv, ignore_errors=True)
+        if runs_ft:
+            out["full"] = {}
+            for layers in (shallow, deep):
+                ck = os.path.join(root, f"ft-ckpt-{layers}")
+                write_checkpoint(ck, ft_shape, layers)
+                nv = os.path.join(root, f"nvme-ft-{layers}")
+                os.makedirs(nv)
+                r = child({"hf": hf_config(ft_shape, layers), "lora": False, "rank": 0, "lr": 1e-4, "clip": 1.0,
+                           "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
+                           "ckpt": ck, "nvme": nv}, timeout=7200)
+                out["full"][str(layers)] = r
+                print(f"(b) full fine-tune, {layers} layers: {json.dumps(r)}", flush=True)
+                shutil.rmtree(ck, ignore_errors=True)
+                shutil.rmtree(nv, ignore_errors=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    claims = {}
+    if "lora" in out:
+        r = out["lora"]
+        claims["lora_rss_gib"] = r["peak_rss_bytes"] / GIB
+        claims["lora_device_peak_vs_budget"] = r["device_param_bytes_peak"] / r["budget"]
+        claims["lora_loss_falling"] = r["losses"][-1] < r["losses"][0]
+        # the loader's read path against a raw O_DIRECT read of the same files (bench_load's
+        # interleaved measure); the full load above also converts and writes every part to NVMe
+        claims["load_vs_raw_read"] = r["read_rate"]["load_vs_raw_read"] if r.get("read_rate") else None
+    if "full" in out:
+        a, b = out["full"][str(shallow)], out["full"][str(deep)]
+        claims["rss_deep_vs_shallow"] = b["peak_rss_bytes"] / a["peak_rss_bytes"]
+        claims["rss_deep_gib"] = b["peak_rss_bytes"] / GIB
+        claims["rss_layers"] = [shallow, deep]
+    out["claims"] = claims
+    out["load_avg_end"] = os.getloadavg()[0]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

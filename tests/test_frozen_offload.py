@@ -1,0 +1,178 @@
+"""Frozen parameters offloaded with their blocks: PEFT LoRA on a Hugging Face Llama (bf16
+frozen base beside fp32 adapters in the same block) against plain torch, the device budget
+as a contract, and the reported device peak against an independent measure."""
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.params.offload import DeviceBudgetError
+from _models import batches, clone
+from test_engine import check_parity, reference_run
+
+transformers = pytest.importorskip("transformers", reason="HF transformers is not installed")
+peft = pytest.importorskip("peft", reason="peft is not installed")
+
+
+class LoraLM(nn.Module):
+    """A PEFT LoRA Llama with the (x, y) -> loss interface of the reference loop."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x, y=None):
+        return self.m(input_ids=x, labels=x).loss
+
+
+def lora_llama(layers=3, seed=0):
+    conf = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(seed)
+    base = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)       # the frozen base: bf16
+    lcfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(base, lcfg)                                # adapters: fp32
+    with torch.no_grad():                                                   # B is zero at init: make
+        for n, p in model.named_parameters():                              # step one move A too
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return LoraLM(model)
+
+
+def cfg(tmp_path, param, budget=None):
+    return {"optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+            "offload_optimizer": {"device": "nvme" if param == "nvme" else "cpu",
+                                  "nvme_path": str(tmp_path) if param == "nvme" else None},
+            "offload_param": {"device": param, "nvme_path": str(tmp_path) if param == "nvme" else None,
+                              "device_budget_bytes": budget}}
+
+
+class ParamBytesProbe:
+    """An independent measure of device parameter bytes (CPU device): the bytes of live
+    tensors the model's parameters hold, sampled in every module's forward pre/post hook and
+    in every trainable parameter's gradient hook (backward). Storage-free stubs (stride 0)
+    and empty placeholders hold nothing."""
+
+    def __init__(self, model):
+        self.model, self.peak, self.hooks = model, 0, []
+        for m in model.modules():
+            self.hooks.append(m.register_forward_pre_hook(lambda *a: self.sample()))
+            self.hooks.append(m.register_forward_hook(lambda *a: self.sample()))
+        for p in model.parameters():
+            if p.requires_grad:
+                self.hooks.append(p.register_hook(lambda g: self.sample()))
+
+    def sample(self):
+        seen, total = set(), 0
+        # outside torch-function handling: reading a parameter must not itself fetch its block
+        with torch._C.DisableTorchFunction():
+            for p in self.model.parameters():
+                if p.numel() == 0 or 0 in p.stride() or p.data_ptr() in seen:
+                    continue
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        self.peak = max(self.peak, total)
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def engine_run(model, data, config, probe=False):
+    eng = offload.initialize(model, config)
+    pr = ParamBytesProbe(model) if probe else None
+    snaps, losses = [], []
+    for x, y in data:
+        loss = eng(x, y)
+        losses.append(loss.item())
+        eng.backward(loss)
+        eng.step()
+        snaps.append({k: v for k, v in eng.full_state_dict().items()})
+    stats = eng.stats()
+    if pr is not None:
+        pr.remove()
+    eng.close()
+    return snaps, stats, (pr.peak if pr else None), losses
+
+
+def block_bytes(model):
+    """Device bytes of each block root's parameters as the engine stores them (bf16 base,
+    fp32 adapters): a lower bound for the budget."""
+    from offload.engine.blocks import auto_block_roots
+    mods = dict(model.named_modules())
+    return {r: sum(p.numel() * p.element_size() for p in mods[r].parameters()) for r in auto_block_roots(model)}
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_lora_llama_matches_torch_within_budget(param, tmp_path):
+    base = lora_llama()
+    data = batches(6, vocab=97)
+    sizes = block_bytes(base)
+    layer = max(v for k, v in sizes.items() if ".layers." in k)
+    budget = 2 * max(sizes.values()) + 8192       # two blocks: one in use, one arriving
+    assert budget < sum(sizes.values())           # the base does not fit: offload must work
+    ref = reference_run(clone(base), data)
+    ref_fused = reference_run(clone(base), data, fused=True)
+    got, stats, probe_peak, _ = engine_run(clone(base), data, cfg(tmp_path, param, budget), probe=True)
+    trainable = [k for k in ref[0] if "lora_" in k]
+    check_parity([{k: s[k] for k in trainable} for s in ref], [{k: s[k] for k in trainable} for s in ref_fused],
+                 [{k: s[k] for k in trainable} for s in got])
+    for k in ref[0]:                               # the frozen base is untouched, in its dtype
+        if "lora_" not in k:
+            assert torch.equal(got[-1][k], ref[-1][k].float()), k
+    peak = stats["device_param_bytes_peak"]
+    assert layer <= probe_peak <= peak <= budget, (layer, probe_peak, peak, budget)
+    assert stats["param_budget_overruns"] == 0
+    assert stats["prefetch"]["hits"] > stats["prefetch"]["misses"]
+
+
+def test_frozen_base_lives_on_its_tier_in_its_dtype(tmp_path):
+    model = lora_llama(layers=2)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    eng = offload.initialize(model, cfg(tmp_path, "nvme"))
+    frozen = [u for u in eng.units if u.frozen]
+    assert frozen and all(p.dtype == torch.bfloat16 for u in frozen for p in u.frozen)
+    mixed = [u for u in eng.units if u.frozen and u.trainable is not None]
+    assert mixed and all(u.trainable.dtype == torch.float32 for u in mixed)
+    # between uses nothing of the base is on the device, and it has no optimizer state
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert sum(b.layout.numel for b in eng.blocks) == n_trainable
+    eng.close()
+
+
+def test_budget_too_small_fails_at_initialize_with_the_smallest_that_works(tmp_path):
+    model = lora_llama(layers=2)
+    with pytest.raises(DeviceBudgetError) as err:
+        offload.initialize(clone(model), cfg(tmp_path, "cpu", budget=4096))
+    msg = str(err.value)
+    assert "device_budget_bytes=4096" in msg and "smallest budget that works is" in msg
+    need = int(msg.split("smallest budget that works is ")[1].split(";")[0])
+    assert need >= max(block_bytes(model).values())
+    # exactly that budget trains, and stays within it
+    _, stats, probe_peak, _ = engine_run(clone(model), batches(2, vocab=97), cfg(tmp_path, "cpu", need), probe=True)
+    assert probe_peak <= stats["device_param_bytes_peak"] <= need
+
+
+class OutsideRead(nn.Module):
+    """A module that reads another block's parameter while its own block is in use: the
+    one use the static working set cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.a.register_forward_hook(lambda m, i, o: o + torch.cat([self.b.weight, self.c.weight]).sum())
+
+    def forward(self, x, y=None):
+        return self.c(self.b(self.a(x))).pow(2).mean()
+
+
+def test_runtime_overrun_is_an_error(tmp_path):
+    torch.manual_seed(0)
+    model = OutsideRead()
+    one = 1024 * 4                                 # one block: the padded flat of one Linear, fp32
+    eng = offload.initialize(model, cfg(tmp_path, "cpu", budget=2 * one))
+    with pytest.raises(DeviceBudgetError, match="raise the budget to at least"):
+        eng(torch.randn(2, 8))
+    eng.close()
