@@ -644,6 +644,7 @@ class Engine:
         Hugging Face Trainer does), so it is not divided again (DeepSpeed's argument)."""
         self._check_ok()
         self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        self.hooks.end_backward()         # blocks without gradients (frozen only) end theirs
 
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Whether the next step() closes the accumulation window (True) or not (False),

@@ -265,6 +265,13 @@ class Hooks:
                 f(i, k, param)
         return hook
 
+    def end_backward(self) -> None:
+        """A backward has returned: blocks that get no gradient (frozen parameters only, or
+        trained blocks that took no part) end their backward too."""
+        for i, ph in enumerate(self.phase):
+            if ph is not BlockPhase.IDLE and self._depth[i] == 0:
+                self.post_backward(i)
+
     def post_backward(self, i: int) -> None:
         """Block ``i``'s gradients of this backward are complete (or it took no part in it)."""
         self.phase[i] = BlockPhase.IDLE
