@@ -203,7 +203,8 @@ def test_config_from_training_arguments_and_deepspeed_auto(tmp_path):
         Trainer(model=tiny_llama(), args=args(optim="sgd"), train_dataset=dataset())
     with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
         Trainer(model=tiny_llama(), args=args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=2,
-                                              save_strategy="steps", save_steps=2), train_dataset=dataset())
+                                              save_strategy="steps", save_steps=2), train_dataset=dataset(),
+                eval_dataset=dataset())
 
 
 def test_untested_transformers_version_fails_clearly(monkeypatch):
