@@ -38,13 +38,15 @@ def test_committed_step_overlaps_the_next_forward():
 
 def test_nvme_terms_and_bottleneck():
     p = plan.predict(SPEC, "nvme", "nvme", profile(), GPU, "bf16")
-    read = 12e9 + 2e9
-    write = 12e9 + 2e9
+    # state 12 B/param, bf16 params 2 B, and the gradients (bf16, 2 B) parked on NVMe until
+    # step() commits them (they wait for the commit whether or not anything clips)
+    read = 12e9 + 2e9 + 2e9
+    write = 12e9 + 2e9 + 2e9
     assert p.terms["nvme"] == pytest.approx(read / 4e9 + write / 2e9)
-    # one request per block and direction: 10 blocks x (1 state + 1 param) reads and writes
+    # one request per block and direction: 10 blocks x (1 state + 1 param + 1 parked gradient)
     lat = plan.predict(SPEC, "nvme", "nvme", profile(nvme_read_latency_s=0.01, nvme_write_latency_s=0.02), GPU, "bf16")
-    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 20 * 0.01 + 20 * 0.02)
-    # a full-duplex disk hides the shorter direction (reads, 3.5 s) under the longer (7 s)
+    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 30 * 0.01 + 30 * 0.02)
+    # a full-duplex disk hides the shorter direction (reads, 4 s) under the longer (8 s)
     duplex = plan.predict(SPEC, "nvme", "nvme", profile(nvme_duplex=1.0), GPU, "bf16")
     assert duplex.terms["nvme"] == pytest.approx(write / 2e9)
     assert p.bottleneck == "nvme"
