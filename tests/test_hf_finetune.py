@@ -86,6 +86,7 @@ def test_lora_base_on_nvme_writes_adapter(base, full_run, capsys, tmp_path):
     losses = [l for _, l in s["losses"]]
     assert losses[-1] < losses[0] - 0.3 and s["eval_loss_end"] < s["eval_loss_start"], s["losses"]
     assert os.path.isfile(out / "adapter_config.json") and os.path.isfile(out / "tokenizer.json")
+    assert not [f for f in os.listdir(out) if f.startswith(".offload-export")]   # no scratch left behind
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(pretrained), out)
     lora_b = [v for k, v in model.state_dict().items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)

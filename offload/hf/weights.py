@@ -30,3 +30,7 @@ def save_hf(engine, out_dir: str, is_main: bool = True) -> None:
             dist.barrier()                    # every rank is done with the scratch checkpoint
         if is_main:
             shutil.rmtree(scratch, ignore_errors=True)
+            try:                              # the save's lock file: the scratch path is ours alone
+                os.remove(scratch + ".lock")
+            except FileNotFoundError:
+                pass
