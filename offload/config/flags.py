@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 from typing import Any, Mapping
 
 from offload.config.deepspeed import is_deepspeed_config, translate_deepspeed
-from offload.config.schema import Config, ConfigError, _build
+from offload.config.schema import Config, ConfigError, _build, read_json
 
 
 # ---- command-line flags -----------------------------------------------------------------------
@@ -111,13 +110,7 @@ def flags_to_dict(ns, base: "Mapping[str, Any] | None" = None) -> dict:
         d = _plain(base)
     elif getattr(ns, "config", None):
         path = ns.config
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path!r} does not exist: give a JSON config file")
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--config {path!r} is not valid JSON: {exc}") from None
+        raw = read_json(path, "--config", ": give a JSON config file")
         if not isinstance(raw, Mapping):
             raise ConfigError(f"--config {path!r} must hold a JSON object")
         d = translate_deepspeed(raw) if is_deepspeed_config(raw) else _plain(raw)

@@ -77,6 +77,18 @@ def check_nvme_path(where: str, path: Optional[str]) -> None:
         raise ConfigError(f"{where}={path!r} is not writable ({exc.strerror}): choose a writable directory") from None
 
 
+def read_json(path: str, what: str, fix: str = "", error=ConfigError, missing_error=None):
+    """The parsed JSON in ``path``; a missing file or invalid JSON is one clear error naming
+    ``what`` and the path (``fix``, e.g. ": give a JSON config file", follows the former)."""
+    if not os.path.isfile(path):
+        raise (missing_error or error)(f"{what} {path!r} does not exist{fix}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise error(f"{what} {path!r} is not valid JSON: {exc}") from None
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     type: str = "AdamW"
@@ -272,14 +284,7 @@ class Config:
 
     @classmethod
     def from_json(cls, path: str) -> "Config":
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"config file {path!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(path, "config file"))
 
     @classmethod
     def from_flags(cls, argv) -> "Config":

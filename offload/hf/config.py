@@ -15,6 +15,7 @@ import os
 from typing import Any, Mapping
 
 from offload.config import Config, ConfigError, build_config, is_deepspeed_config, translate_deepspeed
+from offload.config.schema import read_json
 
 
 def precision_of(args) -> str:
@@ -90,14 +91,7 @@ def engine_config(offload_config: Any, args) -> Config:
     if offload_config is None:
         raw: Mapping = {}
     elif isinstance(offload_config, (str, os.PathLike)):
-        path = os.fspath(offload_config)
-        if not os.path.isfile(path):
-            raise ConfigError(f"offload_config {path!r} does not exist: give a JSON file, a dict or offload.Config")
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"offload_config {path!r} is not valid JSON: {exc}") from None
+        raw = read_json(os.fspath(offload_config), "offload_config", ": give a JSON file, a dict or offload.Config")
     elif isinstance(offload_config, Mapping):
         raw = offload_config
     else:

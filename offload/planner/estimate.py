@@ -33,7 +33,6 @@ engine's buffers are counted one by one); ``deepspeed_reference()`` gives DeepSp
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import tempfile
@@ -139,13 +138,8 @@ def spec_from_hf_config(path: str) -> ModelSpec:
     Mixtral, Qwen2, Gemma ...). Other families are approximated as 12*d^2 per layer."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise EstimateError(f"--hf-config {path!r} does not exist: give a config.json or its directory")
-    with open(path) as f:
-        try:
-            c = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise EstimateError(f"--hf-config {path!r} is not valid JSON: {exc}") from None
+    from offload.config.schema import read_json
+    c = read_json(path, "--hf-config", ": give a config.json or its directory", error=EstimateError)
     if isinstance(c.get("text_config"), dict):      # multimodal wrappers: count the language model
         c = {**c["text_config"], "model_type": c["text_config"].get("model_type", c.get("model_type"))}
     name = str(c.get("_name_or_path") or c.get("model_type") or os.path.basename(os.path.dirname(os.path.abspath(path))))

@@ -100,13 +100,9 @@ class Profile:
 
     @classmethod
     def load(cls, path: str) -> "Profile":
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"profile {path!r} does not exist: measure one with --save-profile {path}")
-        with open(path) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"profile {path!r} is not valid JSON: {exc}") from None
+        from offload.config.schema import read_json
+        d = read_json(path, "profile", f": measure one with --save-profile {path}", error=ValueError,
+                      missing_error=FileNotFoundError)
         names = set(cls.__dataclass_fields__)
         missing = names - set(d) - {"created"}
         if missing:
