@@ -29,6 +29,7 @@ from offload.optim.rule import Row, UpdateRule
 class Adafactor(UpdateRule):
     name = "Adafactor"
     torch_optimizer = "Adafactor"
+    per_tensor = True
     defaults = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0)
 
     def rows(self, group, shape=None):
