@@ -11,13 +11,15 @@ def cmd_estimate(args) -> int:
     spec = model_spec(args)
     machine = est.this_machine(args.nvme_path, parse_size(args.device_memory, "--device-memory"))
     rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count, args.gradient_clipping,
-                        args.gradient_accumulation_steps, parse_size(args.grad_host_bytes, "--grad-host-bytes"))
+                        args.gradient_accumulation_steps, parse_size(args.grad_host_bytes, "--grad-host-bytes"),
+                        rule=args.optimizer, state_dtype=args.state_dtype)
     if args.json:
         print(json.dumps({"model": spec.__dict__, "machine": machine.__dict__, "placements": [
             {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
             "deepspeed_reference": est.deepspeed_reference(spec, args.world_size)}, indent=2))
         return 0
-    print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}"
+    print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}, "
+          f"optimizer {args.optimizer} with {args.state_dtype} state"
           + ("" if spec.exact else "; largest layer assumed params/12 (give --largest-layer)"))
     print("bytes per tier for each placement (model states only: activations come on top, on the device;"
           "\n device per rank, host and nvme per node):")

@@ -275,10 +275,13 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,
              gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
-             grad_host_bytes: Optional[int] = None) -> List[Placement]:
-    """All nine placements, least offload first."""
+             grad_host_bytes: Optional[int] = None, *, rule: Optional[str] = None,
+             state_dtype: Optional[str] = None) -> List[Placement]:
+    """All nine placements, least offload first (the optimizer's bytes from ``rule`` /
+    ``state_dtype``: default AdamW, fp32 state)."""
     return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
-                            gradient_accumulation_steps, grad_host_bytes) for o in TIERS for p in TIERS]
+                            gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype)
+            for o in TIERS for p in TIERS]
 
 
 def deepspeed_reference(spec: ModelSpec, world_size: int = 1) -> Dict[str, Dict[str, int]]:
