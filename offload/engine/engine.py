@@ -170,11 +170,15 @@ class Engine:
         from offload.engine.memory_plan import plan as memory_plan
         sizes = self._block_sizes()
         esize = torch.empty((), dtype=self.dtype).element_size()
-        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize)
+        avail = None                  # sizes the cpu activation pool when host_bytes is not set
+        if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
+            import psutil
+            avail = psutil.virtual_memory().available
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, host_available=avail)
         if self.plan.param_budget is not None:     # the default budget covers the working set
             self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
-                                    working_set=self._working_set[0])
+                                    working_set=self._working_set[0], host_available=avail)
         self.comm.check_same("model and config", self._signature())
         from offload.io.loader import WeightLoader
         self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
@@ -191,6 +195,7 @@ class Engine:
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self._act_store = None
+        self._act_pool = None             # HostArena offload-activations: the host copies' budget
         self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
@@ -500,10 +505,13 @@ class Engine:
             self._act_store = NvmeStore(ac.nvme_path, backend=a.backend, block_size=a.block_size,
                                         queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                         name="activations")
+        from offload.storage.pinned_pool import HostArena
+        pool = self.plan.pool("offload-activations")
+        self._act_pool = HostArena(pool.nbytes, pin=ac.pin_memory and dev.can_pin(), name=pool.name)
         self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
                                              min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
-                                             pin=ac.pin_memory and dev.can_pin(), store=self._act_store,
-                                             telemetry=self.telemetry)
+                                             pool=self._act_pool, store=self._act_store, telemetry=self.telemetry,
+                                             wait_timeout_s=self.config.wait_timeout_s)
 
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
@@ -754,7 +762,7 @@ class Engine:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
         pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if p is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if p is not None]
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
@@ -891,14 +899,14 @@ class Engine:
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if r is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if r is not None]
         if clean:
             for r in pools:
                 r.close()
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
-        self._act_store = None
+        self._act_store = self._act_pool = None
         self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
