@@ -192,6 +192,7 @@ class Engine:
         self._param_stage_pool = None
         self._param_write_pool = None
         self._grad_pool = None
+        self._grad_tier = None            # NvmeTier of parked gradients (offload-grads pool), engine/grads.py
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self._act_store = None
@@ -325,8 +326,10 @@ class Engine:
             self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
             self._swap_pool = pool("offload-swap")
             if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
-                self._store.reserve({f"b{lay.index}.grad": bp.grad_numel * plan.grad_bytes
-                                     for lay, bp in zip(self.layouts, plan.blocks)})
+                from offload.storage.tier import NvmeTier
+                self._grad_tier = NvmeTier(self._store, self._grad_pool, wait_timeout_s=cfg.wait_timeout_s)
+                self._grad_tier.reserve({self._grad_key(lay): bp.grad_numel * plan.grad_bytes
+                                         for lay, bp in zip(self.layouts, plan.blocks)})
         elif plan.grad_home is GradHome.SPILL:
             raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
                              "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
@@ -525,6 +528,10 @@ class Engine:
     def _state_key(lay: blk.BlockLayout) -> str:
         return f"b{lay.index}.state"
 
+    @staticmethod
+    def _grad_key(lay: blk.BlockLayout) -> str:
+        return f"b{lay.index}.grad"
+
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
         self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts] +
@@ -542,10 +549,10 @@ class Engine:
                                    tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
-                if self._grad_pool is not None:
-                    spill = self._store if self.plan.grad_home is GradHome.SPILL else None
-                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
-                                      has_jobs=self._jobs_in_flight, spill=spill, key=f"b{lay.index}.grad")
+                if self._grad_tier is not None:
+                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
+                                      has_jobs=self._jobs_in_flight, key=self._grad_key(lay),
+                                      what=f"gradients of block {lay.index} ({lay.name or '<root>'})")
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))

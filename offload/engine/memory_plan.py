@@ -12,8 +12,8 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
                        while its update reads them: ``offload_optimizer.grad_host_bytes``
                        (or max(buffer_count, workers + 2) buffers). Between uses (the window
                        stays open until step() commits it) a block's sum is parked on the
-                       NVMe tier, ``b<i>.grad``, and comes back for the next landing or the
-                       update
+                       NVMe tier, ``b<i>.grad`` (a Loan, as the optimizer state), and comes
+                       back for the next landing or the update
   offload-swap         optimizer state read ahead / written behind for NVMe (buffer_count)
   offload-param-home   parameter homes, trainable and frozen parts (offload_param.device: cpu)
   offload-param-stage  NVMe parameter parts staged for the device (offload_param.device: nvme):

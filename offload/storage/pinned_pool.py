@@ -118,6 +118,32 @@ class HostBuffer:
         return f"HostBuffer(pool={self._pool.name!r}, slot={self._index}, nbytes={self.nbytes}, {state})"
 
 
+class OwnedBuffer:
+    """A page-aligned host buffer of ``nbytes`` outside every pool, with a HostBuffer's
+    ``view`` / ``release``: for a loan that must not wait for its pool because nothing in
+    flight would give a buffer back (engine/grads.py). ``release`` drops it."""
+
+    __slots__ = ("nbytes", "_data")
+
+    def __init__(self, nbytes: int):
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
+        self.nbytes = nbytes
+        self._data = raw[skip:skip + nbytes]
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        if self._data is None:
+            raise RuntimeError("this buffer was already released")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        end = offset_bytes + numel * itemsize
+        if numel < 0 or offset_bytes < 0 or offset_bytes % itemsize or end > self.nbytes:
+            raise ValueError(f"a view of {numel} x {dtype} at offset {offset_bytes} does not fit {self.nbytes} bytes")
+        return self._data[offset_bytes:end].view(dtype)
+
+    def release(self) -> None:
+        self._data = None
+
+
 class HostPool:
     """Fixed host buffers, one per entry of ``slot_bytes``, allocated up front."""
 
