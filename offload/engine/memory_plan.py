@@ -200,7 +200,16 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     grad_sizes = [b.grad_numel * gb for b in trained]
     gh = grad_home(config, sum(grad_sizes), max(grad_sizes, default=0))
     if gh is GradHome.SPILL and (world_size > 1 or stage >= 2):
-        gh = GradHome.HOST           # parking is single-rank, stages 0-1 (no collective on a parked sum)
+        # Parking is single-rank, stages 0-1. With ranks, a block's buffer is the operand of
+        # its collective (stages 0-1: all-reduce / reduce-scatter of the full buffer at the
+        # boundary; 2: the reduced shard added into it every backward), whose completion
+        # (GradSync's finish) runs on whichever thread waits first: a park must follow it,
+        # but (a) stage 1's reopen() (another backward before step()) needs the unreduced
+        # local sums the finish overwrites, and (b) stage 2's finish borrows the buffer,
+        # which waits for a park in flight that itself waits for that finish. Both need the
+        # collective's completion to hand the buffer to its park (and the commit to take
+        # norms and updates block by block from parked sums): not done yet.
+        gh = GradHome.HOST
     pools, nvme = [], {}
     host_slots = []
     if gh is GradHome.SPILL:
