@@ -180,11 +180,15 @@ class Engine:
         from offload.engine.memory_plan import plan as memory_plan
         sizes = self._block_sizes()
         esize = torch.empty((), dtype=self.dtype).element_size()
-        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize)
+        avail = None                  # sizes the cpu activation pool when host_bytes is not set
+        if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
+            import psutil
+            avail = psutil.virtual_memory().available
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, host_available=avail)
         if self.plan.param_budget is not None:     # the default budget covers the working set
             self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
-                                    working_set=self._working_set[0])
+                                    working_set=self._working_set[0], host_available=avail)
         self.comm.check_same("model and config", self._signature())
         from offload.io.loader import WeightLoader
         self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
@@ -198,9 +202,11 @@ class Engine:
         self._param_stage_pool = None
         self._param_write_pool = None
         self._grad_pool = None
+        self._grad_tier = None            # NvmeTier of parked gradients (offload-grads pool), engine/grads.py
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self._act_store = None
+        self._act_pool = None             # HostArena offload-activations: the host copies' budget
         self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
@@ -359,8 +365,10 @@ class Engine:
             self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
             self._swap_pool = pool("offload-swap")
             if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
-                self._store.reserve({f"b{lay.index}.grad": bp.grad_numel * plan.grad_bytes
-                                     for lay, bp in zip(self.layouts, plan.blocks)})
+                from offload.storage.tier import NvmeTier
+                self._grad_tier = NvmeTier(self._store, self._grad_pool, wait_timeout_s=cfg.wait_timeout_s)
+                self._grad_tier.reserve({self._grad_key(lay): bp.grad_numel * plan.grad_bytes
+                                         for lay, bp in zip(self.layouts, plan.blocks)})
         elif plan.grad_home is GradHome.SPILL:
             raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
                              "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
@@ -540,10 +548,13 @@ class Engine:
             self._act_store = NvmeStore(ac.nvme_path, backend=a.backend, block_size=a.block_size,
                                         queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                         name="activations")
+        from offload.storage.pinned_pool import HostArena
+        pool = self.plan.pool("offload-activations")
+        self._act_pool = HostArena(pool.nbytes, pin=ac.pin_memory and dev.can_pin(), name=pool.name)
         self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
                                              min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
-                                             pin=ac.pin_memory and dev.can_pin(), store=self._act_store,
-                                             telemetry=self.telemetry)
+                                             pool=self._act_pool, store=self._act_store, telemetry=self.telemetry,
+                                             wait_timeout_s=self.config.wait_timeout_s)
 
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
@@ -555,6 +566,10 @@ class Engine:
     @staticmethod
     def _state_key(lay: blk.BlockLayout) -> str:
         return f"b{lay.index}.state"
+
+    @staticmethod
+    def _grad_key(lay: blk.BlockLayout) -> str:
+        return f"b{lay.index}.grad"
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
@@ -576,10 +591,10 @@ class Engine:
                                    tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
-                if self._grad_pool is not None:
-                    spill = self._store if self.plan.grad_home is GradHome.SPILL else None
-                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
-                                      has_jobs=self._jobs_in_flight, spill=spill, key=f"b{lay.index}.grad")
+                if self._grad_tier is not None:
+                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
+                                      has_jobs=self._jobs_in_flight, key=self._grad_key(lay),
+                                      what=f"gradients of block {lay.index} ({lay.name or '<root>'})")
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
@@ -809,7 +824,7 @@ class Engine:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
         pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if p is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if p is not None]
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
@@ -946,14 +961,14 @@ class Engine:
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if r is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if r is not None]
         if clean:
             for r in pools:
                 r.close()
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
-        self._act_store = None
+        self._act_store = self._act_pool = None
         self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 
