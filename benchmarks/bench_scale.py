@@ -188,6 +188,7 @@ if a["lora"]:
                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
+rss_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # imports + the meta model
 loader = "weights" in inspect.signature(offload.initialize).parameters
 if not loader:      # simulated load: the engine materializes each meta block with the model's init
     for m in lm.modules():
@@ -219,7 +220,8 @@ out = {"params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel fo
        "init (simulated: no weights= loader)", "load_s": load_s, "step_s": statistics.median(times[1:] or times),
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
-       "rss_after_load_bytes": rss_load}
+       "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "step_times": times,
+       "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
 eng.close()
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps(out))
@@ -235,6 +237,21 @@ def child(args: dict, timeout: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def bf16_matmul_tflops(s: dict, tokens: int = 128) -> float:
+    """TFLOP/s of this machine's bf16 matmul at the benchmark's shapes (tokens x hidden x
+    intermediate), best of a few: the planner's compute rate for these runs."""
+    import torch
+    a = torch.randn(tokens, s["hidden"], dtype=torch.bfloat16)
+    w = torch.randn(s["inter"], s["hidden"], dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ w.t()
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * tokens * s["hidden"] * s["inter"] / best / 1e12
+
+
 def layer_bytes(s: dict) -> int:
     h, i = s["hidden"], s["inter"]
     kvd = h // s["heads"] * s["kv"]
@@ -246,9 +263,11 @@ def checkpoint_bytes(s: dict, layers: int) -> int:
 
 
 def nvme_need(s: dict, layers: int, full: bool) -> int:
-    """Checkpoint + the engine's swap files (bf16 params; fp32 state and parked grads if full)."""
+    """Checkpoint + the engine's swap files: a full fine-tune keeps bf16 params, fp32 state
+    and parked fp32 gradients there; LoRA reads its frozen base in place from the checkpoint
+    (the swap files hold the adapters: a few MB)."""
     ck = checkpoint_bytes(s, layers)
-    return ck + ck + (ck // 2 * (12 + 4) if full else 0)
+    return ck + (ck + ck // 2 * (12 + 4) if full else 64 << 20)
 
 
 def shapes(size: str):
@@ -289,6 +308,12 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
         return 2
     out = {"size": args.size, "load_avg": os.getloadavg()[0]}
+    from offload.planner.plan import measure_profile
+    from dataclasses import asdict
+    t0 = time.perf_counter()
+    out["profile"] = asdict(measure_profile(root))        # this machine, for the planner's prediction
+    out["profile"]["matmul_tflops_bf16"] = bf16_matmul_tflops(lora_shape if runs_lora else ft_shape)
+    print(f"measured the machine for the planner in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         if runs_lora:
             ck = os.path.join(root, "lora-ckpt")
@@ -300,9 +325,11 @@ def main(argv=None) -> int:
             budget = 4 * layer_bytes(lora_shape) + (1 << 20)    # a few layers (+ their adapters)
             nv = os.path.join(root, "nvme-lora")
             os.makedirs(nv)
-            r = child({"hf": hf_config(lora_shape, lora_shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3,
-                       "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
-                       "ckpt": ck, "nvme": nv}, timeout=3600)
+            run = {"hf": hf_config(lora_shape, lora_shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3,
+                   "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
+                   "ckpt": ck, "nvme": nv}
+            r = child(run, timeout=3600)
+            r["run"] = run
             r.update({"checkpoint_bytes": nbytes, "raw_read_gbps": raw / 1e9,
                       "load_gbps": nbytes / r["load_s"] / 1e9, "read_rate": rate})
             out["lora"] = r
@@ -317,9 +344,11 @@ def main(argv=None) -> int:
                 write_checkpoint(ck, ft_shape, layers)
                 nv = os.path.join(root, f"nvme-ft-{layers}")
                 os.makedirs(nv)
-                r = child({"hf": hf_config(ft_shape, layers), "lora": False, "rank": 0, "lr": 1e-4, "clip": 1.0,
-                           "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
-                           "ckpt": ck, "nvme": nv}, timeout=7200)
+                run = {"hf": hf_config(ft_shape, layers), "lora": False, "rank": 0, "lr": 1e-4, "clip": 1.0,
+                       "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
+                       "ckpt": ck, "nvme": nv}
+                r = child(run, timeout=7200)
+                r["run"] = run
                 out["full"][str(layers)] = r
                 print(f"(b) full fine-tune, {layers} layers: {json.dumps(r)}", flush=True)
                 shutil.rmtree(ck, ignore_errors=True)
