@@ -199,6 +199,10 @@ class OffloadParamConfig:
     pin_memory: bool = True
     # Peak bytes of offloaded parameters allowed on the device at once; None: two largest blocks.
     device_budget_bytes: Optional[int] = None
+    # With device nvme and weights= safetensors: frozen parameters stored in their kept dtype
+    # are read in place from the checkpoint's own files (verified, never written) instead of
+    # being copied to the swap file; false copies them.
+    frozen_in_place: bool = True
 
     def __post_init__(self):
         _check_finite(self, "offload_param.")

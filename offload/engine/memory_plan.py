@@ -101,6 +101,7 @@ class BlockSize:
     frozen: Tuple[int, ...] = ()        # bytes of each frozen part as stored (padded)
     params: Tuple[tuple, ...] = ()      # (offset, numel, shape, group) per parameter in the
                                         # block's flat (a per-tensor rule's state needs shapes)
+    in_place: Tuple[bool, ...] = ()     # per frozen part: read in place from the checkpoint (no swap bytes)
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,11 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:
-            nvme["params"] = sum(_page(h) for hs in homes for h in hs)
+            # frozen parts read in place live in the checkpoint's files, not in the swap file
+            swapped = [([b.home_bytes] if b.padded_numel else [])
+                       + [f for f, ip in zip(b.frozen, s.in_place or (False,) * len(b.frozen)) if not ip]
+                       for b, s in zip(bps, blocks)]
+            nvme["params"] = sum(_page(h) for hs in swapped for h in hs)
             pf = config.prefetch
             host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
             slots, total = [], 0
