@@ -17,12 +17,14 @@ norm and the update for its norm; its bytes (ADAFACTOR_BYTES) count param 8 + gr
 and column sums) + grad 4 + update 8 (built, then its norm) + update 4 (applied) = 28.
 
 Part 2, `int8_vs_fp32_nvme_step`: the optimizer step of a model whose state lives on NVMe,
-block by block as the engine's pipeline runs it (offload/storage NvmeStore, O_DIRECT when
-the filesystem allows, two host buffers: the next block's read is in flight while this block
-steps, its write while the next one steps), with AdamW; fp32 state (master + 2 rows, 12
-B/param) against int8 state (master + 2 int8 rows + scales, 6.03 B/param). Rounds alternate
-fp32 / int8 (the disk's rate drifts) and the claim is the median of the paired ratios.
-This drives the storage and the rule directly: it is not (yet) the engine's own step.
+block by block as the engine's pipeline runs it with its defaults (offload/storage NvmeStore,
+O_DIRECT when the filesystem allows; `buffer_count` = 4 host buffers and one optimizer worker,
+so up to 3 blocks' reads are in flight while one block steps, and a buffer whose write has
+landed takes the next read, as optim/pipeline.py's read-ahead and reclaim do), with AdamW;
+fp32 state (master + 2 rows, 12 B/param) against int8 state (master + 2 int8 rows + scales,
+6.03 B/param). Rounds alternate fp32 / int8 (the disk's rate drifts) and the claim is the
+median of the paired ratios. This drives the storage and the rule directly: it is not (yet)
+the engine's own step.
 
 Part 3, `--gpt-steps N` (300 for the issue's figure; 0, the default, skips it): the accuracy
 cost of int8 state. `offload train`'s GPT (4 layers, d=256, 8 x 128 tokens, its default corpus,
@@ -40,6 +42,7 @@ The last line printed is one JSON object with a `claims` map.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -177,28 +180,40 @@ class NvmeStateRun:
     def _views(self, buf):
         return self.layout.views(buf.view(torch.uint8, self.nbytes))
 
-    def run(self, compute: bool = True) -> float:
+    def run(self, compute: bool = True, slots: int = 4) -> float:
         """One optimizer step over every block; returns seconds. compute=False moves the same
-        bytes without stepping (the I/O alone, reported beside the step)."""
+        bytes without stepping (the I/O alone, reported beside the step). ``slots`` host
+        buffers: the step's own, the rest read ahead (the engine's buffer_count)."""
         t0 = time.perf_counter()
-        bufs = [self.pool.acquire(self.nbytes), self.pool.acquire(self.nbytes)]
-        writes = [None, None]
-        reads = [self.store.read(self.keys[0], bufs[0].view(torch.uint8, self.nbytes)), None]
+        bufs = [self.pool.acquire(self.nbytes) for _ in range(slots)]
+        free = list(range(slots))
+        reading = collections.deque()   # (block, slot, handle), in block order
+        writing = collections.deque()   # (slot, handle), oldest first
+        ahead = 0                       # the next block to read
+
+        def view(slot):
+            return bufs[slot].view(torch.uint8, self.nbytes)
+
         for i in range(self.n):
-            cur, nxt = i % 2, (i + 1) % 2
-            if i + 1 < self.n:  # the next block's read, into the other buffer once its write landed
-                if writes[nxt] is not None:
-                    writes[nxt].wait()
-                    writes[nxt] = None
-                reads[nxt] = self.store.read(self.keys[i + 1], bufs[nxt].view(torch.uint8, self.nbytes))
-            reads[cur].wait()
-            if compute:
-                master, state = self._views(bufs[cur])
-                self.rule.cpu_step(master, self.grad, state, self.group, self.step + 1)
-            writes[cur] = self.store.write(self.keys[i], bufs[cur].view(torch.uint8, self.nbytes))
-        for w in writes:
-            if w is not None:
+            while writing and writing[0][1].done():     # reclaim landed writes
+                free.append(writing.popleft()[0])
+            if not reading and not free:                # block i needs a buffer: the oldest write
+                slot, w = writing.popleft()
                 w.wait()
+                free.append(slot)
+            while free and ahead < self.n:              # read ahead into every free buffer
+                slot = free.pop()
+                reading.append((ahead, slot, self.store.read(self.keys[ahead], view(slot))))
+                ahead += 1
+            block, slot, r = reading.popleft()
+            assert block == i
+            r.wait()
+            if compute:
+                master, state = self._views(bufs[slot])
+                self.rule.cpu_step(master, self.grad, state, self.group, self.step + 1)
+            writing.append((slot, self.store.write(self.keys[i], view(slot))))
+        for _, w in writing:
+            w.wait()
         for b in bufs:
             b.release()
         self.step += 1
@@ -217,7 +232,7 @@ def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
     store = NvmeStore(path, name="bench_optim")
     from offload.optim.state_layout import StateLayout
     adam, group = get_rule("AdamW"), dict(get_rule("AdamW").defaults)
-    pool = HostPool([StateLayout.for_rule(adam, group, block, d).nbytes for d in ("fp32", "fp32", "int8", "int8")],
+    pool = HostPool([StateLayout.for_rule(adam, group, block, d).nbytes for d in ("fp32", "int8") for _ in range(4)],
                     name="bench_optim")
     try:
         runs = {d: NvmeStateRun(store, pool, nblocks, block, d) for d in ("fp32", "int8")}
