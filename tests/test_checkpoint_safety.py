@@ -146,3 +146,19 @@ def test_unreadable_block_file_names_block_path_errno(tmp_path):
     assert e.errno == errno.ENOENT and e.filename == str(victim)
     assert "checkpoint load: reading the state of block 'layers.0'" in str(e)
     eng.close()
+
+
+def test_checkpoint_paths_may_be_pathlib(tmp_path):
+    """save_checkpoint / load_checkpoint / export_fp32 take a pathlib.Path as they take a str."""
+    eng = trained(None)
+    want = {k: v.clone() for k, v in eng.full_state_dict().items()}
+    eng.save_checkpoint(tmp_path / "ck")
+    x, y = next(iter(batches(1)))
+    eng.backward(eng(x, y))
+    eng.step()
+    eng.load_checkpoint(tmp_path / "ck")
+    got = eng.full_state_dict()
+    eng.close()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    fp32 = offload.export_fp32(tmp_path / "ck")
+    assert all(torch.equal(want[k].float(), fp32[k]) for k in want)

@@ -462,9 +462,10 @@ class Engine:
         if self.stage == 3 and self.comm.active:
             what = f"param allgather of block {lay.index} ({lay.name or '<root>'})"
 
-            def gather(full, shard, what=what):
+            def allgather(full, shard, what=what):
                 with self.telemetry.span("offload::param_allgather"):
                     return self.comm.all_gather(full, shard, what, async_op=True)
+            gather = allgather
         kw = {"home_numel": n, "gather": gather}
         if home_device == "cpu":
             home = self._param_home_pool.acquire(self._home_bytes(lay)).view(self.dtype, n)

@@ -125,7 +125,7 @@ class _SaveLock:
 def save(engine, path: str) -> str:
     """Every rank calls this with the same ``path`` (a directory all ranks can reach)."""
     comm = engine.comm
-    path = os.path.abspath(path.rstrip("/"))
+    path = os.path.abspath(os.fspath(path).rstrip("/"))
     parent = os.path.dirname(path)
     lock = _SaveLock(path)
     refused = None
@@ -311,7 +311,7 @@ def _rng_state() -> dict:
 
 # ---- loading ----------------------------------------------------------------------------
 def resolve(path: str) -> str:
-    path = os.path.abspath(path.rstrip("/"))
+    path = os.path.abspath(os.fspath(path).rstrip("/"))
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     prev = path + ".prev"

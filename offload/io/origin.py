@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from offload.io.hf import WeightFiles, WeightsError, read_header
+from offload.io.hf import WeightsError, read_header
 
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
              "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
