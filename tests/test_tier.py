@@ -164,13 +164,14 @@ def test_write_through_keeps_the_buffer_and_fails_like_a_write(store, pool):
 
 def test_waits_are_bounded(store, pool):
     from offload._native import IO_READ
-    tier = NvmeTier(store, pool, wait_timeout_s=0.5)
+    tier = NvmeTier(store, pool, wait_timeout_s=60.0)   # writing the keys may be slow on a busy machine
     tier.reserve({"a": 1 << 20, "b": 1 << 20, "c": 1 << 20})
     loans = [tier.loan(k, 1 << 20, f"block {i}") for i, k in enumerate("abc")]
     for ln in loans:
         ln.fill().zero_()
         ln.commit()
         ln.release()
+    tier.wait_timeout_s = 0.5                        # the waits under test: nothing can complete them
     a, b = loans[0].acquire(), loans[1].acquire()   # both pool buffers on loan
     t0 = time.monotonic()
     with pytest.raises(TierTimeout, match="block 2: no host buffer free after 0.5 s"):
