@@ -492,13 +492,16 @@ class RankedPlacement:
 
 def rank(spec: ModelSpec, profile: Profile, compute: Compute, machine: Machine, precision: str = "fp32",
          gradient_accumulation_steps: int = 1, clipping: bool = False, world_size: int = 1,
-         buffer_count: int = 4, placements: Optional[Sequence[Tuple[str, str]]] = None) -> List[RankedPlacement]:
-    """All placements, fitting ones first, each group fastest first."""
+         buffer_count: int = 4, placements: Optional[Sequence[Tuple[str, str]]] = None, *,
+         rule: str = "AdamW", state_dtype: str = "fp32") -> List[RankedPlacement]:
+    """All placements, fitting ones first, each group fastest first (the optimizer state's
+    bytes from ``rule`` / ``state_dtype``)."""
     out = []
     for o, prm in placements or [(o, prm) for o in TIERS for prm in TIERS]:
-        pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping)
+        pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping,
+                       rule=rule, state_dtype=state_dtype)
         mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count, 1.0 if clipping else 0.0,
-                              gradient_accumulation_steps)
+                              gradient_accumulation_steps, rule=rule, state_dtype=state_dtype)
         out.append(RankedPlacement(pred, mem, check_fit(mem, machine)))
     out.sort(key=lambda r: (not r.fits, r.prediction.step_s))
     return out
