@@ -132,7 +132,10 @@ class ParamOffload:
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
-        if bp is not None and bp.users == 0:
+        # kept when the trace uses it again soon (a saved frozen weight its backward has not
+        # unpacked yet, e.g. a norm after the last adapter's gradient landed)
+        if bp is not None and bp.users == 0 and \
+                not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
             self._release(i)
 
     def param_read(self, p: nn.Parameter):
