@@ -86,7 +86,7 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
 
 
 def _fmt(n: int) -> str:
-    return f"{n} bytes ({n / 2**20:.1f} MiB)"
+    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 2**10:.1f} KiB)"
 
 
 def _layout(shape, stride) -> str:
@@ -204,6 +204,12 @@ class ActivationOffload:
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
         self._in_forward = False
+        if self.tier == "nvme" and self.device.type == "cpu":
+            # every copy of this forward is on NVMe and backward reads straight into device
+            # memory: the pool's pages leave the RSS until the next forward
+            with self._lock:
+                self._settle_retired()
+            self.pool.trim()
         if torch.is_grad_enabled() and self._records:
             self._prefetch()
 
