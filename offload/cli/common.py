@@ -91,6 +91,11 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     g.add_argument("--model", metavar="MOD:FN", help="module:callable building the model (run on the meta device)")
     g.add_argument("--precision", default="bf16" if not gpt_defaults else "fp32", choices=("fp32", "bf16", "fp16"))
+    o = p.add_argument_group("the optimizer (its state's bytes per parameter)")
+    o.add_argument("--optimizer", default="AdamW", choices=("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor"),
+                   help="update rule (SGD counts a momentum buffer)")
+    o.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="dtype of the optimizer's state rows (the master stays fp32)")
 
 
 def add_gpt_args(p, steps_default: bool = True) -> None:

@@ -12,6 +12,7 @@ def cmd_estimate(args) -> int:
     machine = est.this_machine(args.nvme_path, parse_size(args.device_memory, "--device-memory"))
     rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count, args.gradient_clipping,
                         args.gradient_accumulation_steps, parse_size(args.grad_host_bytes, "--grad-host-bytes"),
+                        rule=args.optimizer, state_dtype=args.state_dtype,
                         activations=args.offload_activations,
                         activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
                         host_available=machine.host_available)
@@ -20,7 +21,8 @@ def cmd_estimate(args) -> int:
             {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
             "deepspeed_reference": est.deepspeed_reference(spec, args.world_size)}, indent=2))
         return 0
-    print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}"
+    print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}, "
+          f"optimizer {args.optimizer} with {args.state_dtype} state"
           + ("" if spec.exact else "; largest layer assumed params/12 (give --largest-layer)"))
     acts = ("activations come on top, on the device" if args.offload_activations == "none" else
             f"the {args.offload_activations} activation pool is in pinned, the device keeps what is not offloaded")

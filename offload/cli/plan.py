@@ -90,8 +90,9 @@ def cmd_plan(args) -> int:
         compute = plan.flops_compute(spec, tokens, profile)
     machine = est.this_machine(nvme_path, parse_size(args.device_memory, "--device-memory"))
     ranked = plan.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
-                       args.gradient_clipping > 0)
-    print(spec.describe() + f"; {tokens} tokens per micro-step, precision {args.precision}")
+                       args.gradient_clipping > 0, rule=args.optimizer, state_dtype=args.state_dtype)
+    print(spec.describe() + f"; {tokens} tokens per micro-step, precision {args.precision}, optimizer "
+          f"{args.optimizer} with {args.state_dtype} state")
     print(f"compute (forward+backward) {compute.total_s * 1e3:.1f} ms per micro-step, "
           + ("measured on the device without offload" if compute.measured
              else "from 6 x params x tokens at the measured matmul rate"))

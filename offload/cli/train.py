@@ -18,6 +18,8 @@ from offload.cli.common import CLIError, add_gpt_args, format_summary
 
 TRAIN_DEFAULTS = {"optimizer": {"lr": 2e-3, "betas": (0.9, 0.95), "weight_decay": 0.0},
                   "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}
+# --optimizer other than AdamW / Adam: the rule's own defaults (torch's), not Adam's above
+_ADAM_TYPES = ("AdamW", "Adam")
 
 
 def _train_config(args) -> tuple:
@@ -26,6 +28,8 @@ def _train_config(args) -> tuple:
     import copy
     import torch
     base = None if args.config else copy.deepcopy(TRAIN_DEFAULTS)
+    if base is not None and vars(args).get("cfg:optimizer.type", "AdamW") not in _ADAM_TYPES:
+        base["optimizer"] = {}
     d = config_mod.flags_to_dict(args, base=base)
     if "precision" not in d and not args.config:
         d["precision"] = "bf16" if torch.cuda.is_available() else "fp32"

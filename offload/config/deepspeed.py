@@ -53,7 +53,8 @@ _DS_KNOWN = {
     "bf16.": ("enabled", "immediate_grad_update", "check_grad_overflow"),
     "optimizer.": ("type", "params"),
     "optimizer.params.": ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
-                          "bias_correction", "amsgrad", "fused"),
+                          "bias_correction", "amsgrad", "fused", "momentum", "dampening", "nesterov",
+                          "lr_decay", "initial_accumulator_value", "beta2_decay", "d", "maximize", "foreach"),
 }
 
 
@@ -147,26 +148,52 @@ def translate_deepspeed(ds: Mapping[str, Any]) -> dict:
     return out
 
 
+# DeepSpeed's optimizer type names (case-insensitive; DeepSpeed also takes any torch.optim
+# class by name) -> the rule that computes the same update. Types DeepSpeed has and offload
+# does not are refused by name.
+_DS_TYPES = {"adamw": "AdamW", "adam": "Adam", "cpuadam": "Adam", "fusedadam": "Adam", "deepspeedcpuadam": "Adam",
+             "lion": "Lion", "cpulion": "Lion", "fusedlion": "Lion", "deepspeedcpulion": "Lion",
+             "adagrad": "Adagrad", "cpuadagrad": "Adagrad", "deepspeedcpuadagrad": "Adagrad",
+             "sgd": "SGD", "adafactor": "Adafactor"}
+_DS_UNSUPPORTED = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "fusedlamb", "muadam", "muadamw", "musgd")
+# The hyper-parameters each rule takes from DeepSpeed's optimizer.params (torch's names).
+_RULE_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "lr_decay",
+                "initial_accumulator_value", "beta2_decay", "d")
+
+
 def _optimizer(opt: dict, params, take, ignored: list) -> dict:
     """DeepSpeed's optimizer section as DeepSpeed reads it. ``Adam`` follows ``adam_w_mode``
     (default true: decoupled weight decay, i.e. AdamW; false: L2 added to the gradient), and
     ``AdamW`` is decoupled whatever it says. Options that change the arithmetic and that this
     engine does not implement (``amsgrad: true``, ``bias_correction: false``) fail instead of
-    being dropped; implementation choices (``torch_adam``, ``fused``) are named in the warning."""
+    being dropped; implementation choices (``torch_adam``, ``fused``) are named in the warning.
+    Lion, Adagrad, SGD and Adafactor (DeepSpeed's CPU / fused names included) map to their
+    rules; DeepSpeed types offload does not implement (Lamb, OneBitAdam, ...) fail by name."""
     params = dict(params) if isinstance(params, Mapping) else params
-    mode = params.pop("adam_w_mode", True) if isinstance(params, dict) else True
+    name = None
+    if "type" in opt:
+        t = str(opt.pop("type"))
+        if t.lower() in _DS_UNSUPPORTED:
+            raise ConfigError(f"optimizer.type={t!r} (DeepSpeed) is not supported by offload: use one of AdamW, "
+                              f"Adam, Lion, SGD, Adagrad, Adafactor")
+        name = _DS_TYPES.get(t.lower(), t)
+    adam = name in (None, "Adam", "AdamW")
+    mode = params.pop("adam_w_mode", True) if isinstance(params, dict) and adam else True
     for key, unsupported in (("amsgrad", True), ("bias_correction", False)):
+        if not adam:
+            break
         if isinstance(params, dict) and key in params and bool(params[key]) is unsupported:
             raise ConfigError(f"optimizer.params.{key}={params[key]!r} is not supported by offload's Adam: "
                               f"remove it (offload implements Adam with bias correction, without AMSGrad)")
         if isinstance(params, dict) and key in params:
             params.pop(key)       # the default behaviour, stated explicitly: nothing to warn about
-    o = take(params, {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
-             "optimizer.params.")
+    if isinstance(params, dict) and params.get("maximize") is True:
+        raise ConfigError("optimizer.params.maximize=True is not supported by offload: remove it (negate the loss)")
+    if isinstance(params, dict) and isinstance(params.get("eps"), list):
+        params["eps"] = tuple(params["eps"])    # Adafactor's pair
+    o = take(params, {k: k for k in _RULE_PARAMS}, "optimizer.params.")
     opt.pop("params", None)
-    if "type" in opt:
-        t = str(opt.pop("type"))
-        name = {"adamw": "AdamW", "adam": "Adam", "cpuadam": "Adam", "fusedadam": "Adam"}.get(t.lower(), t)
+    if name is not None:
         if name == "Adam" and bool(mode):
             name = "AdamW"        # DeepSpeed's Adam defaults to adam_w_mode=True
         o["type"] = name

@@ -32,11 +32,13 @@ def parse_bytes(text: "str | int | float", where: str = "size") -> int:
 # (flag, dotted config key, type, help). Flags given on the command line override --config.
 _FLAGS = (
     ("--precision", "precision", str, "fp32 | bf16 | fp16"),
-    ("--optimizer", "optimizer.type", str, "AdamW | Adam"),
+    ("--optimizer", "optimizer.type", str, "AdamW | Adam | Lion | SGD | Adagrad | Adafactor"),
+    ("--state-dtype", "optimizer.state_dtype", str, "fp32 | bf16 | int8: the optimizer's state rows (master stays fp32)"),
+    ("--momentum", "optimizer.momentum", float, "SGD momentum"),
     ("--lr", "optimizer.lr", float, "learning rate"),
-    ("--weight-decay", "optimizer.weight_decay", float, "decoupled weight decay"),
-    ("--betas", "optimizer.betas", "pair", "Adam betas, e.g. 0.9,0.95"),
-    ("--eps", "optimizer.eps", float, "Adam epsilon"),
+    ("--weight-decay", "optimizer.weight_decay", float, "weight decay (as the rule's torch optimizer applies it)"),
+    ("--betas", "optimizer.betas", "pair", "Adam / Lion betas, e.g. 0.9,0.95"),
+    ("--eps", "optimizer.eps", float, "Adam / Adagrad epsilon"),
     ("--gradient-accumulation-steps", "gradient_accumulation_steps", int, "micro-steps per step"),
     ("--gradient-clipping", "gradient_clipping", float, "max global grad norm (0: off)"),
     ("--offload-optimizer", "offload_optimizer.device", str, "none | cpu | nvme: where Adam state lives"),

@@ -89,24 +89,83 @@ def read_json(path: str, what: str, fix: str = "", error=ConfigError, missing_er
             raise error(f"{what} {path!r} is not valid JSON: {exc}") from None
 
 
+# The hyper-parameter fields of OptimizerConfig: the union of every update rule's (torch's
+# names). A field left None takes the rule's default (offload/optim/<rule>.py ``defaults``).
+OPTIMIZER_HPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "lr_decay",
+                     "initial_accumulator_value", "beta2_decay", "d")
+OPTIMIZER_TYPES = ("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor")
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """The update rule (``type``), its hyper-parameters with torch's names, and the dtype
+    of its state rows (``state_dtype``: fp32 | bf16 | int8; the fp32 master stays fp32).
+
+    A hyper-parameter left unset takes the rule's default (torch's: AdamW ``lr`` 1e-3,
+    ``betas`` (0.9, 0.999), ``eps`` 1e-8, ``weight_decay`` 1e-2; SGD ``momentum`` 0, ...);
+    after construction every hyper-parameter of the rule has a value and the others are
+    None. A key the rule does not take (``momentum`` for AdamW) is an error naming the rule
+    that takes it. Values are checked by the rule (``UpdateRule.validate``)."""
     type: str = "AdamW"
-    lr: float = 1e-3
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: Optional[float] = None
+    betas: Optional[Tuple[float, float]] = None
+    eps: Any = None                    # a number; Adafactor: the pair (eps1 or None, eps2)
+    weight_decay: Optional[float] = None
+    momentum: Optional[float] = None   # SGD
+    dampening: Optional[float] = None  # SGD
+    nesterov: Optional[bool] = None    # SGD
+    lr_decay: Optional[float] = None   # Adagrad
+    initial_accumulator_value: Optional[float] = None   # Adagrad
+    beta2_decay: Optional[float] = None  # Adafactor
+    d: Optional[float] = None          # Adafactor (clipping threshold)
+    state_dtype: str = "fp32"
 
     def __post_init__(self):
+        from offload.optim import get_rule
         _check_finite(self, "optimizer.")
-        _check_choice("optimizer.type", self.type, ("AdamW", "Adam"))
+        _check_choice("optimizer.type", self.type, OPTIMIZER_TYPES)
+        _check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
+        rule = get_rule(self.type)
+        for key in OPTIMIZER_HPARAMS:
+            value = getattr(self, key)
+            if key not in rule.defaults:
+                if value is not None:
+                    takes = [t for t in OPTIMIZER_TYPES if key in get_rule(t).defaults]
+                    raise ConfigError(f"optimizer.{key}={value!r} is not a hyper-parameter of {self.type}: remove "
+                                      f"it" + (f", or use optimizer.type {' / '.join(takes)}" if takes else ""))
+                continue
+            if value is None:
+                object.__setattr__(self, key, rule.defaults[key])
         _check_positive("optimizer.lr", self.lr, allow_zero=True)
-        _check_positive("optimizer.eps", self.eps)
-        _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
-        if (not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
-            raise ConfigError(f"optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.weight_decay is not None:
+            _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        if self.betas is not None:
+            if (not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2
+                    or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+                raise ConfigError(f"optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
+            object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.type == "Adafactor":
+            if not isinstance(self.eps, (list, tuple)) or len(self.eps) != 2:
+                raise ConfigError(f"optimizer.eps={self.eps!r}: Adafactor's eps is a pair (eps1 or null, eps2), "
+                                  f"e.g. [null, 0.001]")
+            object.__setattr__(self, "eps", tuple(self.eps))
+            if self.state_dtype != "fp32":
+                raise ConfigError(f"optimizer.state_dtype={self.state_dtype!r}: Adafactor keeps its factored "
+                                  f"second moment in fp32 (a few bytes per row and column): use state_dtype fp32")
+        elif self.eps is not None:
+            _check_positive("optimizer.eps", self.eps)
+        try:
+            rule.validate(self.hparams())
+        except (ValueError, TypeError) as exc:
+            msg = str(exc)
+            raise ConfigError("optimizer." + msg.split(": ", 1)[1] if msg.startswith(self.type + ": ") else
+                              f"optimizer: {msg}") from None
+
+    def hparams(self) -> dict:
+        """The rule's hyper-parameters (torch's names) as a param group holds them."""
+        from offload.optim import get_rule
+        return {k: getattr(self, k) for k in get_rule(self.type).defaults}
 
 
 @dataclass(frozen=True)
@@ -140,6 +199,10 @@ class OffloadParamConfig:
     pin_memory: bool = True
     # Peak bytes of offloaded parameters allowed on the device at once; None: two largest blocks.
     device_budget_bytes: Optional[int] = None
+    # With device nvme and weights= safetensors: frozen parameters stored in their kept dtype
+    # are read in place from the checkpoint's own files (verified, never written) instead of
+    # being copied to the swap file; false copies them.
+    frozen_in_place: bool = True
 
     def __post_init__(self):
         _check_finite(self, "offload_param.")

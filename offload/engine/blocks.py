@@ -19,7 +19,9 @@ Layout of one block's flat buffer (1-D, one dtype)::
     [ group 0 params | group 1 params | ... | padding to a multiple of world_size * 1024 ]
 
 Parameters are ordered by optimizer group, so each group's hyper-parameters apply to one
-contiguous range (``group_ranges``).
+contiguous range (``group_ranges``). With ``group_align`` (int8 optimizer state: 256, its
+scale block) each group after the first starts on a multiple of it, the gap zero padding, so
+no scale block spans two groups.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class BlockLayout:
     name: str                      # module name ("" for the root block)
     module: nn.Module
     segments: List[Segment]
-    numel: int                     # sum of segment sizes
+    numel: int                     # end of the last segment (segment sizes plus group gaps)
     padded_numel: int              # numel padded for world_size equal shards
     group_ranges: List[Tuple[int, int, int]] = field(default_factory=list)  # (group, start, end)
 
@@ -103,7 +105,7 @@ def block_roots(model: nn.Module, block_names: Optional[Sequence[str]]) -> List[
 
 
 def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_group_of: Dict[int, int],
-                  world_size: int = 1) -> List[BlockLayout]:
+                  world_size: int = 1, group_align: int = 1) -> List[BlockLayout]:
     """Assign every trainable parameter to exactly one block and lay the blocks out.
 
     ``param_group_of`` maps ``id(param)`` to its optimizer group index."""
@@ -138,6 +140,8 @@ def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_
         items.sort(key=lambda it: param_group_of[id(it[1])])  # stable: module order within a group
         segs, off = [], 0
         for pn, p in items:
+            if segs and segs[-1].group != param_group_of[id(p)]:
+                off = -(-off // group_align) * group_align       # a new group: aligned start
             segs.append(Segment(pn, p, off, p.numel(), p.shape, param_group_of[id(p)]))
             off += p.numel()
         lay = BlockLayout(len(layouts), n, modules[n], segs, off, sharding.padded_numel(off, world_size))

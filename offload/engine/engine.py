@@ -117,18 +117,24 @@ class _ParamGroups(torch.optim.Optimizer):
         return None  # the engine owns gradient buffers
 
 
-def _check_group(where: str, group: dict, base) -> None:
+def _check_group(where: str, group: dict, rule, defaults: dict) -> None:
     """A param group's hyper-parameters pass the same checks as the config's optimizer
-    section (finite, in range); the error names the group and the key."""
+    section (finite, in range: the rule's ``validate``); the error names the group and the key."""
+    import math
     from offload.config import ConfigError
-    fields = {f.name for f in dataclasses.fields(base)} - {"type"}
-    hp = {k: v for k, v in group.items() if k in fields}   # every hyper-parameter the section knows
-    if not hp:
-        return
+    hp = dict(defaults, **{k: v for k, v in group.items() if k in defaults})
+    for k, v in hp.items():
+        for x in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{where}.{k}={v!r} must be a finite number")
+    if isinstance(hp.get("eps"), (int, float)) and not hp["eps"] > 0:    # as the config's optimizer.eps
+        raise ConfigError(f"{where}.eps={hp['eps']!r} must be > 0")
     try:
-        dataclasses.replace(base, **hp)
-    except (ConfigError, TypeError) as exc:
-        raise ConfigError(str(exc).replace("optimizer.", f"{where}.")) from None
+        rule.validate(hp)
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise ConfigError(f"{where}." + msg.split(": ", 1)[1] if msg.startswith(rule.name + ": ")
+                          else f"{where}: {msg}") from None
 
 
 def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None, *,
@@ -160,13 +166,20 @@ class Engine:
         dev.return_freed_host_memory()
         self.dtype = _DTYPES[config.precision]
         self.telemetry = Telemetry()
+        from offload.optim import get_rule, quant
+        self.rule = get_rule(config.optimizer.type)     # the update rule (offload/optim)
+        self.state_dtype = config.optimizer.state_dtype
         self.optimizer = self._make_optimizer(model, param_groups)
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world)
+        self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world,
+                                         group_align=quant.BLOCK if self.state_dtype == "int8" else 1)
         # Frozen parameters are offloaded with their blocks whenever parameters are:
         # (root name, root module, parts) per block root holding any
         self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
             if self._param_home_device() != "none" else []
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
+        self._in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
         from offload.engine.memory_plan import plan as memory_plan
         sizes = self._block_sizes()
         esize = torch.empty((), dtype=self.dtype).element_size()
@@ -180,14 +193,13 @@ class Engine:
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
                                     working_set=self._working_set[0], host_available=avail)
         self.comm.check_same("model and config", self._signature())
-        from offload.io.loader import WeightLoader
-        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
         self._host_pool = None
         self._swap_pool = None
         self._param_store = None          # parameter home tier (offload_param), see _build_param_homes
+        self._source_store = None         # frozen parts read in place from the checkpoint (storage/source.py)
         self._param_home_pool = None
         self._param_stage_pool = None
         self._param_write_pool = None
@@ -229,7 +241,8 @@ class Engine:
                                                            state_on_device=self.tier is Tier.DEVICE,
                                                            write_pool=self._param_write_pool,
                                                            telemetry=self.telemetry,
-                                                           wait_timeout_s=config.wait_timeout_s))
+                                                           wait_timeout_s=config.wait_timeout_s,
+                                                           keep_staged=self._keeps_staged))
         self._d2h = dev.new_stream(self.device)
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
@@ -280,19 +293,33 @@ class Engine:
         return s1 - s0 if self.stage >= 2 else lay.padded_numel
 
     def _make_optimizer(self, model, param_groups) -> _ParamGroups:
+        """torch-style param groups carrying the update rule's hyper-parameters (torch's
+        names), defaults from the config's optimizer section; each group is checked by the
+        rule (``UpdateRule.validate``) and must keep the same state rows as the config."""
+        from offload.config import ConfigError
         o = self.config.optimizer
-        defaults = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
+        if o.state_dtype == "int8" and self.config.offload_optimizer.device == "none":
+            raise ConfigError("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
+                              "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
+                              "state_dtype bf16 with offload_optimizer.device none")
+        defaults = o.hparams()
+        rule = self.rule
+        rows = [r.name for r in rule.rows(defaults)]
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = []
         for g in param_groups:
             g = dict(g)
+            where = f"param_groups[{len(groups)}]"
             g["params"] = [p for p in g["params"] if p.requires_grad]
             unknown = set(g) - set(defaults) - {"params", "name"}
             if unknown:
-                raise ValueError(f"param group keys {sorted(unknown)} are not used by offload: "
-                                 f"use lr, betas, eps, weight_decay")
-            _check_group(f"param_groups[{len(groups)}]", g, o)
+                raise ConfigError(f"{where} keys {sorted(unknown)} are not hyper-parameters of {o.type}: "
+                                  f"use {', '.join(defaults)}")
+            _check_group(where, g, rule, defaults)
+            if [r.name for r in rule.rows(dict(defaults, **g))] != rows:
+                raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
+                                  f"section): every group keeps the same rows; set it in the optimizer section")
             groups.append(g)
         return _ParamGroups(groups, defaults)
 
@@ -300,8 +327,49 @@ class Engine:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
         from offload.engine.memory_plan import BlockSize
         return [BlockSize(name, lay.numel if lay is not None else 0,
-                          tuple(self._frozen_part_bytes(p) for p in parts))
+                          tuple(self._frozen_part_bytes(p) for p in parts), self._param_pieces(lay),
+                          tuple(id(p) in self._in_place for p in parts))
                 for name, _, lay, parts in self._unit_parts()]
+
+    @staticmethod
+    def _param_pieces(lay) -> tuple:
+        """(offset, numel, shape, group) of each parameter of a block (a per-tensor rule's
+        state needs the shapes: engine/memory_plan.py, optim/state_layout.py)."""
+        if lay is None:
+            return ()
+        return tuple((s.offset, s.numel, tuple(s.shape), s.group) for s in lay.segments)
+
+    def _state_layout(self, lay, s0: int, s1: int):
+        """This rank's shard [s0, s1) of the block's state as the rule lays it out."""
+        from offload.optim.state_layout import StateLayout
+        groups = [{k: g[k] for k in self.optimizer.defaults} for g in self.optimizer.param_groups]
+        return StateLayout.for_shard(self.rule, groups, s1 - s0, self.state_dtype,
+                                     [(o - s0, n, shp, g) for o, n, shp, g in self._param_pieces(lay)])
+
+    def _plan_in_place(self) -> dict:
+        """Frozen parts whose home is the checkpoint itself (offload_param nvme, weights= a
+        safetensors checkpoint, every parameter stored there in the dtype it is kept in):
+        each part's layout becomes the file ranges covering its tensors, concatenated
+        (storage/source.py ``in_place_layout``), so a staged part is read with O_DIRECT
+        straight into its buffer. ``id(part) -> ranges``."""
+        from offload.storage.source import in_place_layout
+        pc = self.config.offload_param
+        if self._param_home_device() != "nvme" or not pc.frozen_in_place or self.weights.files is None:
+            return {}
+        out = {}
+        for _, _, parts in self.frozen:
+            for part in parts:
+                dtype = self._frozen_dtype(part.segments[0].param)
+                exts = self.weights.in_place_extents([s.param for s in part.segments], dtype)
+                if exts is None:
+                    continue
+                ranges, offsets, nbytes = in_place_layout(exts)
+                esize = torch.empty((), dtype=dtype).element_size()
+                for s, off in zip(part.segments, offsets):
+                    s.offset = off // esize
+                part.padded_numel = nbytes // esize
+                out[id(part)] = ranges
+        return out
 
     def _build_storage(self) -> None:
         """Host pools and NVMe stores, sized by the memory plan (engine/memory_plan.py says
@@ -424,9 +492,19 @@ class Engine:
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        homes = [([bp.home_bytes] if bp.padded_numel else []) + list(bp.frozen) for bp in plan.blocks]
-        self._param_store.reserve({key: n for i, hs in enumerate(homes)
-                                   for key, n in zip(self._part_keys(i, units[i]), hs)})
+        swapped = {}                       # NVMe key -> bytes; frozen parts read in place have none
+        for i, (unit, bp) in enumerate(zip(units, plan.blocks)):
+            _, _, lay, parts = unit
+            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen))
+            for key, (part, n) in zip(self._part_keys(i, unit), homes):
+                if id(part) not in self._in_place:
+                    swapped[key] = n
+        self._param_store.reserve(swapped)
+        if self._in_place:
+            from offload.io.hf import read_range
+            from offload.io.loader import checksum
+            from offload.storage.source import SourceStore
+            self._source_store = SourceStore(lambda b: checksum(b)[1], read_range, threads=2)
         self._param_stage_pool = pool("offload-param-stage")
         self._param_write_pool = pool("offload-param-write")
 
@@ -441,10 +519,13 @@ class Engine:
         the parameters (materialized from the meta device block by block when needed),
         whose original memory then goes."""
         from offload.params.residency import BlockParams
+        part.index = i                     # errors name the block it visits the device with
+        dtype = self._frozen_dtype(part.segments[0].param)
+        if id(part) in self._in_place:     # home: the checkpoint's own byte ranges, nothing copied
+            return self._source_home(i, k, part, dtype)
         # from the checkpoint (remembered as the base's origin, so checkpoints refer to it),
         # or the model's own initialisation for a meta part
         self.weights.load([s.param for s in part.segments], frozen_reference=True)
-        dtype = self._frozen_dtype(part.segments[0].param)
         n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
         if self._param_home_device() == "cpu":
             home = self._param_home_pool.acquire(nbytes).view(dtype, n)
@@ -457,6 +538,22 @@ class Engine:
                 flat = loan.view(dtype, n)
                 _fill_flat(flat, part)
                 bp.write_home(flat)
+        bp.release_initial()
+        return bp
+
+    def _source_home(self, i: int, k: int, part: blk.BlockLayout, dtype: torch.dtype):
+        """The BlockParams of a frozen part read in place: its tensors are read once now for
+        their checksums (recorded as the base's origin, and checked on every later read)."""
+        from offload.params.residency import BlockParams
+        from offload.storage.source import SourceTensor
+        crcs = self.weights.refer_all([s.param for s in part.segments])
+        esize = torch.empty((), dtype=dtype).element_size()
+        key = f"b{i}.frozen{k}"
+        self._source_store.add(key, self._in_place[id(part)],
+                               [SourceTensor(s.name, s.offset * esize, s.numel * esize, crcs[id(s.param)])
+                                for s in part.segments])
+        bp = BlockParams(part, dtype, self.device, store=self._source_store, pool=self._param_stage_pool, key=key,
+                         wait_timeout_s=self.config.wait_timeout_s)
         bp.release_initial()
         return bp
 
@@ -538,15 +635,18 @@ class Engine:
                               [[s.param for s in part.segments] for *_, parts in self._unit_parts() for part in parts])
         for lay in self.layouts:
             s0, s1 = self._shard(lay)
-            n, gn = s1 - s0, self._grad_numel(lay)
+            gn = self._grad_numel(lay)
             first = lay.segments[0].param.device     # where close() brings offloaded params back
             self._origin.append(torch.device("cpu") if first.type == "meta" else first)
             blk.materialize_meta(lay, self.weights)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
+            layout = self._state_layout(lay, s0, s1)
+            nbytes = layout.nbytes
+            assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
             if self.tier is Tier.DEVICE:
-                state = OptimState(self._state_key(lay), n, Tier.DEVICE,
-                                   tensor=torch.zeros(3 * n, dtype=torch.float32, device=self.device))
+                state = OptimState(self._state_key(lay), layout, Tier.DEVICE,
+                                   tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
                 if self._grad_tier is not None:
@@ -557,16 +657,16 @@ class Engine:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
                 if self.tier is Tier.HOST:
-                    t = self._host_pool.acquire(3 * n * 4).view(torch.float32, 3 * n)
-                    state = OptimState(self._state_key(lay), n, Tier.HOST, tensor=t)
+                    t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
+                    state = OptimState(self._state_key(lay), layout, Tier.HOST, tensor=t)
                 else:
-                    state = OptimState(self._state_key(lay), n, Tier.NVME, pool=self._swap_pool, store=self._store,
-                                       what=f"block {lay.index} ({lay.name or '<root>'})",
+                    state = OptimState(self._state_key(lay), layout, Tier.NVME, pool=self._swap_pool,
+                                       store=self._store, what=f"block {lay.index} ({lay.name or '<root>'})",
                                        wait_timeout_s=self.config.wait_timeout_s)
+            ranges = self._init_ranges(lay, s0, s1)
 
-            def fill(t, master=master):
-                t[0].copy_(master)
-                t[1:].zero_()
+            def fill(buf, layout=layout, master=master, ranges=ranges):
+                layout.init(buf, master.to(buf.device), ranges)
             state.overwrite(fill)
             state.reclaim(block=True)
             params = self._param_home(lay)
@@ -586,6 +686,18 @@ class Engine:
                                           landing=landing))
             del full, master
         self._build_units()
+
+    def _init_ranges(self, lay, s0: int, s1: int) -> list:
+        """(initial value per row, a, b) of each group's range in the shard [s0, s1): rows
+        that start at a group's value (Adagrad's initial_accumulator_value)."""
+        out = []
+        for g, a, b in lay.group_ranges:
+            a, b = max(a, s0) - s0, min(b, s1) - s0
+            group = self.optimizer.param_groups[g]
+            values = {r.name: float(group[r.init]) for r in self.rule.rows(group) if r.init}
+            if a < b and values:
+                out.append((values, a, b))
+        return out
 
     def _build_units(self) -> None:
         """The BlockParts of parameter offload: each trained block's part with the frozen
@@ -683,10 +795,10 @@ class Engine:
         if not self.comm.active and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
             return
-        groups = tuple((g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
-                       for g in self.optimizer.param_groups)
-        args = StepArgs(step=block.stepped + 1, groups=groups, adamw=self.config.optimizer.type == "AdamW",
-                        grad_scale=grad_scale, compute_done=dev.record_event(dev.current_stream(self.device)))
+        keys = self.optimizer.defaults     # the rule's hyper-parameters, as each group holds them now
+        groups = tuple({k: g[k] for k in keys} for g in self.optimizer.param_groups)
+        args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
+                        compute_done=dev.record_event(dev.current_stream(self.device)))
         fut = self.pipeline.submit(block, args)
         if self._gatherer is not None:    # then every rank's updated shard to every rank
             block.pending = self._gatherer.submit(self._gather_params, block, fut)
@@ -704,6 +816,11 @@ class Engine:
         except BaseException as exc:
             raise self.pipeline.record_failure(block, "parameter all-gather", exc) from exc
 
+    def _keeps_staged(self, index: int) -> bool:
+        """Whether block ``index``'s new parameters stay staged after their write-back (NVMe
+        homes next used soon; params/offload.py ``plan_write_through``)."""
+        return self.param_offload is not None and self.param_offload.keeps_staged(index)
+
     def step(self) -> bool:
         """Close one micro-step; the step() that closes a window of gradient_accumulation_steps
         micro-steps commits the update (global norm, clipping, fp16 unscale, every block
@@ -713,6 +830,8 @@ class Engine:
         forward of each block waits for that block's update alone; otherwise it returns
         once every update is applied."""
         self._check_ok()
+        if self.param_offload is not None and self.control.at_boundary():
+            self.param_offload.plan_write_through()   # before the updates are queued
         if not self.control.step():
             return False
         self.optimizer.step()
@@ -774,6 +893,8 @@ class Engine:
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
+        if self._source_store is not None:     # frozen parts read in place: the checkpoint's bytes
+            snap["source_bytes"] = self._source_store.stats()["source_bytes"]
         snap.update({
             "step": self.global_step, "micro_step": self.micro_step,
             "tier_bytes": {"device": dev_bytes, "host": host, "nvme": nvme},
@@ -795,7 +916,7 @@ class Engine:
         # NVMe links from the stores themselves: bytes that reached the disk over the time
         # requests were in flight (the engine's own spans only see the waits)
         for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
-            stores = [st.stats() for st in (self._store, self._param_store) if st is not None]
+            stores = [st.stats() for st in (self._store, self._param_store, self._source_store) if st is not None]
             n, sec = sum(x[key] for x in stores), sum(x[f"{d}_seconds"] for x in stores)
             if n:
                 snap["bytes"][f"nvme_{d}"] = n
@@ -903,7 +1024,7 @@ class Engine:
 
     def _release_storage(self) -> None:
         clean = True
-        for r in (self._store, self._param_store, self._act_store):
+        for r in (self._store, self._param_store, self._source_store, self._act_store):
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
@@ -914,7 +1035,7 @@ class Engine:
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
-        self._act_store = self._act_pool = None
+        self._act_store = self._act_pool = self._source_store = None
         self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 

@@ -23,7 +23,10 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
                        budget of bytes lent in ranges (tensor sizes are known only at run
                        time), ``activation_host_bytes``
 
-The optimizer state's size per parameter comes from ``state_bytes_per_param`` alone.
+The optimizer state's bytes come from the update rule and ``optimizer.state_dtype``, here
+only: ``shard_state_bytes`` (one shard's ``StateLayout``: the fp32 master, the rule's rows at
+the state dtype, int8 scales; a per-tensor rule's rows from the parameters' shapes) and
+``state_bytes_per_param`` (the same per parameter, for a model known by its size only).
 """
 from __future__ import annotations
 
@@ -42,15 +45,38 @@ def _page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+def _rule_of(config, rule: Optional[str], state_dtype: Optional[str]) -> tuple:
+    """(UpdateRule, state_dtype, hparams): the config's optimizer unless ``rule`` /
+    ``state_dtype`` ask for another (``offload estimate --optimizer``)."""
+    from offload.optim import get_rule
+    opt = getattr(config, "optimizer", None)
+    name = rule or (opt.type if opt is not None else "AdamW")
+    hp = opt.hparams() if opt is not None and opt.type == name else {}
+    r = get_rule(name)
+    return r, state_dtype or (opt.state_dtype if opt is not None else "fp32"), dict(r.defaults, **hp)
+
+
 def state_bytes_per_param(config, rule: Optional[str] = None, state_dtype: Optional[str] = None) -> float:
     """Bytes of optimizer state per trainable parameter on its tier: the fp32 master and the
-    update rule's rows (AdamW / Adam: exp_avg and exp_avg_sq, fp32: 12). The one place the
-    rule's footprint enters any byte count; ``rule`` / ``state_dtype`` ask another rule
-    (offload/optim) for its own (the engine itself runs AdamW / Adam with fp32 state)."""
-    if rule is None and state_dtype is None:
-        return 12
-    from offload.optim import get_rule
-    return get_rule(rule or "AdamW").bytes_per_param("host", state_dtype or "fp32")
+    update rule's rows at ``optimizer.state_dtype`` (AdamW fp32: 12; int8: 6.03; SGD without
+    momentum: 4; Adafactor: its unfactored worst case, 8). ``rule`` / ``state_dtype`` ask
+    another rule or dtype than the config's."""
+    r, sd, hp = _rule_of(config, rule, state_dtype)
+    return r.bytes_per_param("host", sd, hp)
+
+
+def shard_state_bytes(config, numel: int, params: Sequence[tuple] = (), rule: Optional[str] = None,
+                      state_dtype: Optional[str] = None) -> int:
+    """Bytes of one shard's optimizer state buffer (its ``StateLayout``, what a host-pool
+    slot, an NVMe extent and the device tensor hold). ``params``: (start, numel, shape,
+    group) of each parameter in shard coordinates, needed by a per-tensor rule
+    (Adafactor); without them such a rule counts its unfactored worst case."""
+    from offload.optim.state_layout import StateLayout
+    r, sd, hp = _rule_of(config, rule, state_dtype)
+    if r.per_tensor and not params:
+        return _page(math.ceil(r.bytes_per_param("host", sd, hp) * numel))
+    groups = [hp] * (1 + max((p[3] for p in params), default=0))
+    return StateLayout.for_shard(r, groups, numel, sd, params).nbytes
 
 
 def grad_bytes_per_param(config) -> int:
@@ -73,6 +99,9 @@ class BlockSize:
     name: str
     numel: int                          # trainable parameters, unpadded (0: frozen only)
     frozen: Tuple[int, ...] = ()        # bytes of each frozen part as stored (padded)
+    params: Tuple[tuple, ...] = ()      # (offset, numel, shape, group) per parameter in the
+                                        # block's flat (a per-tensor rule's state needs shapes)
+    in_place: Tuple[bool, ...] = ()     # per frozen part: read in place from the checkpoint (no swap bytes)
 
 
 @dataclass(frozen=True)
@@ -184,7 +213,6 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     stage = config.zero_optimization.stage
     p = compute_bytes or DTYPE_BYTES[config.precision]
     gb = grad_bytes_per_param(config)
-    sbp = state_bytes_per_param(config, rule, state_dtype)
     bps = []
     for b in blocks:
         if b.numel:
@@ -194,7 +222,9 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             padded, s0, s1 = 0, 0, 0
         gn = (s1 - s0) if stage >= 2 else padded
         home = (s1 - s0) if stage == 3 else padded
-        bps.append(BlockPlan((s0, s1), padded, gn, math.ceil(sbp * (s1 - s0)), padded * p, home * p, tuple(b.frozen)))
+        sb = shard_state_bytes(config, s1 - s0, tuple((o - s0, n, shp, g) for o, n, shp, g in b.params),
+                               rule, state_dtype) if b.numel else 0
+        bps.append(BlockPlan((s0, s1), padded, gn, sb, padded * p, home * p, tuple(b.frozen)))
     trained = [b for b in bps if b.padded_numel]
     oc, pc = config.offload_optimizer, config.offload_param
     grad_sizes = [b.grad_numel * gb for b in trained]
@@ -244,7 +274,11 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:
-            nvme["params"] = sum(_page(h) for hs in homes for h in hs)
+            # frozen parts read in place live in the checkpoint's files, not in the swap file
+            swapped = [([b.home_bytes] if b.padded_numel else [])
+                       + [f for f, ip in zip(b.frozen, s.in_place or (False,) * len(b.frozen)) if not ip]
+                       for b, s in zip(bps, blocks)]
+            nvme["params"] = sum(_page(h) for hs in swapped for h in hs)
             pf = config.prefetch
             host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
             slots, total = [], 0

@@ -2,18 +2,26 @@
 
 Layout of a checkpoint directory::
 
-    meta.json               step counters, loss scaler, config, param groups, key map, and the
-                            block table: per block its shards (rank, [start, end), file, CRC32)
-    block_00000.rank0.bin   fp32 rows [master | exp_avg | exp_avg_sq] of rank 0's shard of
-    block_00000.rank1.bin   block 0, each (end - start) long: the shard without the padding,
-    ...                     so a tail shard is shorter and an all-padding shard has no file
+    meta.json               step counters, loss scaler, config, param groups, key map, the
+                            update rule (``optimizer``: rule name, hyper-parameters,
+                            state_dtype) and the block table: per block its shards (rank,
+                            [start, end) of the padded flat, file, CRC32, ``layout``: the
+                            shard's StateLayout.describe())
+    block_00000.rank0.bin   rank 0's shard of block 0 as the optimizer state buffer holds it
+    block_00000.rank1.bin   (optim/state_layout.py: the fp32 master, the rule's rows at the
+    ...                     state dtype, int8 codes and their scales), byte for byte
     extra.pt                frozen parameters, buffers, rank 0's RNG states
     rng.rank1.pt ...        the other ranks' RNG states
 
-Every rank writes the shards it owns, in parallel (stage 0: rank 0 writes whole blocks).
-Loading reads, for each block, the range the loading rank owns now from whichever files
-hold it, so a checkpoint loads at any world size (re-sharded) and bit-exactly at the same
-one. Checkpoints of version 1 with one ``block_XXXXX.bin`` per block load as one shard.
+Format 3 (this one). Every rank writes the shards it owns, in parallel (stage 0: rank 0
+writes whole blocks). Loading reads, for each block, the range the loading rank owns now from
+whichever files hold it, so a checkpoint loads at any world size (re-sharded: elementwise rows
+element by element, int8 scales by their 256-element blocks, which shard boundaries never
+split) and bit-exactly at the same one; a per-tensor rule's state (Adafactor) loads only at
+the sharding it was saved at. A checkpoint holds one rule's state at one state dtype: loading
+it into an engine running another is an error naming both. Formats 1 and 2 (AdamW / Adam,
+fp32 rows ``[master | exp_avg | exp_avg_sq]`` of the unpadded range; version 1 with one
+``block_XXXXX.bin`` per block) still load.
 
 Saving streams block by block from wherever the state lives (an NVMe-resident block visits
 one pool buffer), so the model is never materialized whole in RAM. The directory is written
@@ -53,7 +61,7 @@ from offload.dist.sharding import clip_range
 from offload.io import origin
 
 FORMAT = "offload-checkpoint"
-VERSION = 2
+VERSION = 3
 
 
 class CheckpointError(RuntimeError):
@@ -190,12 +198,9 @@ def _save_locked(engine, path: str, parent: str, tmp: str) -> str:
     return path
 
 
-def _owned(engine, b) -> tuple:
-    """The unpadded range of block ``b`` this rank saves (empty: nothing)."""
-    if engine.stage == 0:
-        return (0, b.layout.numel) if engine.comm.rank == 0 else (0, 0)
-    s0, s1 = b.shard
-    return s0, max(s0, min(s1, b.layout.numel))
+def _owned(engine, b) -> bool:
+    """Whether this rank saves block ``b``'s shard (stage 0: rank 0 saves whole blocks)."""
+    return engine.stage != 0 or engine.comm.rank == 0
 
 
 def _write_shards(engine, tmp: str) -> list:
@@ -203,18 +208,19 @@ def _write_shards(engine, tmp: str) -> list:
     rank = engine.comm.rank
     rows = []
     for b in engine.blocks:
-        a, e = _owned(engine, b)
-        if e <= a:
+        if not _owned(engine, b):
             continue
         fname = f"block_{b.index:05d}.rank{rank}.bin"
         full = os.path.join(tmp, fname)
         try:
-            crc = _write_block(full, b, a - b.shard[0], e - b.shard[0])
+            crc = _write_block(full, b)
         except CheckpointIOError:
             raise
         except OSError as exc:
             raise _io_error("writing the state", full, exc, block=b) from exc
-        rows.append({"block": b.index, "rank": rank, "start": a, "end": e, "file": fname, "crc32": crc})
+        s0, s1 = b.shard
+        rows.append({"block": b.index, "rank": rank, "start": s0, "end": s1, "file": fname, "crc32": crc,
+                     "layout": b.state.layout.describe()})
     if rank == 0:
         keys, extra = _key_map(engine)
         _save_pt(os.path.join(tmp, "extra.pt"), {"tensors": extra, "rng": _rng_state()})
@@ -245,7 +251,8 @@ def _meta(engine, tmp: str, shards: list) -> dict:
     blocks = []
     for b in engine.blocks:
         lay = b.layout
-        blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "stepped": b.stepped,
+        blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "padded_numel": lay.padded_numel,
+                       "stepped": b.stepped,
                        "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
                        "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
                                      "shape": list(s.shape)} for s in lay.segments]})
@@ -254,20 +261,21 @@ def _meta(engine, tmp: str, shards: list) -> dict:
     return {"format": FORMAT, "version": VERSION, "global_step": engine.global_step,
             "micro_step": engine.micro_step, "scaler": engine.scaler.state_dict(),
             "config": engine.config.to_dict(), "param_groups": groups, "blocks": blocks, "keys": keys,
+            "optimizer": {"rule": engine.rule.name, "state_dtype": engine.state_dtype,
+                          "hparams": engine.config.optimizer.hparams()},
             "world_size": engine.comm.world, "zero_stage": engine.stage, **origin.record(engine)}
 
 
-def _write_block(fname: str, block, a: int, e: int) -> int:
-    """Stream columns [a, e) of one block shard's state rows to ``fname``; returns their CRC32."""
+def _write_block(fname: str, block) -> int:
+    """Write one block shard's state buffer (its StateLayout's bytes) to ``fname``; returns
+    its CRC32."""
     st = block.state
-    crc = 0
-    state = st.acquire()
+    buf = st.acquire()
     try:
+        data = buf.cpu().numpy().tobytes()
+        crc = zlib.crc32(data)
         with open(fname, "wb") as f:
-            for row in range(3):
-                data = state[row, a:e].cpu().numpy().tobytes()
-                crc = zlib.crc32(data, crc)
-                f.write(data)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
     finally:
@@ -324,9 +332,26 @@ def resolve(path: str) -> str:
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
-        raise CheckpointError(f"{path} is not an offload checkpoint of version {VERSION}")
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, 2, VERSION):
+        raise CheckpointError(f"{path} is not an offload checkpoint of version 1 to {VERSION}")
     return meta
+
+
+def saved_optimizer(meta: dict) -> tuple:
+    """(rule name, state_dtype) of the state a checkpoint holds (formats 1 and 2: AdamW /
+    Adam with fp32 state, as their config says)."""
+    if "optimizer" in meta and "rule" in meta["optimizer"]:
+        return meta["optimizer"]["rule"], meta["optimizer"]["state_dtype"]
+    return (meta.get("config") or {}).get("optimizer", {}).get("type", "AdamW"), "fp32"
+
+
+def _check_optimizer(engine, meta: dict, path: str) -> None:
+    rule, sd = saved_optimizer(meta)
+    if (rule, sd) != (engine.rule.name, engine.state_dtype):
+        raise CheckpointError(
+            f"{path} holds {rule} optimizer state with state_dtype {sd}, but this engine runs {engine.rule.name} "
+            f"with state_dtype {engine.state_dtype}: set optimizer.type={rule!r} and optimizer.state_dtype={sd!r} to "
+            f"resume it, or start a new run from its weights (offload.export_fp32, or initialize(weights=))")
 
 
 def _shards(binfo: dict) -> list:
@@ -335,24 +360,30 @@ def _shards(binfo: dict) -> list:
     return binfo["shards"]
 
 
-def _read_shard(path: str, sh: dict, block: str = "") -> np.ndarray:
-    """The [3, end - start] fp32 rows of one shard file, CRC-checked."""
-    n = sh["end"] - sh["start"]
+def _read_file(path: str, sh: dict, nbytes: int, block: str = "") -> bytes:
+    """A shard file's bytes, size and CRC32 checked."""
     fname = os.path.join(path, sh["file"])
     try:
         with open(fname, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise _io_error("reading the state", fname, exc, block=block or None, during="load") from exc
-    if len(data) != 3 * n * 4:
-        raise CheckpointError(f"{fname} holds {len(data)} bytes, expected {3 * n * 4}: the checkpoint is damaged")
+    if len(data) != nbytes:
+        raise CheckpointError(f"{fname} holds {len(data)} bytes, expected {nbytes}: the checkpoint is damaged")
     if zlib.crc32(data) != sh["crc32"]:
         raise CheckpointError(f"{fname} fails its CRC32 check: the checkpoint is damaged")
+    return data
+
+
+def _read_shard(path: str, sh: dict, block: str = "") -> np.ndarray:
+    """The [3, end - start] fp32 rows of one shard file of format 1 or 2, CRC-checked."""
+    n = sh["end"] - sh["start"]
+    data = _read_file(path, sh, 3 * n * 4, block)
     return np.frombuffer(data, dtype=np.float32).reshape(3, n)
 
 
 def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
-    """Rows [3, e - a] of a block's unpadded range [a, e), from whichever shard files hold it
+    """Rows [3, e - a] of a block's unpadded range [a, e) from format 1 / 2 shard files
     (the world size it was saved at does not matter)."""
     e = binfo["numel"] if e is None else e
     out = np.zeros((3, max(e - a, 0)), dtype=np.float32)
@@ -370,15 +401,71 @@ def _read_rows(path: str, binfo: dict, a: int = 0, e: int = None) -> np.ndarray:
     return out
 
 
+def _fill_state(path: str, binfo: dict, layout, buf: torch.Tensor, s0: int, s1: int) -> None:
+    """Fill ``buf`` (the loading rank's shard [s0, s1) laid out by ``layout``) from the
+    checkpoint's shard files, whatever the sharding they were saved at."""
+    from offload.optim import quant
+    from offload.optim.state_layout import StateLayout
+    name = binfo["name"] or "<root>"
+    master, rows = layout.views(buf)
+    buf.zero_()
+    n = binfo["numel"]
+    if "layout" not in (_shards(binfo) or [{}])[0]:          # formats 1 and 2: AdamW / Adam fp32 rows
+        e = max(s0, min(s1, n))
+        old = torch.from_numpy(_read_rows(path, binfo, s0, e))
+        master[:e - s0].copy_(old[0])
+        rows["exp_avg"][:e - s0].copy_(old[1])
+        rows["exp_avg_sq"][:e - s0].copy_(old[2])
+        return
+    covered = 0
+    for sh in _shards(binfo):
+        lo, hi = max(s0, sh["start"]), min(s1, sh["end"])
+        if lo >= hi:
+            continue
+        src = StateLayout.from_description(sh["layout"])
+        if layout.tensors or src.tensors:
+            if (sh["start"], sh["end"]) != (s0, s1) or src.describe() != layout.describe():
+                raise CheckpointError(
+                    f"{path}: the per-tensor optimizer state of block {name!r} was saved for shard "
+                    f"[{sh['start']}, {sh['end']}) and cannot be re-sharded to [{s0}, {s1}): resume at the world "
+                    f"size it was saved at ({binfo.get('world_size', 'see meta.json')})")
+        elif [r.name for r in src.rows] != [r.name for r in layout.rows] or src.state_dtype != layout.state_dtype:
+            raise CheckpointError(f"{path}: block {name!r} holds state rows {[r.name for r in src.rows]} "
+                                  f"({src.state_dtype}), this engine's layout has {[r.name for r in layout.rows]} "
+                                  f"({layout.state_dtype})")
+        data = _read_file(path, sh, src.nbytes, name)
+        sbuf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if layout.tensors:
+            buf.copy_(sbuf)
+            covered += hi - lo
+            continue
+        smaster, srows = src.views(sbuf)
+        a, b, c = lo - s0, hi - s0, lo - sh["start"]
+        master[a:b].copy_(smaster[c:c + b - a])
+        for r in layout.rows:
+            rows[r.name][a:b].copy_(srows[r.name][c:c + b - a])
+            if layout.state_dtype == "int8":     # lo, and hi unless it ends the row, on block boundaries
+                k, m = a // quant.BLOCK, quant.nblocks(b) - a // quant.BLOCK
+                rows[r.name + "_absmax"][k:k + m].copy_(srows[r.name + "_absmax"][c // quant.BLOCK:c // quant.BLOCK + m])
+        covered += hi - lo
+    if covered < max(0, min(s1, n) - s0):
+        raise CheckpointError(f"{path}: the shard files of block {name!r} do not cover [{s0}, {min(s1, n)}): "
+                              f"the checkpoint is incomplete")
+
+
 def block_master(path: str, binfo: dict) -> torch.Tensor:
     """The fp32 master row of one block (unpadded, 1-D) from its shard files, each read in
     chunks with its CRC32 checked, so memory holds the master and one chunk, not all rows."""
-    out = torch.empty(binfo["numel"], dtype=torch.float32)
+    n_all = binfo["numel"]
+    out = torch.zeros(n_all, dtype=torch.float32)
     covered = 0
     for sh in _shards(binfo):
         n = sh["end"] - sh["start"]
+        keep = max(0, min(n_all, sh["end"]) - sh["start"])      # master elements inside the unpadded range
+        expect = sh["layout"]["nbytes"] if "layout" in sh else 3 * n * 4
         fname = os.path.join(path, sh["file"])
-        crc, pos, dst = 0, 0, out[sh["start"]:sh["end"]].numpy().view(np.uint8)
+        crc, pos = 0, 0
+        dst = out[sh["start"]:sh["start"] + keep].numpy().view(np.uint8)
         with open(fname, "rb") as f:
             while True:
                 chunk = f.read(64 << 20)
@@ -386,15 +473,15 @@ def block_master(path: str, binfo: dict) -> torch.Tensor:
                     break
                 crc = zlib.crc32(chunk, crc)
                 a, b = pos, pos + len(chunk)
-                if a < 4 * n:
-                    dst[a:min(b, 4 * n)] = np.frombuffer(chunk, dtype=np.uint8)[:min(b, 4 * n) - a]
+                if a < 4 * keep:
+                    dst[a:min(b, 4 * keep)] = np.frombuffer(chunk, dtype=np.uint8)[:min(b, 4 * keep) - a]
                 pos = b
-        if pos != 3 * n * 4:
-            raise CheckpointError(f"{fname} holds {pos} bytes, expected {3 * n * 4}: the checkpoint is damaged")
+        if pos != expect:
+            raise CheckpointError(f"{fname} holds {pos} bytes, expected {expect}: the checkpoint is damaged")
         if crc != sh["crc32"]:
             raise CheckpointError(f"{fname} fails its CRC32 check: the checkpoint is damaged")
-        covered += n
-    if covered != binfo["numel"]:
+        covered += keep
+    if covered != n_all:
         raise CheckpointError(f"{path}: the shard files of block {binfo['name'] or '<root>'!r} do not cover it: "
                               f"the checkpoint is incomplete")
     return out
@@ -403,6 +490,7 @@ def block_master(path: str, binfo: dict) -> torch.Tensor:
 def load(engine, path: str) -> None:
     path = resolve(path)
     meta = read_meta(path)
+    _check_optimizer(engine, meta, path)
     if len(meta["blocks"]) != len(engine.blocks):
         raise CheckpointError(f"{path} has {len(meta['blocks'])} blocks, the model has {len(engine.blocks)}: "
                               f"it was saved from a different model or block grouping")
@@ -417,21 +505,21 @@ def load(engine, path: str) -> None:
                                       f"model's block {lay.name or '<root>'!r}: different model or grouping")
             s0, s1 = b.shard
             e = max(s0, min(s1, lay.numel))                  # this rank's unpadded range [s0, e)
-            rows = torch.from_numpy(_read_rows(path, binfo, s0, e))
+            got = []
 
-            def fill(t, rows=rows, m=e - s0):
-                t[:, :m].copy_(rows)
-                t[:, m:].zero_()
+            def fill(buf, b=b, binfo=binfo):
+                _fill_state(path, binfo, b.state.layout, buf, s0, s1)
+                got.append(b.state.views(buf)[0][:e - s0].to("cpu", copy=True))   # this rank's master
             b.state.overwrite(fill)
             b.state.reclaim(block=True)
+            mine = got[0]
             with torch.no_grad():
                 if b.params is not None and b.params.home_numel == s1 - s0:   # the home holds the shard
                     home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
-                    home[:e - s0].copy_(rows[0])
+                    home[:e - s0].copy_(mine)
                     b.params.write_home(home)
                 else:
-                    master = rows[0] if (s0, e) == (0, lay.numel) else \
-                        torch.from_numpy(_read_rows(path, binfo)[0])
+                    master = mine if (s0, e) == (0, lay.numel) else block_master(path, binfo)
                     if b.params is not None:  # offloaded: the home copy, in the compute dtype
                         home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
                         home[:lay.numel].copy_(master)
@@ -492,7 +580,7 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
             continue
         bi = loc["block"]
         if bi not in masters:
-            masters[bi] = torch.from_numpy(_read_rows(path, meta["blocks"][bi])[0].copy())
+            masters[bi] = block_master(path, meta["blocks"][bi])
         n = int(np.prod(loc["shape"])) if loc["shape"] else 1
         out[k] = masters[bi][loc["offset"]:loc["offset"] + n].view(loc["shape"]).clone()
     return out
@@ -516,12 +604,13 @@ def live_state_dict(engine) -> Dict[str, torch.Tensor]:
         items = by_block.get(b.index)
         if not items:
             continue
-        state = b.state.acquire()
+        buf = b.state.acquire()
         try:
-            master, base = state[0], b.shard[0]
+            mine = b.state.views(buf)[0]
+            master, base = mine, b.shard[0]
             if engine.comm.active and engine.stage >= 1:   # a collective: every rank calls it
                 master, base = torch.empty(b.layout.padded_numel), 0
-                engine.comm.all_gather(master, state[0].to("cpu").contiguous(), f"full_state_dict of block {b.index}")
+                engine.comm.all_gather(master, mine.to("cpu").contiguous(), f"full_state_dict of block {b.index}")
             for k, s in items:
                 a = s.offset - base
                 out[k] = master[a:a + s.numel].to("cpu", copy=True).view(s.shape)

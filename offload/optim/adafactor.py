@@ -12,10 +12,14 @@ rows and columns need the parameter's shape.
 The factored rows are tiny (R + C values for an R x C matrix) and stay fp32 whatever the
 state dtype; only an unfactored ``variance`` follows ``state_dtype``.
 
-Sharding: the factored statistics need every row and column of the matrix. An engine that
-splits a matrix across ranks (ZeRO) keeps, for that tensor, the unfactored ``variance`` row
-instead (``rows(group, shape=None)``): exact for that row layout, more memory, documented in
-the engine's optimizer section.
+In the engine (optim/pipeline.py, optim/state_layout.py) the rule is stepped per tensor
+(``per_tensor``): a parameter of >= 2 dimensions wholly inside the rank's shard keeps its
+factored ``row_var`` / ``col_var``; a 1-D parameter its ``variance``. Sharding: the factored
+statistics need every row and column of the matrix, so a tensor that ZeRO splits across
+ranks keeps, on each rank, the unfactored ``variance`` of its piece (``rows(group,
+shape=None)``), and its relative step size (RMS of the parameter) and update clipping (RMS
+of the update) are those of the piece, where torch uses the whole tensor: exact on one rank,
+an approximation for split tensors (documented in the README's optimizer section).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from offload.optim.rule import Row, UpdateRule
 class Adafactor(UpdateRule):
     name = "Adafactor"
     torch_optimizer = "Adafactor"
+    per_tensor = True
     defaults = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0)
 
     def rows(self, group, shape=None):

@@ -49,7 +49,8 @@ class Adagrad(UpdateRule):
 
     def device_step(self, params, grads, states, group, steps):
         sums = [s["sum"].view(p.shape) for p, s in zip(params, states)]
-        step_t = [torch.tensor(float(s - 1), device=p.device) for p, s in zip(params, steps)]  # torch adds 1
+        step_t = [torch.full((), float(s - 1), dtype=torch.float32, device=p.device)   # torch adds 1; filled
+                  for p, s in zip(params, steps)]                                      # on the device: no sync
         torch.optim.adagrad.adagrad(params, grads, sums, step_t, lr=float(group["lr"]),
                                     weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]),
                                     eps=float(group["eps"]), maximize=False, foreach=True, has_sparse_grad=False)

@@ -70,7 +70,8 @@ class AdamW(UpdateRule):
     def device_step(self, params, grads, states, group, steps):
         b1, b2 = (float(b) for b in group["betas"])
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        step_t = [torch.tensor(float(s), device=p.device) for p, s in zip(params, steps)]
+        # the step count filled on the device (torch.tensor(..., device=) would be a synchronising copy)
+        step_t = [torch.full((), float(s), dtype=torch.float32, device=p.device) for p, s in zip(params, steps)]
         fused(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], step_t,
               lr=float(group["lr"]), beta1=b1, beta2=b2, weight_decay=float(group["weight_decay"]),
               eps=float(group["eps"]), amsgrad=False, maximize=False)

@@ -2,7 +2,7 @@
 
 One update job per block shard::
 
-    read state (NVMe, ahead) -> Adam with fused unscale/clip -> parameter write-back
+    read state (NVMe, ahead) -> the update rule with fused unscale/clip -> parameter write-back
     (params/writeback.py) -> write state back (NVMe) -> gradient window reset
 
 Jobs run on ``workers`` threads while the main thread goes on with backward or the next
@@ -42,8 +42,8 @@ from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 class StepArgs:
     """Everything one optimizer step needs, captured when the job is submitted."""
     step: int                      # 1-based step for bias correction
-    groups: tuple                  # per param group: (lr, beta1, beta2, eps, weight_decay)
-    adamw: bool
+    groups: tuple                  # per param group: its hyper-parameters (dict, the rule's names)
+    rule: object                   # the UpdateRule (offload/optim)
     grad_scale: float = 1.0        # 1 / loss_scale * clip_coef, applied in the kernel
     compute_done: object = None    # CUDA event: the compute stream's work queued before the
                                    # submission (the block's backward) ends here; the new
@@ -163,7 +163,7 @@ class StepPipeline:
         with self._lock:
             self._writing = collections.deque(x for x in self._writing if x[1] is not st)
         st.discard()
-        self._params.abort()                      # this worker's write-back buffer
+        self._params.abort(block)                 # this worker's write-back buffer
         try:
             block.grad.reset_window()
         except Exception:   # noqa: BLE001 - the job's own error is the one reported
@@ -205,37 +205,38 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        from offload.optim import adam_step
         st = block.state
         at[0] = "state read"
         if st.tier is Tier.NVME and not st.in_memory:
             self._fetch(st)
         with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
-            state = st.acquire(timeout=self.wait_timeout_s)
+            buf = st.acquire(timeout=self.wait_timeout_s)
         if self._grad_sync is not None:
             at[0] = "gradient collective"
             self._grad_sync.wait(block)
         at[0] = "gradient landing"
         block.grad.wait_landed()
-        master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
+        master, rows = st.views(buf)
         grad = block.grad_shard()
-        s0, s1 = block.shard
         out = self._params.target(block)      # the parameter side says where the new copy goes
-        at[0] = "adam"
-        with self.telemetry.span("offload::cpu_adam", "adam", st.nbytes + grad.numel() * grad.element_size()):
-            for g, a, b in block.layout.group_ranges:
-                a, b = max(a, s0) - s0, min(b, s1) - s0
-                if a >= b:
-                    continue
-                lr, b1, b2, eps, wd = args.groups[g]
-                if st.tier is Tier.DEVICE and master.is_cuda:
-                    _device_adam(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], args, lr, b1, b2, eps, wd)
+        at[0] = "adam"                        # the stage's name in errors (any rule)
+        rule = args.rule
+        with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
+                                 st.nbytes + grad.numel() * grad.element_size()):
+            on_device = st.tier is Tier.DEVICE and master.is_cuda
+            if on_device and args.grad_scale != 1.0:
+                dev.mark_used(grad, dev.current_stream(grad.device))
+                grad.mul_(args.grad_scale)
+            for g, a, b, shape, state in _pieces(block, st.layout, rows):
+                group = args.groups[g]
+                if on_device:
+                    _device_step(rule, master[a:b], grad[a:b], state, group, args.step, shape)
                     if out is not None:
                         out[a:b].copy_(master[a:b])
                     continue
-                adam_step(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step=args.step, lr=lr,
-                          betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=args.adamw,
-                          param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale)
+                rule.cpu_step(master[a:b], grad[a:b], state, group, args.step,
+                              param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale,
+                              shape=shape)
         at[0] = "parameter write-back"
         self._params.commit(block, master, out, args.compute_done)
         block.stepped = args.step
@@ -282,16 +283,31 @@ class StepPipeline:
             self._pool.shutdown(wait=True)
 
 
-def _device_adam(p, g, m, v, args: StepArgs, lr, b1, b2, eps, wd) -> None:
-    """Adam on CUDA tensors (tier none): torch's fused kernel on the fp32 master, queued on
-    the current stream (the job's, see StepPipeline._job). Never synchronises the device: the
-    step count is written on the device by a fill kernel (``torch.tensor(step, device=...)``
-    would be a pageable, synchronising copy). ``g`` is marked as used by this stream, so a
-    transient gradient buffer freed by the job is not reused before the kernel has read it."""
-    dev.mark_used(g, dev.current_stream(g.device))
-    if args.grad_scale != 1.0:
-        g.mul_(args.grad_scale)
-    step = torch.full((), float(args.step), dtype=torch.float32, device=p.device)  # 1-based
-    fn = torch._fused_adamw_ if args.adamw else torch._fused_adam_
-    fn([p], [g], [m], [v], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-       amsgrad=False, maximize=False)
+def _pieces(block: BlockShard, layout, rows: dict):
+    """(group, a, b, shape, state rows) of each range the rule steps at once, in shard
+    coordinates: each param group's range for an elementwise rule; each tensor piece for a
+    per-tensor rule (Adafactor: its shape when the shard holds the whole tensor)."""
+    if layout.tensors:
+        for k, t in enumerate(layout.tensors):
+            yield t.group, t.start, t.start + t.numel, t.shape, layout.tensor_state(rows, k)
+        return
+    s0, s1 = block.shard
+    for g, a, b in block.layout.group_ranges:
+        a, b = max(a, s0) - s0, min(b, s1) - s0
+        if a < b:
+            yield g, a, b, None, layout.slice(rows, a, b)
+
+
+def _device_step(rule, p, g, state: dict, group: dict, step: int, shape) -> None:
+    """The rule's device step on CUDA tensors (tier none), queued on the current stream (the
+    job's, see StepPipeline._job); the gradient is already scaled. fp32 rows are stepped in
+    place; bf16 rows through fp32 copies rounded back once after the step (the CPU kernel's
+    rounding). The rules' device steps never synchronise the device (step counts are
+    filled on the device), except Adafactor's, whose step size reads two norms."""
+    if shape is not None:
+        p, g = p.view(shape), g.view(shape)
+    wide = {k: (v if v.dtype == torch.float32 else v.float()) for k, v in state.items()}
+    rule.device_step([p], [g], [wide], group, [step])
+    for k, v in state.items():
+        if wide[k] is not v:
+            v.copy_(wide[k])

@@ -73,6 +73,8 @@ class UpdateRule:
     torch_optimizer: ClassVar[Optional[str]] = None  # torch.optim class with the same update
     defaults: ClassVar[dict] = {}                # torch's hyper-parameter names and defaults
     state_dtypes: ClassVar[tuple] = STATE_DTYPES
+    per_tensor: ClassVar[bool] = False           # state depends on each parameter's shape (Adafactor):
+                                                 # the engine steps it per tensor (StateLayout.for_shard)
 
     # ---- what the rule keeps ---------------------------------------------------------------
     def rows(self, group: dict, shape: Optional[Sequence[int]] = None) -> tuple:

@@ -1,8 +1,11 @@
 """The owner of one block shard's optimizer state, and its residency transitions.
 
-The state is one flat fp32 buffer of three rows, ``[master | exp_avg | exp_avg_sq]``, each
-row ``numel`` long (a 4 KiB multiple, so every row starts aligned for O_DIRECT). Its home
-tier is fixed at construction:
+The state is one flat uint8 buffer laid out by the update rule's ``StateLayout``
+(optim/state_layout.py): ``[master fp32 | the rule's rows at state_dtype | int8 scales]``,
+every region 4 KiB-aligned (O_DIRECT), e.g. AdamW fp32 ``[master | exp_avg | exp_avg_sq]``,
+AdamW int8 ``[master | exp_avg codes | exp_avg_sq codes | their absmax scales]``, SGD with
+momentum ``[master | momentum_buffer]``. The same bytes on every tier. Its home tier is fixed
+at construction:
 
 * ``DEVICE``: a tensor on the compute device (``offload_optimizer.device = none``);
 * ``HOST``: a persistent host-pool buffer (``cpu``);
@@ -26,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from offload.optim.state_layout import StateLayout
 from offload.storage.tier import Loan, LoanState, NvmeTier, TierKind
 
 Tier = TierKind             # where the state lives
@@ -33,15 +37,14 @@ Residency = LoanState       # where it is now
 
 
 class OptimState:
-    """fp32 master, exp_avg and exp_avg_sq of one block shard."""
+    """The fp32 master and the rule's state rows of one block shard (``layout``)."""
 
-    ROWS = 3
-
-    def __init__(self, key: str, numel: int, tier: Tier, *, tensor: Optional[torch.Tensor] = None,
+    def __init__(self, key: str, layout: StateLayout, tier: Tier, *, tensor: Optional[torch.Tensor] = None,
                  pool=None, store=None, what: str = "", wait_timeout_s: Optional[float] = None):
         self.key = key
-        self.numel = numel
-        self.nbytes = self.ROWS * numel * 4
+        self.layout = layout
+        self.numel = layout.numel
+        self.nbytes = layout.nbytes
         self.tier = tier
         self.what = f"optimizer state of {what or key}"
         if tier is Tier.NVME:
@@ -49,11 +52,15 @@ class OptimState:
             kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}
             self._loan = NvmeTier(store, pool, **kw).loan(key, self.nbytes, self.what)
         else:
-            assert tensor is not None and tensor.numel() == self.ROWS * numel and tensor.dtype == torch.float32
+            assert tensor is not None and tensor.dtype == torch.uint8 and tensor.numel() == self.nbytes
             self._loan = Loan.resident(tensor, key, self.what)
 
-    def _rows(self, data: torch.Tensor) -> torch.Tensor:
-        return data.view(torch.float32).view(self.ROWS, self.numel)
+    def _bytes(self, data: torch.Tensor) -> torch.Tensor:
+        return data.view(torch.uint8).view(-1)[:self.nbytes]
+
+    def views(self, buf: torch.Tensor) -> tuple:
+        """(master fp32 [numel], {row name: tensor}) as views of an acquired buffer."""
+        return self.layout.views(buf)
 
     @property
     def residency(self) -> Residency:
@@ -70,16 +77,16 @@ class OptimState:
         return self._loan.fetch()
 
     def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
-        """The ``[3, numel]`` fp32 state, resident in memory (waits for a read in flight;
-        from ON_TIER, first waits for a pool buffer)."""
-        return self._rows(self._loan.acquire(timeout))
+        """The state's bytes (flat uint8, ``nbytes``; ``views()`` splits them), resident in
+        memory (waits for a read in flight; from ON_TIER, first waits for a pool buffer)."""
+        return self._bytes(self._loan.acquire(timeout))
 
     def overwrite(self, fill) -> None:
-        """Replace the whole state: ``fill(tensor)`` writes every row (no read from NVMe
+        """Replace the whole state: ``fill(buf)`` writes every byte (no read from NVMe
         first); the NVME tier then writes it back (-> WRITING)."""
-        tensor = self._rows(self._loan.fill())
+        buf = self._bytes(self._loan.fill())
         try:
-            fill(tensor)
+            fill(buf)
         except BaseException:
             self._loan.release()
             raise

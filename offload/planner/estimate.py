@@ -216,6 +216,37 @@ def spec_blocks(spec: ModelSpec) -> list:
         [BlockSize(f"block{i}", rest // (n - 1) + (1 if i <= rest % (n - 1) else 0)) for i in range(1, n)]
 
 
+def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False) -> list:
+    """A built module (the meta device is fine) as the memory plan's blocks, grouped the way
+    the engine groups it (``engine/blocks.py``): each block root's trainable parameters, and
+    its frozen ones as one part per storage dtype (their own, or the compute dtype when that
+    is narrower), trained blocks first, then roots holding only frozen parameters.
+    ``frozen_in_place``: frozen parts are read in place from the checkpoint (no swap bytes)."""
+    import torch
+    from offload.engine import blocks as blk
+    from offload.engine.memory_plan import BlockSize
+    comp = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    esize = torch.empty((), dtype=comp).element_size()
+
+    def kept(p):
+        if not p.is_floating_point():
+            return p.dtype
+        return comp if esize < p.element_size() else p.dtype
+    group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
+    layouts = blk.build_layouts(model, None, group_of) if group_of else []
+    frozen = {name: parts for name, _, parts in blk.frozen_parts(model, None, kept)}
+
+    def nbytes(part):
+        return part.padded_numel * torch.empty((), dtype=kept(part.segments[0].param)).element_size()
+    out = []
+    for lay in layouts:
+        parts = frozen.pop(lay.name, [])
+        out.append(BlockSize(lay.name, lay.numel, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+    for name, parts in frozen.items():
+        out.append(BlockSize(name, 0, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+    return out
+
+
 def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_count: int = 4,
                 gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                 grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
@@ -281,12 +312,15 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,
              gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
-             grad_host_bytes: Optional[int] = None, *, activations: str = "none",
+             grad_host_bytes: Optional[int] = None, *, rule: Optional[str] = None,
+             state_dtype: Optional[str] = None, activations: str = "none",
              activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None) -> List[Placement]:
-    """All nine placements, least offload first."""
+    """All nine placements, least offload first (the optimizer's bytes from ``rule`` /
+    ``state_dtype``: default AdamW, fp32 state)."""
     return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
-                            gradient_accumulation_steps, grad_host_bytes, activations=activations,
-                            activation_host_bytes=activation_host_bytes, host_available=host_available)
+                            gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype,
+                            activations=activations, activation_host_bytes=activation_host_bytes,
+                            host_available=host_available)
             for o in TIERS for p in TIERS]
 
 
