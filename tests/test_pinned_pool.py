@@ -180,3 +180,21 @@ def test_arena_lends_ranges_within_its_budget_and_merges_them_back():
     with pytest.raises(PoolBudgetError, match="do not fit"):
         a.acquire(11 * 4096)
     a.close()
+
+
+def test_arena_trim_gives_free_pages_back():
+    import psutil
+    from offload.storage import HostArena
+    proc = psutil.Process()
+    a = HostArena(64 << 20, pin=False, name="trim")
+    buf = a.acquire(64 << 20)
+    buf.view(torch.uint8, 64 << 20).fill_(1)                 # every page resident
+    before = proc.memory_info().rss
+    assert a.trim() == 0                                     # nothing free: nothing given back
+    buf.release()
+    assert a.trim() == 64 << 20
+    assert before - proc.memory_info().rss > 48 << 20
+    again = a.acquire(4096)
+    assert int(again.view(torch.uint8, 4096).sum()) == 0     # the pages come back as zeros
+    again.release()
+    a.close()

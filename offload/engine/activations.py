@@ -24,7 +24,8 @@ reuse until the copy ends. Every host copy is a range lent by the budgeted host 
 of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
 twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
 ahead of backward to the end of the copy back (on the CPU device the read lands straight
-in the tensor autograd gets: device memory, as an H2D copy's target would be). The NVMe
+in the tensor autograd gets: device memory, as an H2D copy's target would be; the pool's
+pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). The NVMe
 extent (a key of the store, checksummed per extent like all the engine's swap data) returns
 to a free list when the last handle goes; ranges and keys of retired records are given back
 on this engine's thread (``_settle_retired``), never from a finalizer.
@@ -86,7 +87,7 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
 
 
 def _fmt(n: int) -> str:
-    return f"{n} bytes ({n / 2**20:.1f} MiB)"
+    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 2**10:.1f} KiB)"
 
 
 def _layout(shape, stride) -> str:
@@ -204,6 +205,12 @@ class ActivationOffload:
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
         self._in_forward = False
+        if self.tier == "nvme" and self.device.type == "cpu":
+            # every copy of this forward is on NVMe and backward reads straight into device
+            # memory: the pool's pages leave the RSS until the next forward
+            with self._lock:
+                self._settle_retired()
+            self.pool.trim()
         if torch.is_grad_enabled() and self._records:
             self._prefetch()
 

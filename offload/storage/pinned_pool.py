@@ -338,6 +338,19 @@ class HostArena:
                     if buf is not None:
                         return buf
 
+    def trim(self) -> int:
+        """Give the pages of every free range back to the OS (``MADV_DONTNEED``; they read as
+        zeros and fault in again on the next use), so the arena's resident memory is what is
+        on loan. A pinned arena keeps its pages (they must stay locked): returns 0. Returns
+        the bytes given back."""
+        if self.pinned or self._closed:
+            return 0
+        with self._cond:
+            ranges = list(self._free)
+            for off, n in ranges:
+                self._memory._map.madvise(mmap.MADV_DONTNEED, off, n)
+        return sum(n for _, n in ranges)
+
     def stats(self) -> dict:
         with self._cond:
             return {"capacity_bytes": self._cap, "in_use_bytes": self._in_use, "peak_bytes": self._peak,
