@@ -76,7 +76,8 @@ def _numel(shape):
 
 def write_checkpoint(out_dir: str, s: dict, layers: int, max_shard: int = 2 << 30, seed: int = 0) -> int:
     """Sharded bf16 safetensors + index + config.json, written tensor by tensor in chunks of
-    at most 64 MiB (random normal * 0.02; norms 1). Returns the bytes written."""
+    at most 64 MiB (normal * 0.02 from a pool of 8 random chunks at random rotations; norms
+    1). Returns the bytes written."""
     import torch
     os.makedirs(out_dir, exist_ok=True)
     specs = tensor_specs(s, layers)
@@ -92,6 +93,11 @@ def write_checkpoint(out_dir: str, s: dict, layers: int, max_shard: int = 2 << 3
     g = torch.Generator().manual_seed(seed)
     weight_map, total = {}, 0
     chunk = 32 << 20                                   # elements per chunk (64 MiB of bf16)
+    # 8 chunks of normal(0, 0.02) values drawn once, each tensor's chunks taken from them at
+    # a random rotation: the random generator would otherwise take most of the writing time
+    chunk = min(chunk, max(_numel(shape) for _, shape, _ in specs))
+    pool = [(torch.randn(chunk, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16).numpy()
+            for _ in range(8)]
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         header, off = {}, 0
@@ -109,8 +115,15 @@ def write_checkpoint(out_dir: str, s: dict, layers: int, max_shard: int = 2 << 3
                 left = _numel(shape)
                 while left:
                     n = min(left, chunk)
-                    t = torch.ones(n) if init == "ones" else torch.randn(n, generator=g) * 0.02
-                    f.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+                    if init == "ones":
+                        f.write(torch.ones(n).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+                    else:
+                        k, r = torch.randint(0, 8, (2,), generator=g).tolist()
+                        src = pool[k]
+                        rot = r * 4099 % chunk
+                        f.write(memoryview(src[rot:rot + n]))
+                        if rot + n > chunk:
+                            f.write(memoryview(src[:rot + n - chunk]))
                     left -= n
             f.flush()
             os.fsync(f.fileno())
@@ -188,16 +201,13 @@ if a["lora"]:
                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
+rss_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # imports + the meta model
 loader = "weights" in inspect.signature(offload.initialize).parameters
 if not loader:      # simulated load: the engine materializes each meta block with the model's init
     for m in lm.modules():
         if not hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
             m.reset_parameters = (lambda m=m: [p.fill_(1.0) for p in m.parameters(recurse=False)])
-cfg = {"precision": "bf16", "optimizer": {"lr": a["lr"]},
-       "gradient_clipping": a["clip"], "gradient_accumulation_steps": a["gas"],
-       "offload_optimizer": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": 2},
-       "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "device_budget_bytes": a["budget"]},
-       "prefetch": {"host_lookahead_bytes": a["budget"]}}    # one budget staged ahead on the host
+cfg = a["cfg"]
 t0 = time.perf_counter()
 eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.initialize(lm, cfg)
 load_s = time.perf_counter() - t0
@@ -214,25 +224,168 @@ for step in range(a["steps"]):
     times.append(time.perf_counter() - t0)
     losses.append(loss.item())
 st = eng.stats()
-out = {"params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
+out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
        "trainable": sum(b.layout.numel for b in eng.blocks), "load": "weights=" if loader else
        "init (simulated: no weights= loader)", "load_s": load_s, "step_s": statistics.median(times[1:] or times),
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
-       "rss_after_load_bytes": rss_load}
+       "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "step_times": times,
+       "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
 eng.close()
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps(out))
 """
 
 
+def engine_config(run: dict) -> dict:
+    """The engine config of one run (the child trains with it; the planner predicts with it)."""
+    return {"precision": "bf16", "optimizer": {"lr": run["lr"]},
+            "gradient_clipping": run["clip"], "gradient_accumulation_steps": run["gas"],
+            "offload_optimizer": {"device": "nvme", "nvme_path": run["nvme"], "buffer_count": 2},
+            "offload_param": {"device": "nvme", "nvme_path": run["nvme"], "device_budget_bytes": run["budget"]},
+            "prefetch": {"host_lookahead_bytes": run["budget"]}}    # one budget staged ahead on the host
+
+
 def child(args: dict, timeout: float) -> dict:
+    args = dict(args, cfg=engine_config(args))
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args), ROOT], capture_output=True, text=True,
                        timeout=timeout)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise RuntimeError(f"run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
+
+
+def bf16_matmul_tflops(s: dict, tokens: int = 128) -> float:
+    """TFLOP/s of this machine's bf16 matmul at the benchmark's shapes (tokens x hidden x
+    intermediate), best of a few: the planner's compute rate for these runs."""
+    import torch
+    a = torch.randn(tokens, s["hidden"], dtype=torch.bfloat16)
+    w = torch.randn(s["inter"], s["hidden"], dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ w.t()
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * tokens * s["hidden"] * s["inter"] / best / 1e12
+
+
+def _llama(hf: dict, layers: int, lora: bool, rank: int, device=None):
+    import torch
+    import transformers
+    conf = transformers.LlamaConfig(**{k: v for k, v in dict(hf, num_hidden_layers=layers).items()
+                                       if k not in ("architectures", "torch_dtype")})
+    with torch.device(device or "meta"):
+        model = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)
+    if lora:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model
+
+
+def measure_compute(run: dict, rounds: int = 3) -> dict:
+    """Forward and backward seconds of one micro-step of the run's model on this CPU with no
+    offload, and the bytes of activations autograd saves (parameters excluded), from a 1- and a
+    2-layer model of the same width (layers cost the same each): the planner's compute term
+    (``offload.planner.plan.Compute``) and the activation memory."""
+    import statistics
+    import torch
+    out = {}
+    x = torch.randint(0, run["hf"]["vocab_size"], (1, run["tokens"]), generator=torch.Generator().manual_seed(1))
+    for layers in (1, 2):
+        model = _llama(run["hf"], layers, run["lora"], run["rank"], device="cpu")
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.normal_(0, 0.02)
+        params = {prm.untyped_storage().data_ptr() for prm in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+        fwd, bwd = [], []
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(input_ids=x, labels=x).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if i:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        out[layers] = (statistics.median(fwd), statistics.median(bwd), sum(saved.values()))
+        del model
+    L = run["hf"]["num_hidden_layers"]
+    per = [b - a for a, b in zip(out[1], out[2])]
+    total = [a + (L - 1) * d for a, d in zip(out[1], per)]
+    return {"forward_s": max(total[0], 0.0), "backward_s": max(total[1], 0.0), "saved_bytes": max(int(total[2]), 0)}
+
+
+def predict(run: dict, profile: dict, compute: dict, base_rss: int) -> dict:
+    """The planner's prediction of one run (offload/planner: ``plan.predict`` for the step
+    time, the engine's memory plan for the host pools) with the run's own config. Peak host
+    memory on a CPU-only machine (the device is the process heap; offloaded parameters are
+    used in their host staging buffers): the process before ``initialize`` (imports and the
+    meta model: ``base_rss``, measured) + every host pool of the plan + the activations one
+    micro-step saves (``measure_compute``)."""
+    from offload.config import Config
+    from offload.engine import memory_plan as mp
+    from offload.planner import estimate as est
+    from offload.planner import plan
+    model = _llama(run["hf"], run["hf"]["num_hidden_layers"], run["lora"], run["rank"])
+    spec = est.spec_from_module(model, "bench_scale")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    config = Config.from_dict(engine_config(run))
+    blocks = est.blocks_of_module(model, "bf16", frozen_in_place=run["lora"])
+    mplan = mp.plan(blocks, config, compute_bytes=2)
+    prof = plan.Profile(**{k: v for k, v in profile.items() if k in plan.Profile.__dataclass_fields__})
+    prof = dataclasses_replace(prof, matmul_tflops=profile.get("matmul_tflops_bf16", prof.matmul_tflops))
+    pred = plan.predict(spec, "nvme", "nvme", prof, plan.Compute(compute["forward_s"], compute["backward_s"], True,
+                                                                  True),
+                        "bf16", run["gas"], run["clip"] > 0, trainable=trainable,
+                        device_budget_bytes=run["budget"])
+    return {"step_s": pred.step_s, "terms": pred.terms, "groups": pred.groups, "mode": pred.mode,
+            "host_pools_bytes": mplan.host, "activation_bytes": compute["saved_bytes"], "base_rss_bytes": base_rss,
+            "peak_rss_bytes": base_rss + mplan.host + compute["saved_bytes"], "nvme_bytes": mplan.nvme_total}
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+def compare(r: dict) -> dict:
+    """Predicted against measured: step time and peak host memory, relative errors."""
+    p = r["predicted"]
+    return {"step_s": [p["step_s"], r["step_s"]], "step_error": abs(p["step_s"] - r["step_s"]) / r["step_s"],
+            "peak_rss_gib": [p["peak_rss_bytes"] / GIB, r["peak_rss_bytes"] / GIB],
+            "rss_error": abs(p["peak_rss_bytes"] - r["peak_rss_bytes"]) / r["peak_rss_bytes"]}
+
+
+def predict_from(log: str) -> int:
+    """Predictions for the runs of an earlier output (its profile; the compute measured now)."""
+    with open(log) as f:
+        out = json.loads([ln for ln in f if ln.startswith("{")][-1])
+    prof = out["profile"]
+    if not prof.get("crc32c_gbps"):
+        from offload.planner.plan import measure_crc32c
+        prof["crc32c_gbps"] = measure_crc32c()
+    runs = ([("lora", out["lora"])] if "lora" in out else []) + [(f"full {k}", v) for k, v in out.get("full", {}).items()]
+    res = {}
+    for name, r in runs:
+        compute = measure_compute(r["run"])
+        r["predicted"] = predict(r["run"], prof, compute, r["rss_base_bytes"])
+        res[name] = {"compute": compute, "predicted": r["predicted"], "vs_predicted": compare(r)}
+        print(f"{name}: {json.dumps(res[name])}", flush=True)
+    print(json.dumps({"predictions": res, "claims": {f"{k}_{m}": v["vs_predicted"][m] for k, v in res.items()
+                                                     for m in ("step_error", "rss_error")}}))
+    return 0
 
 
 def layer_bytes(s: dict) -> int:
@@ -246,9 +399,11 @@ def checkpoint_bytes(s: dict, layers: int) -> int:
 
 
 def nvme_need(s: dict, layers: int, full: bool) -> int:
-    """Checkpoint + the engine's swap files (bf16 params; fp32 state and parked grads if full)."""
+    """Checkpoint + the engine's swap files: a full fine-tune keeps bf16 params, fp32 state
+    and parked fp32 gradients there; LoRA reads its frozen base in place from the checkpoint
+    (the swap files hold the adapters: a few MB)."""
     ck = checkpoint_bytes(s, layers)
-    return ck + ck + (ck // 2 * (12 + 4) if full else 0)
+    return ck + (ck + ck // 2 * (12 + 4) if full else 64 << 20)
 
 
 def shapes(size: str):
@@ -272,7 +427,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--only", choices=["lora", "full"], help="run one part only")
+    p.add_argument("--predict-from", metavar="LOG", help="print the planner's prediction against the runs recorded "
+                   "in LOG (this script's output: its last line), measuring the compute term here; runs nothing else")
     args = p.parse_args(argv)
+    if args.predict_from:
+        return predict_from(args.predict_from)
     lora_shape, ft_shape = shapes(args.size)
     lora_tokens = 128 if args.size == "7b" else 64
     steps = args.steps or 3
@@ -289,6 +448,12 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
         return 2
     out = {"size": args.size, "load_avg": os.getloadavg()[0]}
+    from offload.planner.plan import measure_profile
+    from dataclasses import asdict
+    t0 = time.perf_counter()
+    out["profile"] = asdict(measure_profile(root, io_bytes=512 << 20))        # this machine, for the planner's prediction
+    out["profile"]["matmul_tflops_bf16"] = bf16_matmul_tflops(lora_shape if runs_lora else ft_shape)
+    print(f"measured the machine for the planner in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         if runs_lora:
             ck = os.path.join(root, "lora-ckpt")
@@ -300,9 +465,14 @@ def main(argv=None) -> int:
             budget = 4 * layer_bytes(lora_shape) + (1 << 20)    # a few layers (+ their adapters)
             nv = os.path.join(root, "nvme-lora")
             os.makedirs(nv)
-            r = child({"hf": hf_config(lora_shape, lora_shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3,
-                       "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
-                       "ckpt": ck, "nvme": nv}, timeout=3600)
+            run = {"hf": hf_config(lora_shape, lora_shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3,
+                   "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
+                   "ckpt": ck, "nvme": nv}
+            compute = measure_compute(run)
+            r = child(run, timeout=3600)
+            r["run"], r["compute"] = run, compute
+            r["predicted"] = predict(run, out["profile"], compute, r["rss_base_bytes"])
+            r["vs_predicted"] = compare(r)
             r.update({"checkpoint_bytes": nbytes, "raw_read_gbps": raw / 1e9,
                       "load_gbps": nbytes / r["load_s"] / 1e9, "read_rate": rate})
             out["lora"] = r
@@ -317,9 +487,14 @@ def main(argv=None) -> int:
                 write_checkpoint(ck, ft_shape, layers)
                 nv = os.path.join(root, f"nvme-ft-{layers}")
                 os.makedirs(nv)
-                r = child({"hf": hf_config(ft_shape, layers), "lora": False, "rank": 0, "lr": 1e-4, "clip": 1.0,
-                           "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
-                           "ckpt": ck, "nvme": nv}, timeout=7200)
+                run = {"hf": hf_config(ft_shape, layers), "lora": False, "rank": 0, "lr": 1e-4, "clip": 1.0,
+                       "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
+                       "ckpt": ck, "nvme": nv}
+                compute = measure_compute(run)
+                r = child(run, timeout=7200)
+                r["run"], r["compute"] = run, compute
+                r["predicted"] = predict(run, out["profile"], compute, r["rss_base_bytes"])
+                r["vs_predicted"] = compare(r)
                 out["full"][str(layers)] = r
                 print(f"(b) full fine-tune, {layers} layers: {json.dumps(r)}", flush=True)
                 shutil.rmtree(ck, ignore_errors=True)

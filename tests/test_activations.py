@@ -2,6 +2,7 @@
 with and without activation checkpointing; the engine's GPT, HF Llama and GPT-2; with
 parameter and optimizer offload), and what moves is exactly what plain torch saves."""
 import functools
+import re
 
 import pytest
 import torch
@@ -182,3 +183,108 @@ def test_block_phases_and_one_saved_tensor_chain(tmp_path):
     st = eng.stats()
     eng.close()
     assert st["activations"]["tensors"] > 0 and st["prefetch"]["hits"] + st["prefetch"]["misses"] > 0
+
+
+class _LentCount:
+    """An independent count of the host memory the activation pool lends: every range handed
+    out (HostBuffer created by the pool named offload-activations) and given back, with the
+    peak of the bytes out at once."""
+
+    def __init__(self, monkeypatch):
+        from offload.storage import pinned_pool
+        self.out = self.peak = self.loans = 0
+        init, release = pinned_pool.HostBuffer.__init__, pinned_pool.HostBuffer.release
+        mine = lambda buf: buf._pool.name == "offload-activations"   # noqa: E731
+
+        def counted_init(buf, pool, index, data):
+            init(buf, pool, index, data)
+            if mine(buf):
+                self.out += buf.nbytes
+                self.loans += 1
+                self.peak = max(self.peak, self.out)
+
+        def counted_release(buf):
+            if mine(buf):
+                self.out -= buf.nbytes
+            release(buf)
+        monkeypatch.setattr(pinned_pool.HostBuffer, "__init__", counted_init)
+        monkeypatch.setattr(pinned_pool.HostBuffer, "release", counted_release)
+
+
+def _largest_saved(model, x):
+    sizes = [0]
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, x)
+    loss.backward()
+    return max(sizes)
+
+
+@pytest.mark.parametrize("act", ["cpu", "nvme"])
+def test_host_copies_draw_on_the_budgeted_pool(act, tmp_path, monkeypatch):
+    """The host copies are ranges of the offload-activations pool, whose bytes lent at once
+    (counted outside the engine) never exceed offload_activations.host_bytes; with nvme a
+    pool far smaller than what one forward saves spills to NVMe as it fills, and training
+    still equals training without activation offload bit for bit."""
+    base = make("gpt", False)
+    data = batches(3, vocab=64)
+    cfg = config(tmp_path, act, "fp32")
+    page = 4096
+    largest = -(-_largest_saved(clone(base), data[0][0]) // page) * page
+    # nvme: room for two of the largest tensors (and an odd size: the pool rounds down);
+    # cpu: a whole forward's copies must fit
+    budget = 2 * largest + 1000 if act == "nvme" else 4 << 20
+    cfg["offload_activations"] = {**cfg["offload_activations"], "host_bytes": budget}
+    ref, _ = train("gpt", clone(base), {**cfg, "offload_activations": {"device": "none"}}, data)
+    lent = _LentCount(monkeypatch)
+    model = clone(base)
+    eng = offload.initialize(model, cfg)
+    assert eng.plan.pool("offload-activations").nbytes == budget // page * page
+    got = []
+    for x, y in data:
+        eng.backward(eng(x, y))
+        eng.step()
+        got.append(eng.full_state_dict())
+    st = eng.stats()
+    assert st["tier_bytes"]["host"] == eng.plan.host          # the pool is counted with the others
+    eng.close()
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: {k} differs"
+    act_st = st["activations"]
+    assert 0 < lent.peak <= budget
+    assert lent.loans >= act_st["tensors"] > 0                 # every copy took a range of the pool
+    assert act_st["host_bytes_peak"] <= budget and act_st["host_pool_bytes"] <= budget
+    if act == "nvme":                   # the pool binds: one forward saves far more than it holds
+        assert act_st["saved_bytes"] / len(data) > 3 * budget
+        assert act_st["bytes_moved"]["nvme_write"] >= act_st["saved_bytes"]
+
+
+def test_host_pool_too_small_is_an_error_naming_the_fix(tmp_path):
+    """cpu: a forward whose copies do not fit fails naming host_bytes and the ways out, at
+    once (nothing would free a range before its backward); nvme: a tensor larger than the
+    whole pool fails naming the size that works. Both leave the engine closable."""
+    from offload.engine.activations import ActivationHostBudgetError
+    base = make("gpt", False)
+    x, y = batches(1, vocab=64)[0]
+    largest = _largest_saved(clone(base), x)
+    for act, host_bytes, match in (
+            ("cpu", 4 * 4096, r"this forward saves .*offload_activations.host_bytes=16384 .*raise "
+                              r"offload_activations.host_bytes, set offload_activations.device to nvme"),
+            ("nvme", 4096, r"a saved tensor of (\d+) bytes .* does not fit in the host pool "
+                           r"\(offload_activations.host_bytes=4096 .*raise offload_activations.host_bytes to at "
+                           r"least (\d+)")):
+        cfg = config(tmp_path, act, "fp32")
+        cfg["offload_activations"] = {**cfg["offload_activations"], "host_bytes": host_bytes}
+        eng = offload.initialize(clone(base), cfg)
+        with pytest.raises(ActivationHostBudgetError, match=match) as err:
+            eng(x, y)
+        eng.close()
+        if act == "nvme":               # the size named is the tensor's, in pages, and it would fit
+            n, need = map(int, re.search(match, str(err.value)).groups())
+            assert need == -(-n // 4096) * 4096 > 4096 and n <= largest
+    with pytest.raises(offload.config.ConfigError, match="offload_activations.host_bytes"):
+        offload.Config.from_any({"offload_activations": {"device": "cpu", "host_bytes": 100}})

@@ -145,6 +145,27 @@ def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, tmp
     eng.close()
 
 
+@pytest.mark.parametrize("act,host_bytes", [("cpu", 3 << 20), ("nvme", None)])
+def test_estimate_counts_the_activation_pool(act, host_bytes, tmp_path, monkeypatch):
+    """Offloaded activations draw on a host pool of their own: the estimate lists it with the
+    others, and a real engine allocates exactly what the estimate says."""
+    import tempfile
+    from _models import make_model
+    import offload
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = make_model(layers=3, frozen_layer=None)
+    spec = est.spec_from_module(model)
+    kw = {"activations": act, "activation_host_bytes": host_bytes}
+    r = est.placement_bytes(spec, "cpu", "none", "fp32", buffer_count=2, **kw)
+    without = est.placement_bytes(spec, "cpu", "none", "fp32", buffer_count=2)
+    pool = host_bytes if act == "cpu" else 2 * (256 << 20)       # nvme: twice the default lookahead
+    assert r.pinned - without.pinned == pool
+    eng = offload.initialize(model, est.plan_config("cpu", "none", "fp32", 2, **kw))
+    link = 2 * 2 * spec.largest_block * est.BYTES_PER_PARAM["fp32"]
+    assert r.pinned - link == eng.stats()["tier_bytes"]["host"]
+    eng.close()
+
+
 def test_offload_moves_bytes_off_the_device():
     rows = {(r.optimizer, r.param): r for r in est.estimate(SPEC, "bf16")}
     assert len(rows) == 9

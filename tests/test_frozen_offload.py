@@ -1,6 +1,8 @@
 """Frozen parameters offloaded with their blocks: PEFT LoRA on a Hugging Face Llama (bf16
 frozen base beside fp32 adapters in the same block) against plain torch, the device budget
 as a contract, and the reported device peak against an independent measure."""
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -176,3 +178,89 @@ def test_runtime_overrun_is_an_error(tmp_path):
     with pytest.raises(DeviceBudgetError, match="raise the budget to at least"):
         eng(torch.randn(2, 8))
     eng.close()
+
+
+# ---- the frozen base read in place from the checkpoint's own files ----------------------------
+def save_base(model, path):
+    """The bf16 base of ``lora_llama``'s model as save_pretrained writes it (several shards)."""
+    model.m.base_model.model.save_pretrained(path, max_shard_size="60KB")
+    return str(path)
+
+
+def base_key_map(k):
+    return "m.base_model.model." + k          # checkpoint keys -> the LoraLM wrapper's keys
+
+
+def swap_bytes(eng):
+    d = eng.swap_dirs()["params"]
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".swap"))
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_lora_base_read_in_place_matches_torch(in_place, tmp_path):
+    """LoRA with the bf16 base read in place from its safetensors files trains as plain torch
+    does (within torch's own fused-vs-single noise); the swap file holds no frozen byte."""
+    base = lora_llama()
+    ck = save_base(base, tmp_path / "ck")
+    data = batches(6, vocab=97)
+    ref = reference_run(clone(base), data)
+    ref_fused = reference_run(clone(base), data, fused=True)
+    c = cfg(tmp_path, "nvme")
+    c["offload_param"]["frozen_in_place"] = in_place
+    eng = offload.initialize(clone(base), c, weights=ck, key_map=base_key_map)
+    got = []
+    for x, y in data:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        got.append(eng.full_state_dict())
+    trainable = [k for k in ref[0] if "lora_" in k]
+    check_parity([{k: s[k] for k in trainable} for s in ref], [{k: s[k] for k in trainable} for s in ref_fused],
+                 [{k: s[k] for k in trainable} for s in got])
+    for k in ref[0]:                               # the frozen base is the file's, in its dtype
+        if "lora_" not in k:
+            assert torch.equal(got[-1][k], ref[-1][k].float()), k
+    trained = sum(-(-u.trainable.home_nbytes // 4096) * 4096 for u in eng.units if u.trainable is not None)
+    frozen = sum(p.home_nbytes for u in eng.units for p in u.frozen)
+    st = eng.stats()
+    if in_place:                                   # the swap file holds the adapters only
+        assert swap_bytes(eng) == trained and st["source_bytes"] >= frozen
+        assert st["bytes"]["nvme_read"] >= 6 * frozen      # the base is read from the checkpoint each step
+    else:
+        assert swap_bytes(eng) >= trained + frozen and "source_bytes" not in st
+    eng.close()
+
+
+@pytest.mark.parametrize("how", ["same_size_and_mtime", "appended"])
+def test_checkpoint_changed_under_the_run_is_detected(how, tmp_path):
+    base = lora_llama(layers=2)
+    ck = save_base(base, tmp_path / "ck")
+    eng = offload.initialize(clone(base), cfg(tmp_path, "nvme"), weights=ck, key_map=base_key_map)
+    data = batches(4, vocab=97)
+    x, y = data[0]
+    eng.backward(eng(x, y))
+    eng.step()
+    from offload.io.hf import WeightFiles
+    ext = WeightFiles(ck).extent("model.layers.1.mlp.up_proj.weight")
+    st = os.stat(ext.file)
+    with open(ext.file, "r+b" if how == "same_size_and_mtime" else "ab") as f:
+        if how == "appended":
+            f.write(b"x")
+        else:                                      # one flipped byte; size and mtime kept
+            f.seek(ext.offset + 5)
+            b = f.read(1)
+            f.seek(ext.offset + 5)
+            f.write(bytes([b[0] ^ 0xFF]))
+    if how == "same_size_and_mtime":
+        os.utime(ext.file, ns=(st.st_atime_ns, st.st_mtime_ns))
+        msg = r"model\.layers\.1\.mlp\.up_proj\.weight' read in place from .* does not match the checksum"
+    else:
+        msg = r"checkpoint file .* read in place for frozen parameters, changed under the run"
+    with pytest.raises(offload.BlockError, match=msg) as err:
+        for x, y in data[1:]:
+            eng.backward(eng(x, y))
+            eng.step()
+        eng.synchronize()
+    assert "parameter read of block 1 (m.base_model.model.model.layers.1)" in str(err.value)
+    assert ext.file in str(err.value)
+    eng.close(restore=False)            # returns; restoring would read the changed file again

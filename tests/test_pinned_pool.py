@@ -158,3 +158,25 @@ def test_bad_arguments():
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.acquire(1)
+
+
+def test_arena_lends_ranges_within_its_budget_and_merges_them_back():
+    from offload.storage import HostArena
+    a = HostArena(10 * 4096 + 100, pin=False, name="arena")        # rounded down: never over the budget
+    assert a.capacity_bytes == 10 * 4096
+    x, y, z = a.acquire(5000), a.acquire(4096), a.acquire(3 * 4096)   # 2 + 1 + 3 pages
+    assert (x.nbytes, y.nbytes, z.nbytes) == (8192, 4096, 12288)
+    ptrs = sorted(b.data_ptr for b in (x, y, z))
+    assert all(p % 4096 == 0 for p in ptrs) and ptrs[1] - ptrs[0] >= 4096
+    assert a.try_acquire(5 * 4096) is None and a.stats()["largest_free_bytes"] == 4 * 4096
+    with pytest.raises(TimeoutError, match="no free range"):
+        a.acquire(5 * 4096, timeout=0.01)
+    x.release()
+    z.release()                                        # x's pages, y, then z's merged with the tail
+    assert a.stats()["largest_free_bytes"] == 7 * 4096
+    y.release()
+    st = a.stats()
+    assert (st["in_use_bytes"], st["largest_free_bytes"], st["peak_bytes"]) == (0, 10 * 4096, 6 * 4096)
+    with pytest.raises(PoolBudgetError, match="do not fit"):
+        a.acquire(11 * 4096)
+    a.close()

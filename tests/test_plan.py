@@ -38,14 +38,21 @@ def test_committed_step_overlaps_the_next_forward():
 
 def test_nvme_terms_and_bottleneck():
     p = plan.predict(SPEC, "nvme", "nvme", profile(), GPU, "bf16")
-    # state 12 B/param, bf16 params 2 B, and the gradients (bf16, 2 B) parked on NVMe until
-    # step() commits them (they wait for the commit whether or not anything clips)
-    read = 12e9 + 2e9 + 2e9
+    # state 12 B/param, bf16 params 2 B read by the forward and again by the backward but for
+    # the device budget's worth still on the device at the turn (default: two largest blocks,
+    # 0.4 GB), and the gradients (bf16, 2 B) parked on NVMe until step() commits them (they
+    # wait for the commit whether or not anything clips)
+    read = 12e9 + (2e9 + 1.6e9) + 2e9
     write = 12e9 + 2e9 + 2e9
     assert p.terms["nvme"] == pytest.approx(read / 4e9 + write / 2e9)
-    # one request per block and direction: 10 blocks x (1 state + 1 param + 1 parked gradient)
+    # one request per block and direction: 10 blocks x (1 state + 1 parked gradient), 10 + 8
+    # parameter reads (forward, backward but two); writes 10 x (state, param, gradient)
     lat = plan.predict(SPEC, "nvme", "nvme", profile(nvme_read_latency_s=0.01, nvme_write_latency_s=0.02), GPU, "bf16")
-    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 30 * 0.01 + 30 * 0.02)
+    assert lat.terms["nvme"] == pytest.approx(p.terms["nvme"] + 38 * 0.01 + 30 * 0.02)
+    # LoRA: the frozen base is fetched as before; state, gradients and write-back are the adapters'
+    lora = plan.predict(SPEC, "nvme", "nvme", profile(), GPU, "bf16", trainable=10_000_000)
+    assert lora.terms["nvme"] == pytest.approx((12e7 + 3.6e9 + 2e7) / 4e9 + (12e7 + 2e7 + 2e7) / 2e9)
+    assert lora.terms["adam"] == pytest.approx(0.01)
     # a full-duplex disk hides the shorter direction (reads, 4 s) under the longer (8 s)
     duplex = plan.predict(SPEC, "nvme", "nvme", profile(nvme_duplex=1.0), GPU, "bf16")
     assert duplex.terms["nvme"] == pytest.approx(write / 2e9)

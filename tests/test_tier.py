@@ -206,3 +206,30 @@ def test_layout_geometry():
     assert L.max_extents(2 * BLOCK + 4096 + 7) == 4
     with pytest.raises(ValueError, match="multiple of 4096"):
         ExtentLayout(1000)
+
+
+def test_try_fill_and_lend_a_buffer_from_elsewhere(tmp_path):
+    """try_fill() does not wait for the pool; lend() takes a buffer the caller supplies (an
+    OwnedBuffer outside the pool) and the loan moves it like the pool's own."""
+    from offload.storage.pinned_pool import OwnedBuffer
+    from offload.storage.tier import LoanState, NvmeTier
+    store = NvmeStore(str(tmp_path), name="lend-other")
+    pool = HostPool([8192], pin=False, name="one")
+    tier = NvmeTier(store, pool, wait_timeout_s=5.0)
+    tier.reserve({"a": 8192, "b": 8192})
+    a, b = tier.loan("a", 8192), tier.loan("b", 8192)
+    a.try_fill().fill_(7)
+    assert b.try_fill() is None and b.state is LoanState.ON_TIER     # the only buffer is a's
+    b.lend(OwnedBuffer(8192), read=False)
+    b.acquire().fill_(9)
+    for loan in (a, b):
+        loan.commit()
+        loan.release()
+    b.lend(OwnedBuffer(8192), read=True)                              # read back into another owned one
+    assert torch.equal(b.acquire(), torch.full((8192,), 9, dtype=torch.uint8))
+    b.release()
+    assert torch.equal(a.acquire(), torch.full((8192,), 7, dtype=torch.uint8))   # through the pool again
+    a.release()
+    assert pool.stats()["in_use_bytes"] == 0
+    store.close()
+    pool.close()

@@ -12,7 +12,10 @@ def cmd_estimate(args) -> int:
     machine = est.this_machine(args.nvme_path, parse_size(args.device_memory, "--device-memory"))
     rows = est.estimate(spec, args.precision, args.world_size, args.buffer_count, args.gradient_clipping,
                         args.gradient_accumulation_steps, parse_size(args.grad_host_bytes, "--grad-host-bytes"),
-                        rule=args.optimizer, state_dtype=args.state_dtype)
+                        rule=args.optimizer, state_dtype=args.state_dtype,
+                        activations=args.offload_activations,
+                        activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
+                        host_available=machine.host_available)
     if args.json:
         print(json.dumps({"model": spec.__dict__, "machine": machine.__dict__, "placements": [
             {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
@@ -21,7 +24,9 @@ def cmd_estimate(args) -> int:
     print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}, "
           f"optimizer {args.optimizer} with {args.state_dtype} state"
           + ("" if spec.exact else "; largest layer assumed params/12 (give --largest-layer)"))
-    print("bytes per tier for each placement (model states only: activations come on top, on the device;"
+    acts = ("activations come on top, on the device" if args.offload_activations == "none" else
+            f"the {args.offload_activations} activation pool is in pinned, the device keeps what is not offloaded")
+    print(f"bytes per tier for each placement (model states only: {acts};"
           "\n device per rank, host and nvme per node):")
     hdr = f"  {'optimizer':<10}{'param':<7}{'device':>11}{'pinned':>11}{'host':>11}{'host total':>12}{'nvme':>11}  fits"
     print(hdr)
@@ -56,6 +61,11 @@ def register(sub) -> None:
     e.add_argument("--gradient-accumulation-steps", type=int, default=1)
     e.add_argument("--grad-host-bytes", metavar="SIZE",
                    help="offload_optimizer.grad_host_bytes: host memory for gradient buffers")
+    e.add_argument("--offload-activations", choices=("none", "cpu", "nvme"), default="none",
+                   help="count the host pool of offloaded activations (offload_activations.device)")
+    e.add_argument("--activation-host-bytes", metavar="SIZE",
+                   help="offload_activations.host_bytes (default: nvme twice the lookahead, cpu half the "
+                        "available host memory)")
     e.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
     e.add_argument("--nvme-path", metavar="DIR", help="where the NVMe tier would live (free space is checked)")
     e.add_argument("--deepspeed", action="store_true", help="also print DeepSpeed's estimator figures")

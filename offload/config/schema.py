@@ -199,6 +199,10 @@ class OffloadParamConfig:
     pin_memory: bool = True
     # Peak bytes of offloaded parameters allowed on the device at once; None: two largest blocks.
     device_budget_bytes: Optional[int] = None
+    # With device nvme and weights= safetensors: frozen parameters stored in their kept dtype
+    # are read in place from the checkpoint's own files (verified, never written) instead of
+    # being copied to the swap file; false copies them.
+    frozen_in_place: bool = True
 
     def __post_init__(self):
         _check_finite(self, "offload_param.")
@@ -216,18 +220,32 @@ class OffloadActivationsConfig:
     ``min_bytes`` to host memory during forward (a side stream on CUDA) and brings it back
     ahead of its use in backward; ``nvme`` moves it on to a swap file under ``nvme_path``.
     ``lookahead_bytes`` bounds the bytes brought back ahead of use and the bytes in flight to
-    NVMe. Parameters (and views of them) are never copied; a tensor saved twice moves once."""
+    NVMe. Parameters (and views of them) are never copied; a tensor saved twice moves once.
+
+    ``host_bytes`` is the host pool the host copies draw on (``offload-activations``, counted
+    with every other host pool): with ``nvme`` a copy lives there only until its write is
+    durable (and, on CUDA, around its read and copy back), and a full pool waits for the
+    oldest write; with ``cpu`` every copy of a forward stays there until its backward, and a
+    forward whose copies do not fit is an error naming this key. None: ``nvme`` takes twice
+    ``lookahead_bytes``, ``cpu`` half the host memory available at initialize."""
     device: str = "none"
     nvme_path: Optional[str] = None
     pin_memory: bool = True
     min_bytes: int = 1 << 20
     lookahead_bytes: int = 256 << 20
+    host_bytes: Optional[int] = None
 
     def __post_init__(self):
         _check_finite(self, "offload_activations.")
         _check_choice("offload_activations.device", self.device, TIER_DEVICES)
         _check_positive("offload_activations.min_bytes", self.min_bytes, allow_zero=True)
         _check_positive("offload_activations.lookahead_bytes", self.lookahead_bytes, allow_zero=True)
+        _check_positive("offload_activations.host_bytes", self.host_bytes)
+        if self.host_bytes is not None:
+            object.__setattr__(self, "host_bytes", int(self.host_bytes))
+        if self.host_bytes is not None and self.host_bytes < 4096:
+            raise ConfigError(f"offload_activations.host_bytes={self.host_bytes} holds no 4096-byte page: give at "
+                              "least the largest saved tensor's bytes, or leave it unset")
         if self.device == "nvme":
             _require_nvme_path("offload_activations.nvme_path", self.nvme_path)
 

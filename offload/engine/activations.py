@@ -18,11 +18,24 @@ One saved tensor (``_Saved``) moves through explicit states::
 
 Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs
 on a side stream after the producing kernels and ``record_stream`` keeps its memory from
-reuse until the copy ends. The host copy (pinned on CUDA, 4 KiB-aligned for O_DIRECT) lives
-while any handle does (a retained graph may unpack twice), or, with ``nvme``, only until its
-write is durable; the NVMe extent (a key of the store, checksummed per extent like all the
-engine's swap data) returns to a free list when the last handle goes. Bytes in flight to
-NVMe are bounded by ``lookahead_bytes``: packing waits (bounded) for the oldest write.
+reuse until the copy ends. Every host copy is a range lent by the budgeted host pool
+``offload-activations`` (a ``HostArena`` the engine sizes from the memory plan,
+``offload_activations.host_bytes``; pinned on CUDA, page-aligned for O_DIRECT), never memory
+of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
+twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
+ahead of backward to the end of the copy back (on the CPU device the read lands straight
+in the tensor autograd gets: device memory, as an H2D copy's target would be). The NVMe
+extent (a key of the store, checksummed per extent like all the engine's swap data) returns
+to a free list when the last handle goes; ranges and keys of retired records are given back
+on this engine's thread (``_settle_retired``), never from a finalizer.
+
+Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
+for the oldest write. A pack that finds the pool full makes room (``_lend``): it finishes
+the oldest D2H copy, the oldest write (``nvme``: the copy then lives on NVMe only) or the
+oldest copy back, and waits at most ``wait_timeout_s`` in all. With ``cpu`` nothing of the
+forward leaves the pool before its backward, so a forward whose copies exceed the pool
+fails at once with ``ActivationHostBudgetError`` naming the fix; copies held by an earlier
+graph still alive are waited for (bounded) first.
 
 Backward order. Saved tensors are expected back in the order the last backward unpacked
 them (the first step: reverse pack order). Each unpack advances a cursor along that order
@@ -35,6 +48,7 @@ from __future__ import annotations
 import collections
 import enum
 import threading
+import time
 import weakref
 from typing import Dict, List, Optional
 
@@ -43,8 +57,13 @@ from torch import nn
 
 from offload import device as dev
 from offload.engine.hooks import NOT_MINE, in_backward
+from offload.storage.pinned_pool import PAGE, PoolBudgetError
 
-_WAIT_S = 600.0       # the longest a single NVMe transfer may take before it is an error
+_POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
+
+
+class ActivationHostBudgetError(RuntimeError):
+    """The host copies of saved activations do not fit in ``offload_activations.host_bytes``."""
 
 
 class SavedState(enum.Enum):
@@ -58,13 +77,16 @@ class SavedState(enum.Enum):
     ON_DEVICE = "on_device"          # restored, waiting for its unpack
 
 
-def _aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
-    """A 1-D uint8 host buffer of ``nbytes`` starting on a 4 KiB page (O_DIRECT)."""
-    if pin and dev.can_pin():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)   # page-aligned
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % 4096
+def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 tensor of ``nbytes`` on the CPU device (the process heap) starting on a
+    4 KiB page, so an O_DIRECT read can land in it: the memory autograd gets back."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
     return raw[skip:skip + nbytes]
+
+
+def _fmt(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
 def _layout(shape, stride) -> str:
@@ -86,10 +108,10 @@ class _Saved:
     """One offloaded saved tensor: its metadata, where its bytes are, and its transfers."""
 
     __slots__ = ("owner", "index", "nbytes", "dtype", "shape", "stride", "dense", "device", "state", "host",
-                 "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
+                 "direct", "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
                  "__weakref__")
 
-    def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool):
+    def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool, host):
         self.owner = owner
         self.index = index                 # pack order within its forward
         self.nbytes = t.numel() * t.element_size()
@@ -97,7 +119,8 @@ class _Saved:
         self.dense = dense                 # bytes copied in memory order; else gapped: element by element
         self.device = t.device
         self.state = SavedState.COPYING_OUT
-        self.host: Optional[torch.Tensor] = None     # 1-D uint8 host copy
+        self.host = host                             # HostBuffer lent by the pool: the host copy
+        self.direct: Optional[torch.Tensor] = None   # CPU device, nvme: 1-D uint8 read target (device memory)
         self.key: Optional[str] = None               # NVMe key
         self.io = None                               # NVMe transfer in flight
         self.event = None                            # CUDA copy in flight (either way)
@@ -121,14 +144,15 @@ class ActivationOffload:
     """The activation side of the saved-tensor chain; ``saved_tensors`` is itself."""
 
     def __init__(self, *, model: nn.Module, device: torch.device, tier: str, min_bytes: int,
-                 lookahead_bytes: int, pin: bool, store=None, telemetry):
+                 lookahead_bytes: int, pool, store=None, telemetry, wait_timeout_s: float = 600.0):
         assert tier in ("cpu", "nvme"), tier
         self.model = model
         self.device = device
         self.tier = tier
         self.min_bytes = max(1, int(min_bytes))
         self.lookahead = int(lookahead_bytes)
-        self.pin = pin
+        self.pool = pool                    # HostArena offload-activations: every host copy's range
+        self.wait_timeout_s = float(wait_timeout_s)
         self.store = store                  # NvmeStore for tier nvme
         self.telemetry = telemetry
         self.saved_tensors = self
@@ -139,7 +163,7 @@ class ActivationOffload:
         # through a deque (atomic appends) and are settled under the lock later.
         self._lock = threading.RLock()
         self._free_keys: Dict[int, List[str]] = collections.defaultdict(list)
-        self._retired = collections.deque()  # (key, size, io) whose last handle is gone
+        self._retired = collections.deque()  # (key, size, io, host) whose last handle is gone
         self._draining: List[tuple] = []     # ... whose transfer was still in flight
         self._reserved = collections.Counter()   # key size -> keys reserved
         self._param_storages: set = set()
@@ -147,10 +171,7 @@ class ActivationOffload:
         self._by_src: Dict[int, weakref.ref] = {}    # id(tensor) -> record (saved twice)
         self._copying = collections.deque()          # records with a D2H in flight (CUDA), oldest first
         self._writing = collections.deque()          # records with an NVMe write in flight
-        # nvme: host copies that went to disk come back here for the next pack of the same
-        # size (no fresh pages to fault in per tensor); at most lookahead_bytes are kept
-        self._spare: Dict[int, List[torch.Tensor]] = collections.defaultdict(list)
-        self._spare_bytes = 0
+        self._copying_in: Dict[int, _Saved] = {}     # nvme on CUDA: H2D in flight from a pool range, oldest first
         self._in_forward = False
         self._writing_bytes = 0
         self._order: Optional[List[int]] = None      # expected unpack order (record indices)
@@ -158,7 +179,7 @@ class ActivationOffload:
         self._pos: Dict[int, int] = {}
         self._cursor = 0
         self.device_bytes = 0               # offloaded tensors' bytes on the device held here
-        self.host_bytes = 0                 # host copies alive
+        self.host_bytes = 0                 # bytes of the pool's ranges lent to host copies
         self.stats_ = collections.Counter()
 
     # ---- lifecycle verbs --------------------------------------------------------------------
@@ -172,6 +193,8 @@ class ActivationOffload:
             self._order = None
         self._records, self._by_src, self._unpacked = [], {}, []
         self._pos, self._cursor = {}, 0
+        with self._lock:
+            self._settle_retired()                   # the last graph's ranges and keys come back
         self._param_storages = {t.untyped_storage().data_ptr()
                                 for t in list(self.model.parameters()) + list(self.model.buffers())
                                 if t.numel() and t.device.type != "meta"}
@@ -181,8 +204,6 @@ class ActivationOffload:
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
         self._in_forward = False
-        self._spare.clear()                          # no packs until the next forward
-        self._spare_bytes = 0
         if torch.is_grad_enabled() and self._records:
             self._prefetch()
 
@@ -202,21 +223,20 @@ class ActivationOffload:
         layout = _layout(t.shape, t.stride())
         if layout == "overlapping":
             return NOT_MINE
-        rec = _Saved(self, len(self._records), t, layout == "dense")
+        nbytes = t.numel() * t.element_size()
+        host = self._lend(nbytes, t)                 # a range of the budgeted pool (may wait, bounded)
+        rec = _Saved(self, len(self._records), t, layout == "dense", host)
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         with self.telemetry.span("offload::act_d2h", "act_d2h", rec.nbytes):
-            rec.host = self._host_buffer(rec.nbytes)
-            dst = rec.host.view(rec.dtype) if rec.nbytes else rec.host
+            dst = host.view(rec.dtype, t.numel())
             # dense: its bytes in memory order (any permutation of dims); gapped: packed
             src = t.as_strided((t.numel(),), (1,)) if rec.dense else t.contiguous().view(-1)
             rec.event = dev.copy_to_host_async(dst, src, self._d2h)
         with self._lock:
-            self.host_bytes += rec.nbytes
             self.stats_["saved_bytes"] += rec.nbytes
             self.stats_["d2h_bytes"] += rec.nbytes
             self.stats_["tensors"] += 1
-            self.telemetry.peak("act_host_bytes", self.host_bytes)
         if rec.event is not None:
             self._device_hold(rec.nbytes)            # until the D2H ends, its memory is held
             self._copying.append(rec)
@@ -238,18 +258,22 @@ class ActivationOffload:
         finished writes give their host copies back; more than ``lookahead_bytes`` in flight
         to NVMe waits for the oldest."""
         while self._copying and (final or self.device_bytes > self.lookahead or self._copying[0].event.query()):
-            rec = self._copying.popleft()
-            if rec.state is SavedState.COPYING_OUT:
-                dev.sync_event(rec.event)
-                rec.event = None
-                rec.state = SavedState.ON_HOST
-                self._device_hold(-rec.nbytes)
-                self._write(rec)
+            self._finish_copy_out()
         while self._writing:
             rec = self._writing[0]
             if rec.state is SavedState.WRITING and not (self._writing_bytes > self.lookahead or rec.io.done()):
                 break
             self._finish_write(rec)
+
+    def _finish_copy_out(self) -> None:
+        """The oldest D2H: wait for it (CUDA), then on to NVMe (ON_HOST -> WRITING)."""
+        rec = self._copying.popleft()
+        if rec.state is SavedState.COPYING_OUT:
+            dev.sync_event(rec.event)
+            rec.event = None
+            rec.state = SavedState.ON_HOST
+            self._device_hold(-rec.nbytes)
+            self._write(rec)
 
     def _reap_writes(self) -> None:
         """Backward: dequeue writes that finished (or were finished by a fetch), never wait."""
@@ -261,7 +285,7 @@ class ActivationOffload:
             return
         rec.key = self._take_key(rec.nbytes)
         with self.telemetry.span("offload::act_nvme_write"):
-            rec.io = self.store.write(rec.key, rec.host)
+            rec.io = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
         rec.state = SavedState.WRITING
         self._writing.append(rec)
         self._writing_bytes += rec.nbytes
@@ -272,28 +296,107 @@ class ActivationOffload:
             return                                   # already waited for by a fetch
         self._writing_bytes -= rec.nbytes
         with self.telemetry.span("offload::act_nvme_wait"):
-            rec.io.wait(_WAIT_S)
+            rec.io.wait(self.wait_timeout_s)
         rec.io = None
         rec.state = SavedState.ON_NVME
-        self._drop_host(rec, reuse=True)
+        self._drop_host(rec)
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        spare = self._spare.get(nbytes)
-        if spare:
-            self._spare_bytes -= nbytes
-            return spare.pop()
-        return _aligned_host(nbytes, self.pin)
+    # ---- the host pool -------------------------------------------------------------------------
+    def _lend(self, nbytes: int, t: Optional[torch.Tensor] = None, wait: bool = True):
+        """A range of ``nbytes`` from the pool. Without ``wait`` (a prefetch): None when none is
+        free now. Else, while the pool is full, make room from the oldest transfer in flight
+        (``_make_room``); when nothing here can give a range back, wait for other threads'
+        graphs to go, all within ``wait_timeout_s``; then raise ActivationHostBudgetError."""
+        try:
+            buf = self.pool.try_acquire(nbytes)
+        except PoolBudgetError:
+            raise self._budget_error(nbytes, t, single=True) from None
+        if buf is not None or not wait:
+            return self._lent(buf)
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self.telemetry.span("offload::act_pool_wait"):
+            while buf is None:
+                with self._lock:
+                    self._settle_retired()
+                buf = self.pool.try_acquire(nbytes)
+                if buf is not None or self._make_room():
+                    continue
+                mine = self._forward_host_bytes()
+                if self.pool.in_use_bytes <= mine or mine + nbytes > self.pool.capacity_bytes:
+                    raise self._budget_error(nbytes, t)      # this forward's own copies fill it
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._budget_error(nbytes, t, waited=True)
+                try:          # ranges held by an earlier graph, freed on another thread
+                    buf = self.pool.acquire(nbytes, timeout=min(left, _POLL_S))
+                except TimeoutError:
+                    pass
+        return self._lent(buf)
 
-    def _drop_host(self, rec: _Saved, reuse: bool = False) -> None:
-        """The host copy goes; with ``reuse`` (nobody else holds it: its write is durable)
-        it is kept for the next pack of the same size, within lookahead_bytes."""
+    def _lent(self, buf):
+        if buf is not None:
+            with self._lock:
+                self.host_bytes += buf.nbytes
+                self.telemetry.peak("act_host_bytes", self.host_bytes)
+        return buf
+
+    def _make_room(self) -> bool:
+        """Move the oldest transfer in flight one state on, so that a range comes back (or
+        will: a finished D2H goes on to NVMe). False when nothing here is in flight."""
+        if self._copying:
+            self._finish_copy_out()
+            return True
+        if self._writing:
+            self._finish_write(self._writing[0])
+            return True
+        if self._copying_in:
+            rec = self._copying_in.pop(next(iter(self._copying_in)))
+            dev.sync_event(rec.event)
+            rec.event = None
+            rec.state = SavedState.ON_DEVICE
+            self._drop_host(rec)
+            return True
+        return False
+
+    def _forward_host_bytes(self) -> int:
+        """Pool bytes held by this forward's own host copies."""
+        recs = (r() for r in self._records)
+        return sum(r.host.nbytes for r in recs if r is not None and r.host is not None)
+
+    def _budget_error(self, nbytes: int, t, single: bool = False, waited: bool = False) -> ActivationHostBudgetError:
+        what = f"a saved tensor of {_fmt(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
+        cap = self.pool.capacity_bytes
+        key = "offload_activations.host_bytes"
+        if single:
+            need = -(-nbytes // PAGE) * PAGE
+            return ActivationHostBudgetError(
+                f"activation offload ({self.tier}): {what} does not fit in the host pool ({key}={_fmt(cap)}): "
+                f"raise {key} to at least {need}, or raise offload_activations.min_bytes above {nbytes - 1} to "
+                "keep tensors this large on the device")
+        if waited:
+            return ActivationHostBudgetError(
+                f"activation offload ({self.tier}): no room for {what} in the host pool ({key}={_fmt(cap)}, "
+                f"{_fmt(self.pool.in_use_bytes)} in use) after {self.wait_timeout_s} s: the host copies of an "
+                "earlier forward are still alive (a loss not yet backwarded, a graph kept with retain_graph); "
+                f"free it before the next forward, or raise {key}")
+        held = self._forward_host_bytes()
+        return ActivationHostBudgetError(
+            f"activation offload (cpu): the tensors this forward saves for backward need more than the host pool "
+            f"({key}={_fmt(cap)}): {_fmt(held)} are held already and {what} does not fit; raise {key}, set "
+            "offload_activations.device to nvme (host copies go on to NVMe as the pool fills), raise "
+            "offload_activations.min_bytes, or checkpoint activations (torch.utils.checkpoint)")
+
+    def _drop_host(self, rec: _Saved) -> None:
+        """The host copy's range goes back to the pool (no transfer uses it any more)."""
         host, rec.host = rec.host, None
         if host is not None:
-            with self._lock:
-                self.host_bytes -= rec.nbytes
-            if reuse and self._in_forward and self._spare_bytes + rec.nbytes <= self.lookahead:
-                self._spare[rec.nbytes].append(host)
-                self._spare_bytes += rec.nbytes
+            self._give_back(host)
+
+    def _give_back(self, host) -> None:
+        n = host.nbytes
+        host.release()
+        with self._lock:
+            self.host_bytes -= n
 
     # ---- NVMe keys -----------------------------------------------------------------------------
     @staticmethod
@@ -318,26 +421,30 @@ class ActivationOffload:
             self._free_keys[size].extend(names[1:])
         return names[0]
 
-    def _settle_retired(self) -> None:   # lock held
+    def _settle_retired(self) -> None:   # lock held; on the engine's thread
         while self._retired:
             self._draining.append(self._retired.popleft())
         keep = []
-        for key, size, io in self._draining:
+        for key, size, io, (host, direct) in self._draining:
             if io is None or io.done():
-                self._free_keys[size].append(key)
+                if key is not None:
+                    self._free_keys[size].append(key)
+                if host is not None:
+                    self._give_back(host)
             else:
-                keep.append((key, size, io))   # a transfer on the key is still in flight
+                keep.append((key, size, io, (host, direct)))   # a transfer on the key / range is still in flight
         self._draining = keep
 
     def _retire(self, rec: _Saved) -> None:
-        """The last handle of ``rec`` is gone: its host copy and NVMe key go back."""
+        """The last handle of ``rec`` is gone: its pool range and NVMe key go back at the next
+        ``_settle_retired`` (a finalizer may run inside the pool's own critical section, so it
+        only queues them: deque appends are atomic)."""
         with self._lock:
-            if rec.host is not None:
-                self.host_bytes -= rec.nbytes
-            if rec.restored is not None:
+            if rec.restored is not None or rec.direct is not None:
                 self.device_bytes -= rec.nbytes
-        if rec.key is not None:
-            self._retired.append((rec.key, self._key_size(rec.nbytes), rec.io))
+        if rec.key is not None or rec.host is not None:
+            # a read in flight into ``direct`` keeps it alive until the read ends
+            self._retired.append((rec.key, self._key_size(rec.nbytes), rec.io, (rec.host, rec.direct)))
 
     # ---- unpack: back to the device ------------------------------------------------------------
     def unpack(self, rec: _Saved) -> torch.Tensor:
@@ -388,53 +495,71 @@ class ActivationOffload:
                 break
             if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
                 with self.telemetry.span("offload::act_prefetch"):
-                    self._fetch(rec)
+                    if not self._fetch(rec, wait=False):
+                        break                        # the pool is full: on demand from here
             if rec.state is SavedState.READING and rec.io.done():
                 self._staged(rec)
             if rec.state is SavedState.STAGED:
                 self._to_device(rec)
 
-    def _fetch(self, rec: _Saved) -> None:
+    def _fetch(self, rec: _Saved, wait: bool = True) -> bool:
         """ON_HOST (or still COPYING_OUT / WRITING: the host copy is here) -> STAGED;
-        ON_NVME -> READING (a host buffer, the read in flight)."""
+        ON_NVME -> READING (into a pool range; on the CPU device straight into device
+        memory). Without ``wait``: False, nothing started, when the pool has no range now."""
         if rec.state is SavedState.COPYING_OUT:      # unpacked before its forward ended
             dev.sync_event(rec.event)
             rec.event = None
             self._device_hold(-rec.nbytes)
             rec.state = SavedState.STAGED             # _pump only dequeues it
-            return
+            return True
         if rec.state is SavedState.WRITING:
             self._writing_bytes -= rec.nbytes         # finished here; _pump only dequeues it
             with self.telemetry.span("offload::act_nvme_wait"):
-                rec.io.wait(_WAIT_S)
+                rec.io.wait(self.wait_timeout_s)
             rec.io = None
             rec.state = SavedState.STAGED              # its host copy is still here
-            return
+            return True
         if rec.state is SavedState.ON_HOST:
             rec.state = SavedState.STAGED
-            return
+            return True
         assert rec.state is SavedState.ON_NVME, rec.state
-        rec.host = _aligned_host(rec.nbytes, self.pin)
-        with self._lock:
-            self.host_bytes += rec.nbytes
-            self.telemetry.peak("act_host_bytes", self.host_bytes)
-        rec.io = self.store.read(rec.key, rec.host)
+        if self.device.type == "cpu":                 # host and device are one memory: no pool range
+            rec.direct = _aligned_cpu_device(rec.nbytes)
+            self._device_hold(rec.nbytes)
+            dst = rec.direct
+        else:
+            rec.host = self._lend(rec.nbytes, wait=wait)
+            if rec.host is None:
+                return False
+            dst = rec.host.view(torch.uint8, rec.nbytes)
+        rec.io = self.store.read(rec.key, dst)
         rec.state = SavedState.READING
+        return True
 
     def _staged(self, rec: _Saved) -> None:
         with self.telemetry.span("offload::act_nvme_wait"):
-            rec.io.wait(_WAIT_S)
+            rec.io.wait(self.wait_timeout_s)
         rec.io = None
         rec.state = SavedState.STAGED
 
     def _to_device(self, rec: _Saved) -> None:
         """STAGED -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
-        host = rec.host.view(rec.dtype) if rec.nbytes else rec.host
+        if rec.direct is not None:                    # CPU device, read from NVMe into device memory
+            src, rec.direct = rec.direct.view(rec.dtype), None
+            with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
+                if rec.dense:
+                    t = src.as_strided(rec.shape, rec.stride)     # the read's target is the tensor
+                else:
+                    t = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
+                    t.copy_(src.view(rec.shape))
+            rec.restored, rec.event = t, None
+            rec.state = SavedState.ON_DEVICE          # device bytes held since the read began
+            with self._lock:
+                self.stats_["h2d_bytes"] += rec.nbytes
+            return
+        host = rec.host.view(torch.uint8, rec.nbytes).view(rec.dtype)
         with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
-            if self.device.type == "cpu" and self.tier == "nvme" and rec.dense:
-                t = host.as_strided(rec.shape, rec.stride)   # read from NVMe straight into it
-                ev = None
-            elif rec.dense:
+            if rec.dense:
                 flat = self._empty_on_h2d(rec, (host.numel(),), (1,))
                 ev = dev.copy_(flat, host, self._h2d)
                 t = flat.as_strided(rec.shape, rec.stride)
@@ -448,6 +573,8 @@ class ActivationOffload:
             self.stats_["h2d_bytes"] += rec.nbytes
         if self.tier == "nvme" and ev is None:
             self._drop_host(rec)                     # the NVMe copy remains for a second unpack
+        elif self.tier == "nvme":
+            self._copying_in[id(rec)] = rec          # its range comes back when the copy ends
 
     def _empty_on_h2d(self, rec: _Saved, shape, stride) -> torch.Tensor:
         """Device memory from the H2D stream's share of the caching allocator (device.py)."""
@@ -463,7 +590,10 @@ class ActivationOffload:
             self._staged(rec)
         if rec.state is SavedState.STAGED:
             self._to_device(rec)
+        if rec.state is SavedState.ON_DEVICE and rec.restored is not None and self._h2d is not None:
+            dev.mark_used(rec.restored, dev.current_stream(self.device))   # copy synced by _make_room
         if rec.state is SavedState.COPYING_IN:
+            self._copying_in.pop(id(rec), None)
             compute = dev.current_stream(self.device)
             dev.wait_event(compute, rec.event)
             dev.mark_used(rec.restored, compute)
@@ -494,6 +624,7 @@ class ActivationOffload:
                "gbps": {k[4:]: snap["gbps"].get(k, 0.0) for k in ("act_d2h", "act_h2d")},
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
+               "host_pool_bytes": self.pool.capacity_bytes,
                "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0)}}
         if self.store is not None:
             st = self.store.stats()
@@ -506,7 +637,7 @@ class ActivationOffload:
     def close(self) -> None:
         for rec in list(self._writing):
             try:
-                rec.io.wait(_WAIT_S)
+                rec.io.wait(self.wait_timeout_s)
             except Exception:   # noqa: BLE001 - closing: the data is discarded anyway
                 pass
         self._writing.clear()

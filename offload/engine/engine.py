@@ -177,30 +177,38 @@ class Engine:
         # (root name, root module, parts) per block root holding any
         self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
             if self._param_home_device() != "none" else []
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
+        self._in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
         from offload.engine.memory_plan import plan as memory_plan
         sizes = self._block_sizes()
         esize = torch.empty((), dtype=self.dtype).element_size()
-        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize)
+        avail = None                  # sizes the cpu activation pool when host_bytes is not set
+        if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
+            import psutil
+            avail = psutil.virtual_memory().available
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, host_available=avail)
         if self.plan.param_budget is not None:     # the default budget covers the working set
             self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
-                                    working_set=self._working_set[0])
+                                    working_set=self._working_set[0], host_available=avail)
         self.comm.check_same("model and config", self._signature())
-        from offload.io.loader import WeightLoader
-        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
         self._store = None
         self._host_pool = None
         self._swap_pool = None
         self._param_store = None          # parameter home tier (offload_param), see _build_param_homes
+        self._source_store = None         # frozen parts read in place from the checkpoint (storage/source.py)
         self._param_home_pool = None
         self._param_stage_pool = None
         self._param_write_pool = None
         self._grad_pool = None
+        self._grad_tier = None            # NvmeTier of parked gradients (offload-grads pool), engine/grads.py
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self._act_store = None
+        self._act_pool = None             # HostArena offload-activations: the host copies' budget
         self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
@@ -318,7 +326,8 @@ class Engine:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
         from offload.engine.memory_plan import BlockSize
         return [BlockSize(name, lay.numel if lay is not None else 0,
-                          tuple(self._frozen_part_bytes(p) for p in parts), self._param_pieces(lay))
+                          tuple(self._frozen_part_bytes(p) for p in parts), self._param_pieces(lay),
+                          tuple(id(p) in self._in_place for p in parts))
                 for name, _, lay, parts in self._unit_parts()]
 
     @staticmethod
@@ -335,6 +344,31 @@ class Engine:
         groups = [{k: g[k] for k in self.optimizer.defaults} for g in self.optimizer.param_groups]
         return StateLayout.for_shard(self.rule, groups, s1 - s0, self.state_dtype,
                                      [(o - s0, n, shp, g) for o, n, shp, g in self._param_pieces(lay)])
+
+    def _plan_in_place(self) -> dict:
+        """Frozen parts whose home is the checkpoint itself (offload_param nvme, weights= a
+        safetensors checkpoint, every parameter stored there in the dtype it is kept in):
+        each part's layout becomes the file ranges covering its tensors, concatenated
+        (storage/source.py ``in_place_layout``), so a staged part is read with O_DIRECT
+        straight into its buffer. ``id(part) -> ranges``."""
+        from offload.storage.source import in_place_layout
+        pc = self.config.offload_param
+        if self._param_home_device() != "nvme" or not pc.frozen_in_place or self.weights.files is None:
+            return {}
+        out = {}
+        for _, _, parts in self.frozen:
+            for part in parts:
+                dtype = self._frozen_dtype(part.segments[0].param)
+                exts = self.weights.in_place_extents([s.param for s in part.segments], dtype)
+                if exts is None:
+                    continue
+                ranges, offsets, nbytes = in_place_layout(exts)
+                esize = torch.empty((), dtype=dtype).element_size()
+                for s, off in zip(part.segments, offsets):
+                    s.offset = off // esize
+                part.padded_numel = nbytes // esize
+                out[id(part)] = ranges
+        return out
 
     def _build_storage(self) -> None:
         """Host pools and NVMe stores, sized by the memory plan (engine/memory_plan.py says
@@ -359,8 +393,10 @@ class Engine:
             self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
             self._swap_pool = pool("offload-swap")
             if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
-                self._store.reserve({f"b{lay.index}.grad": bp.grad_numel * plan.grad_bytes
-                                     for lay, bp in zip(self.layouts, plan.blocks)})
+                from offload.storage.tier import NvmeTier
+                self._grad_tier = NvmeTier(self._store, self._grad_pool, wait_timeout_s=cfg.wait_timeout_s)
+                self._grad_tier.reserve({self._grad_key(lay): bp.grad_numel * plan.grad_bytes
+                                         for lay, bp in zip(self.layouts, plan.blocks)})
         elif plan.grad_home is GradHome.SPILL:
             raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
                              "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
@@ -455,9 +491,19 @@ class Engine:
         self._param_store = NvmeStore(pc.nvme_path, backend=a.backend, block_size=a.block_size,
                                       queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                       name="params")
-        homes = [([bp.home_bytes] if bp.padded_numel else []) + list(bp.frozen) for bp in plan.blocks]
-        self._param_store.reserve({key: n for i, hs in enumerate(homes)
-                                   for key, n in zip(self._part_keys(i, units[i]), hs)})
+        swapped = {}                       # NVMe key -> bytes; frozen parts read in place have none
+        for i, (unit, bp) in enumerate(zip(units, plan.blocks)):
+            _, _, lay, parts = unit
+            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen))
+            for key, (part, n) in zip(self._part_keys(i, unit), homes):
+                if id(part) not in self._in_place:
+                    swapped[key] = n
+        self._param_store.reserve(swapped)
+        if self._in_place:
+            from offload.io.hf import read_range
+            from offload.io.loader import checksum
+            from offload.storage.source import SourceStore
+            self._source_store = SourceStore(lambda b: checksum(b)[1], read_range, threads=2)
         self._param_stage_pool = pool("offload-param-stage")
         self._param_write_pool = pool("offload-param-write")
 
@@ -472,10 +518,13 @@ class Engine:
         the parameters (materialized from the meta device block by block when needed),
         whose original memory then goes."""
         from offload.params.residency import BlockParams
+        part.index = i                     # errors name the block it visits the device with
+        dtype = self._frozen_dtype(part.segments[0].param)
+        if id(part) in self._in_place:     # home: the checkpoint's own byte ranges, nothing copied
+            return self._source_home(i, k, part, dtype)
         # from the checkpoint (remembered as the base's origin, so checkpoints refer to it),
         # or the model's own initialisation for a meta part
         self.weights.load([s.param for s in part.segments], frozen_reference=True)
-        dtype = self._frozen_dtype(part.segments[0].param)
         n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
         if self._param_home_device() == "cpu":
             home = self._param_home_pool.acquire(nbytes).view(dtype, n)
@@ -488,6 +537,22 @@ class Engine:
                 flat = loan.view(dtype, n)
                 _fill_flat(flat, part)
                 bp.write_home(flat)
+        bp.release_initial()
+        return bp
+
+    def _source_home(self, i: int, k: int, part: blk.BlockLayout, dtype: torch.dtype):
+        """The BlockParams of a frozen part read in place: its tensors are read once now for
+        their checksums (recorded as the base's origin, and checked on every later read)."""
+        from offload.params.residency import BlockParams
+        from offload.storage.source import SourceTensor
+        crcs = self.weights.refer_all([s.param for s in part.segments])
+        esize = torch.empty((), dtype=dtype).element_size()
+        key = f"b{i}.frozen{k}"
+        self._source_store.add(key, self._in_place[id(part)],
+                               [SourceTensor(s.name, s.offset * esize, s.numel * esize, crcs[id(s.param)])
+                                for s in part.segments])
+        bp = BlockParams(part, dtype, self.device, store=self._source_store, pool=self._param_stage_pool, key=key,
+                         wait_timeout_s=self.config.wait_timeout_s)
         bp.release_initial()
         return bp
 
@@ -540,10 +605,13 @@ class Engine:
             self._act_store = NvmeStore(ac.nvme_path, backend=a.backend, block_size=a.block_size,
                                         queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                         name="activations")
+        from offload.storage.pinned_pool import HostArena
+        pool = self.plan.pool("offload-activations")
+        self._act_pool = HostArena(pool.nbytes, pin=ac.pin_memory and dev.can_pin(), name=pool.name)
         self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
                                              min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
-                                             pin=ac.pin_memory and dev.can_pin(), store=self._act_store,
-                                             telemetry=self.telemetry)
+                                             pool=self._act_pool, store=self._act_store, telemetry=self.telemetry,
+                                             wait_timeout_s=self.config.wait_timeout_s)
 
     def _grad_dtype(self) -> torch.dtype:
         # Without accumulation the gradient crosses to the host in the compute dtype and the
@@ -555,6 +623,10 @@ class Engine:
     @staticmethod
     def _state_key(lay: blk.BlockLayout) -> str:
         return f"b{lay.index}.state"
+
+    @staticmethod
+    def _grad_key(lay: blk.BlockLayout) -> str:
+        return f"b{lay.index}.grad"
 
     def _build_blocks(self) -> None:
         grad_dtype = self._grad_dtype()
@@ -576,10 +648,10 @@ class Engine:
                                    tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
-                if self._grad_pool is not None:
-                    spill = self._store if self.plan.grad_home is GradHome.SPILL else None
-                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, pool=self._grad_pool,
-                                      has_jobs=self._jobs_in_flight, spill=spill, key=f"b{lay.index}.grad")
+                if self._grad_tier is not None:
+                    grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
+                                      has_jobs=self._jobs_in_flight, key=self._grad_key(lay),
+                                      what=f"gradients of block {lay.index} ({lay.name or '<root>'})")
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
@@ -809,10 +881,12 @@ class Engine:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
         pools = [p for p in (self._host_pool, self._swap_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if p is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if p is not None]
         host = sum(p.stats()["capacity_bytes"] for p in pools)
         host_peak = sum(p.stats()["peak_bytes"] for p in pools)
         nvme = sum(st.stats().get("reserved_bytes", 0) for st in (self._store, self._param_store) if st is not None)
+        if self._source_store is not None:     # frozen parts read in place: the checkpoint's bytes
+            snap["source_bytes"] = self._source_store.stats()["source_bytes"]
         snap.update({
             "step": self.global_step, "micro_step": self.micro_step,
             "tier_bytes": {"device": dev_bytes, "host": host, "nvme": nvme},
@@ -834,7 +908,7 @@ class Engine:
         # NVMe links from the stores themselves: bytes that reached the disk over the time
         # requests were in flight (the engine's own spans only see the waits)
         for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
-            stores = [st.stats() for st in (self._store, self._param_store) if st is not None]
+            stores = [st.stats() for st in (self._store, self._param_store, self._source_store) if st is not None]
             n, sec = sum(x[key] for x in stores), sum(x[f"{d}_seconds"] for x in stores)
             if n:
                 snap["bytes"][f"nvme_{d}"] = n
@@ -942,18 +1016,18 @@ class Engine:
 
     def _release_storage(self) -> None:
         clean = True
-        for r in (self._store, self._param_store, self._act_store):
+        for r in (self._store, self._param_store, self._source_store, self._act_store):
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
                 clean = r.close(timeout=self.config.wait_timeout_s) and clean
         pools = [r for r in (self._swap_pool, self._host_pool, self._param_home_pool, self._param_stage_pool,
-                             self._param_write_pool, self._grad_pool) if r is not None]
+                             self._param_write_pool, self._grad_pool, self._act_pool) if r is not None]
         if clean:
             for r in pools:
                 r.close()
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
-        self._act_store = None
+        self._act_store = self._act_pool = self._source_store = None
         self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
 

@@ -12,26 +12,40 @@ holds the completion events, which the optimizer waits for (``wait_landed``) bef
 reads the buffer. The device gradient is freed by the caller right after the landing is
 queued (its memory is protected by ``record_stream``).
 
-Spilling (a pooled buffer with a ``spill`` store): gradients that must outlive their buffer
-(the update waits for the global norm; the window spans several micro-steps) are parked on
-the NVMe tier between uses::
+Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
+``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
+and parameter homes use), so gradients that must outlive their buffer (the update waits for
+the global norm; the window spans several micro-steps) are parked on NVMe between uses::
 
-    NONE --land/_borrow--> BORROWED --park()--> PARKED --resident()/land--> BORROWED
-    any --reset_window()--> NONE (a parked sum is discarded: the update consumed it)
+    window    Spill    Loan
+    empty     NONE     ON_TIER          (no buffer; the key holds nothing of this window)
+    landing   NONE     READY            --land/_borrow: try_fill() (a fresh window) or fetch()
+    parked    PARKED   ON_TIER          <--park(): commit() -> WRITING, release() (write waited)
+    back      NONE     READY            <--resident()/land: fetch()/acquire() (the sum read back)
+    any --reset_window()--> NONE, ON_TIER (release(): a READY buffer is discarded; the update
+                                           consumed it)
 
 ``park`` runs on an optimizer worker; a later borrow waits for it (``_parking``). Zeroing the
 ranges of parameters without a gradient (``close_window``) on a parked buffer is applied when
-it comes back.
+it comes back. A borrow waits for a pool buffer only while an update or a park in flight will
+give one back, at most ``tier.wait_timeout_s``; when none will (every buffer is held by a
+block still collecting gradients) the loan takes a buffer outside the pool (``OwnedBuffer``)
+rather than wait forever.
 """
 from __future__ import annotations
 
 import enum
 import threading
+import time
 from typing import List, Optional
 
 import torch
 
 from offload import device as dev
+from offload.storage.pinned_pool import OwnedBuffer
+from offload.storage.tier import LoanState, TierTimeout
+
+_POLL_S = 0.05        # a borrow waiting for a pool buffer re-checks whether any will come back this often
 
 
 class Spill(enum.Enum):
@@ -40,27 +54,28 @@ class Spill(enum.Enum):
 
 
 class GradBuffer:
-    """With a ``pool`` the buffer is borrowed at the window's first landing and returned
-    when the window is consumed (``reset_window``), so host memory for gradients is bounded
-    by the pool, not the model. ``has_jobs`` tells whether an update in flight will return a
-    buffer; if none will, a buffer is allocated outside the pool rather than wait forever."""
+    """With a ``tier`` the buffer is the key's loan, taken at the window's first landing and
+    returned when the window is consumed (``reset_window``), so host memory for gradients is
+    bounded by the tier's pool, not the model. ``has_jobs`` tells whether an update or park in
+    flight will return a pool buffer; if none will, the loan takes one outside the pool."""
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
-                 dtype: torch.dtype = torch.float32, pool=None, has_jobs=None, device=None,
-                 spill=None, key: str = ""):
+                 dtype: torch.dtype = torch.float32, tier=None, has_jobs=None, device=None,
+                 key: str = "", what: str = ""):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
         self._device = device
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
-        self._pool, self._has_jobs = pool, has_jobs
-        self._loan = None
+        self._has_jobs = has_jobs
+        self._nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
+        # the key's Loan on the NVMe tier (parked sums), None without a tier
+        self._loan = tier.loan(key, self._nbytes, what or key) if tier is not None else None
         self._seen = [False] * num_segments           # landed in the current window
         self.arrived = 0                              # landings in the current backward
         self.events: List = []                        # CUDA copies still in flight
         self._staging: Optional[torch.Tensor] = None  # pinned, for accumulating CUDA landings
-        self._spill, self._key = spill, key           # NvmeStore and key parking this buffer
         self.spill = Spill.NONE
         self._parking = None                          # Future of park() in flight
         self._park_thread = None                      # the worker running the park job
@@ -103,46 +118,57 @@ class GradBuffer:
         self.arrived += 1
 
     def _borrow(self) -> None:
+        """The buffer in memory: a fresh one for a new window, or the parked sum read back."""
         self._wait_parking()
-        if self._pool is None:
+        if self._loan is None:
             self.tensor = torch.zeros(self._numel, dtype=self._dtype, device=self._device)
             return
-        nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
-        loan = self._pool.try_acquire(nbytes)
-        while loan is None:
-            if not self._has_jobs():
-                # every buffer is held by a block still collecting gradients: allocate
-                self.tensor = torch.empty(self._numel, dtype=self._dtype)
-                return
-            try:
-                loan = self._pool.acquire(nbytes, timeout=0.05)
-            except TimeoutError:
-                pass
-        self._loan = loan
-        self.tensor = loan.view(self._dtype, self._numel)
-        if self.spill is Spill.PARKED:               # the window's sum so far comes back
-            self._spill.read(self._key, self.tensor).wait()
+        parked = self.spill is Spill.PARKED
+        if not (self._loan.fetch() if parked else self._loan.try_fill() is not None):
+            self._lend_when_free(parked)
+        self.tensor = self._loan.acquire().view(self._dtype)     # a read in flight: waited (bounded)
+        if parked:                                   # the window's sum so far is back
             self.spill = Spill.NONE
             segs, self._zero_on_return = self._zero_on_return, None
             if segs is not None:
                 self._zero_unseen(segs)
 
+    def _lend_when_free(self, read: bool) -> None:
+        """Wait for a pool buffer while work in flight will give one back, within the tier's
+        wait_timeout_s; when none will, lend the loan a buffer outside the pool."""
+        pool, deadline = self._loan.tier.pool, time.monotonic() + self._loan.tier.wait_timeout_s
+        while True:
+            if not self._has_jobs():
+                # every buffer is held by a block still collecting gradients: outside the pool
+                self._loan.lend(OwnedBuffer(self._nbytes), read)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TierTimeout(f"buffer for {self._loan.what}: no gradient buffer came back after "
+                                  f"{self._loan.tier.wait_timeout_s} s (an update or park in flight is stuck)")
+            try:
+                buf = pool.acquire(self._nbytes, timeout=min(left, _POLL_S))
+            except TimeoutError:
+                continue
+            self._loan.lend(buf, read)
+            return
+
     # ---- spilling ------------------------------------------------------------------------------
     @property
     def spills(self) -> bool:
-        return self._spill is not None
+        return self._loan is not None
 
     def park(self) -> None:
-        """Write the window's sum so far to the NVMe tier and give the buffer back (BORROWED
-        -> PARKED); a no-op without a buffer. Runs on a worker; see ``start_park``."""
-        if self.tensor is None or self._loan is None:
+        """Write the window's sum so far to the NVMe tier and give the buffer back (READY ->
+        WRITING -> ON_TIER: PARKED); a no-op without a buffer. Runs on a worker; see
+        ``start_park``. A failed write gives the buffer back, then raises (naming the block)."""
+        if self.tensor is None or self._loan is None or self._loan.state is not LoanState.READY:
             return
         self.wait_landed()
-        self._spill.write(self._key, self.tensor).wait()
         self.tensor = None
-        loan, self._loan = self._loan, None
+        self._loan.commit()
+        self._loan.release()                          # waits for the write (bounded)
         self.spill = Spill.PARKED
-        loan.release()
 
     def start_park(self, run, first=None):
         """Park on a worker (``run(fn)`` returns a Future), after ``first()`` (a reader of the
@@ -239,12 +265,10 @@ class GradBuffer:
         self._wait_parking()
         self._seen = [False] * self.num_segments
         self.spill, self._zero_on_return = Spill.NONE, None
-        if self._pool is None and self._device is not None:
+        if self._loan is None and self._device is not None:
             self.wait_landed()
             self.tensor = None                        # transient: freed
-        elif self._pool is not None and self.tensor is not None:
+        elif self._loan is not None and self.tensor is not None:
             self.wait_landed()
             self.tensor = None
-            loan, self._loan = self._loan, None
-            if loan is not None:
-                loan.release()
+            self._loan.release()                      # READY: discarded, the buffer goes back

@@ -12,13 +12,16 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
                        while its update reads them: ``offload_optimizer.grad_host_bytes``
                        (or max(buffer_count, workers + 2) buffers). Between uses (the window
                        stays open until step() commits it) a block's sum is parked on the
-                       NVMe tier, ``b<i>.grad``, and comes back for the next landing or the
-                       update
+                       NVMe tier, ``b<i>.grad`` (a Loan, as the optimizer state), and comes
+                       back for the next landing or the update
   offload-swap         optimizer state read ahead / written behind for NVMe (buffer_count)
   offload-param-home   parameter homes, trainable and frozen parts (offload_param.device: cpu)
   offload-param-stage  NVMe parameter parts staged for the device (offload_param.device: nvme):
                        the blocks that fit the device budget plus the host lookahead, plus one
   offload-param-write  one block's trainable part per optimizer worker, written back to NVMe
+  offload-activations  host copies of saved activations (offload_activations cpu / nvme): one
+                       budget of bytes lent in ranges (tensor sizes are known only at run
+                       time), ``activation_host_bytes``
 
 The optimizer state's bytes come from the update rule and ``optimizer.state_dtype``, here
 only: ``shard_state_bytes`` (one shard's ``StateLayout``: the fp32 master, the rule's rows at
@@ -98,6 +101,7 @@ class BlockSize:
     frozen: Tuple[int, ...] = ()        # bytes of each frozen part as stored (padded)
     params: Tuple[tuple, ...] = ()      # (offset, numel, shape, group) per parameter in the
                                         # block's flat (a per-tensor rule's state needs shapes)
+    in_place: Tuple[bool, ...] = ()     # per frozen part: read in place from the checkpoint (no swap bytes)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,27 @@ class MemoryPlan:
         return sum(self.nvme.values())
 
 
+def activation_host_bytes(config, host_available: Optional[int] = None) -> int:
+    """Bytes of the offload-activations pool (0: activations stay on the device): the
+    configured ``offload_activations.host_bytes``, else twice ``lookahead_bytes`` for nvme (the
+    writes in flight plus, on CUDA, the reads ahead of backward) and half of
+    ``host_available`` for cpu (every copy of a forward waits there for its backward). Rounded
+    down to the 4096-byte page: the pool never exceeds what was configured."""
+    ac = config.offload_activations
+    if ac.device == "none":
+        return 0
+    if ac.host_bytes is not None:
+        n = ac.host_bytes
+    elif ac.device == "nvme":
+        n = 2 * max(ac.lookahead_bytes, PAGE)
+    else:
+        if host_available is None:
+            raise ValueError("offload_activations.device cpu without offload_activations.host_bytes is sized from "
+                             "the host memory available: pass host_available, or set host_bytes")
+        n = host_available // 2
+    return n // PAGE * PAGE
+
+
 def param_home_device(config) -> str:
     """ZeRO-3 keeps parameters as shards even without offload_param: at home on the host."""
     d = config.offload_param.device
@@ -179,11 +204,12 @@ def grad_pool_slots(config, n_blocks: int, grad_largest: int) -> int:
 
 def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0,
          compute_bytes: Optional[int] = None, working_set: int = 0, *, rule: Optional[str] = None,
-         state_dtype: Optional[str] = None) -> MemoryPlan:
+         state_dtype: Optional[str] = None, host_available: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``blocks`` under ``config`` for one rank. Trained blocks come first
     (in block order), frozen-only blocks (numel 0) after them. ``working_set``: device bytes
     one forward needs at once (the default parameter budget: the larger of it and two
-    largest blocks)."""
+    largest blocks). ``host_available``: host bytes available, which size the activation
+    pool of ``offload_activations.device: cpu`` when ``host_bytes`` is not set."""
     stage = config.zero_optimization.stage
     p = compute_bytes or DTYPE_BYTES[config.precision]
     gb = grad_bytes_per_param(config)
@@ -204,7 +230,16 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     grad_sizes = [b.grad_numel * gb for b in trained]
     gh = grad_home(config, sum(grad_sizes), max(grad_sizes, default=0))
     if gh is GradHome.SPILL and (world_size > 1 or stage >= 2):
-        gh = GradHome.HOST           # parking is single-rank, stages 0-1 (no collective on a parked sum)
+        # Parking is single-rank, stages 0-1. With ranks, a block's buffer is the operand of
+        # its collective (stages 0-1: all-reduce / reduce-scatter of the full buffer at the
+        # boundary; 2: the reduced shard added into it every backward), whose completion
+        # (GradSync's finish) runs on whichever thread waits first: a park must follow it,
+        # but (a) stage 1's reopen() (another backward before step()) needs the unreduced
+        # local sums the finish overwrites, and (b) stage 2's finish borrows the buffer,
+        # which waits for a park in flight that itself waits for that finish. Both need the
+        # collective's completion to hand the buffer to its park (and the commit to take
+        # norms and updates block by block from parked sums): not done yet.
+        gh = GradHome.HOST
     pools, nvme = [], {}
     host_slots = []
     if gh is GradHome.SPILL:
@@ -239,7 +274,11 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:
-            nvme["params"] = sum(_page(h) for hs in homes for h in hs)
+            # frozen parts read in place live in the checkpoint's files, not in the swap file
+            swapped = [([b.home_bytes] if b.padded_numel else [])
+                       + [f for f, ip in zip(b.frozen, s.in_place or (False,) * len(b.frozen)) if not ip]
+                       for b, s in zip(bps, blocks)]
+            nvme["params"] = sum(_page(h) for hs in swapped for h in hs)
             pf = config.prefetch
             host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
             slots, total = [], 0
@@ -252,6 +291,9 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             pools.append(Pool("offload-param-stage", tuple(slots + spare), "NVMe parameter parts staged for the device"))
             pools.append(Pool("offload-param-write", (max(b.home_bytes for b in trained),) * config.optimizer_workers,
                               "trainable parts written back to NVMe"))
+    act = activation_host_bytes(config, host_available)
+    if act:
+        pools.append(Pool("offload-activations", (act,), "host copies of saved activations"))
     return MemoryPlan(tuple(bps), tuple(pools), gh, gb, nvme, device, budget)
 
 

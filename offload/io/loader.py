@@ -427,6 +427,45 @@ class WeightLoader:
             self._base[name] = {"file": ext.file, "key": self._source[id(t)], algo: crc}
         self._done.add(id(t))
 
+    def in_place_extents(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype):
+        """The safetensors extents of ``tensors`` when every one of them can be read in place
+        as ``dtype`` (stored in that dtype, at an offset aligned for it), else None."""
+        out = []
+        for t in tensors:
+            ext = self.source_extent(t) if self.files is not None else None
+            if ext is None or ext.dtype != dtype or tuple(ext.shape) != tuple(t.shape) \
+                    or ext.offset % torch.empty((), dtype=dtype).element_size():
+                return None
+            out.append(ext)
+        return out
+
+    def refer_all(self, tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
+        """Record frozen parameters ``tensors`` as read in place from their safetensors
+        extents (as ``refer``), reading their bytes once, through the read-ahead as ``load``
+        does, for their checksums; a meta parameter becomes an empty real one (its values
+        are read from the file around each use). Returns ``id(tensor) -> checksum``, taken
+        with ``checksum``."""
+        tensors = [t for t in {id(t): t for t in tensors}.values() if id(t) not in self._done]
+        keys = self._keys_of(tensors)
+        group = self._group(keys)
+        out = {}
+        try:
+            for t in tensors:
+                k = self._source[id(t)]
+                algo, crc = checksum(group.tensors[k])
+                ext = self.files.extent(k)
+                for name in self._names.get(id(t), []):
+                    self._base[name] = {"file": ext.file, "key": k, algo: crc}
+                if t.is_meta:
+                    torch.utils.swap_tensors(t, nn.Parameter(torch.empty(0, dtype=t.dtype), requires_grad=False))
+                    t.__dict__.pop("_is_hf_initialized", None)
+                self._done.add(id(t))
+                out[id(t)] = crc
+            self.bytes_read += group.nbytes
+        finally:
+            group.release()
+        return out
+
     def base_reference(self) -> Dict[str, dict]:
         """state_dict key -> {"file", "key", checksum} of frozen parameters loaded from the
         checkpoint's safetensors files (they never change, so a checkpoint may refer to them)."""

@@ -216,10 +216,41 @@ def spec_blocks(spec: ModelSpec) -> list:
         [BlockSize(f"block{i}", rest // (n - 1) + (1 if i <= rest % (n - 1) else 0)) for i in range(1, n)]
 
 
+def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False) -> list:
+    """A built module (the meta device is fine) as the memory plan's blocks, grouped the way
+    the engine groups it (``engine/blocks.py``): each block root's trainable parameters, and
+    its frozen ones as one part per storage dtype (their own, or the compute dtype when that
+    is narrower), trained blocks first, then roots holding only frozen parameters.
+    ``frozen_in_place``: frozen parts are read in place from the checkpoint (no swap bytes)."""
+    import torch
+    from offload.engine import blocks as blk
+    from offload.engine.memory_plan import BlockSize
+    comp = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    esize = torch.empty((), dtype=comp).element_size()
+
+    def kept(p):
+        if not p.is_floating_point():
+            return p.dtype
+        return comp if esize < p.element_size() else p.dtype
+    group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
+    layouts = blk.build_layouts(model, None, group_of) if group_of else []
+    frozen = {name: parts for name, _, parts in blk.frozen_parts(model, None, kept)}
+
+    def nbytes(part):
+        return part.padded_numel * torch.empty((), dtype=kept(part.segments[0].param)).element_size()
+    out = []
+    for lay in layouts:
+        parts = frozen.pop(lay.name, [])
+        out.append(BlockSize(lay.name, lay.numel, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+    for name, parts in frozen.items():
+        out.append(BlockSize(name, 0, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+    return out
+
+
 def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_count: int = 4,
                 gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                 grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
-                world_size: int = 1):
+                world_size: int = 1, activations: str = "none", activation_host_bytes: Optional[int] = None):
     """The engine config of one placement (NVMe paths point at the temp dir: the plan reads
     no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2."""
     from offload.config import Config
@@ -231,17 +262,21 @@ def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_coun
         "offload_optimizer": {"device": optimizer, "nvme_path": tmp if optimizer == "nvme" else None,
                               "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes},
         "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
-                          "device_budget_bytes": device_budget_bytes}})
+                          "device_budget_bytes": device_budget_bytes},
+        "offload_activations": {"device": activations, "nvme_path": tmp if activations == "nvme" else None,
+                                "host_bytes": activation_host_bytes}})
 
 
 def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str = "bf16",
                     world_size: int = 1, buffer_count: int = 4, gradient_clipping: float = 0.0,
                     gradient_accumulation_steps: int = 1, grad_host_bytes: Optional[int] = None, *,
-                    rule: Optional[str] = None, state_dtype: Optional[str] = None) -> Placement:
+                    rule: Optional[str] = None, state_dtype: Optional[str] = None, activations: str = "none",
+                    activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None) -> Placement:
     """Bytes per tier for one placement (see the module docstring for the formulas): host
     pools and NVMe from the engine's own memory plan (engine/memory_plan.py), so the host
     budget keys (buffer_count, grad_host_bytes) and clipping / accumulation count as the
-    engine counts them. The optimizer's bytes per parameter come from the update rule
+    engine counts them (the activation pool too: ``activations`` cpu / nvme with
+    ``activation_host_bytes``, or for cpu half of ``host_available``). The optimizer's bytes per parameter come from the update rule
     (``rule`` / ``state_dtype``: offload/optim; default AdamW with fp32 state, 12 bytes)."""
     from offload.engine import memory_plan as mp
     if optimizer not in TIERS or param not in TIERS:
@@ -253,8 +288,10 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     p = BYTES_PER_PARAM[precision]
     P, B, W = spec.params, spec.largest_block, world_size
     cfg = plan_config(optimizer, param, precision, buffer_count, gradient_clipping, gradient_accumulation_steps,
-                      grad_host_bytes, world_size=W)
-    plan = mp.plan(spec_blocks(spec), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype)
+                      grad_host_bytes, world_size=W, activations=activations,
+                      activation_host_bytes=activation_host_bytes)
+    plan = mp.plan(spec_blocks(spec), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
+                   host_available=host_available)
     shard = -(-P // W)                      # P' = ceil(P / W)
     sbp = mp.state_bytes_per_param(cfg, rule, state_dtype)
     state = sbp if p < 4 else sbp - 4       # on-device optimizer: in fp32 the parameter is the master
@@ -276,11 +313,14 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,
              gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
              grad_host_bytes: Optional[int] = None, *, rule: Optional[str] = None,
-             state_dtype: Optional[str] = None) -> List[Placement]:
+             state_dtype: Optional[str] = None, activations: str = "none",
+             activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None) -> List[Placement]:
     """All nine placements, least offload first (the optimizer's bytes from ``rule`` /
     ``state_dtype``: default AdamW, fp32 state)."""
     return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
-                            gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype)
+                            gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype,
+                            activations=activations, activation_host_bytes=activation_host_bytes,
+                            host_available=host_available)
             for o in TIERS for p in TIERS]
 
 

@@ -88,6 +88,7 @@ class Profile:
     nvme_path: str
     matmul_tflops: float
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
+    crc32c_gbps: float = 0.0            # the NVMe tier's checksum rate on one core (0: not counted)
 
     @property
     def cuda(self) -> bool:
@@ -104,7 +105,7 @@ class Profile:
         d = read_json(path, "profile", f": measure one with --save-profile {path}", error=ValueError,
                       missing_error=FileNotFoundError)
         names = set(cls.__dataclass_fields__)
-        missing = names - set(d) - {"created"}
+        missing = names - set(d) - {"created", "crc32c_gbps"}
         if missing:
             raise ValueError(f"profile {path!r} lacks {sorted(missing)}: measure it again with --save-profile")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -320,7 +321,16 @@ def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
                    nvme_read_latency_s=io.read_latency_s, nvme_write_latency_s=io.write_latency_s,
                    nvme_duplex=io.duplex, io_backend=io.backend,
                    nvme_path=os.path.abspath(nvme_path or tempfile.gettempdir()),
-                   matmul_tflops=measure_matmul(device))
+                   matmul_tflops=measure_matmul(device), crc32c_gbps=measure_crc32c())
+
+
+def measure_crc32c(nbytes: int = 64 << 20) -> float:
+    """GB/s of the CRC32C every NVMe extent gets (the native one; 0 without the library)."""
+    from offload import _native
+    if _native.lib() is None:
+        return 0.0
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    return _best_rate(lambda: _native.crc32c(a.data_ptr(), nbytes), nbytes / 1e9)
 
 
 def _sync(device: torch.device) -> None:
@@ -379,25 +389,31 @@ class Prediction:
 
 def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compute: Compute,
             precision: str = "fp32", gradient_accumulation_steps: int = 1, clipping: bool = False,
-            overlap_step: bool = True, *, rule: str = "AdamW", state_dtype: str = "fp32") -> Prediction:
+            overlap_step: bool = True, *, rule: str = "AdamW", state_dtype: str = "fp32",
+            trainable: Optional[int] = None, device_budget_bytes: Optional[int] = None) -> Prediction:
     """Predicted seconds per optimizer step for one placement (module docstring). The optimizer
-    state's NVMe bytes per parameter come from the update rule (offload/optim)."""
+    state's NVMe bytes per parameter come from the update rule (offload/optim).
+    ``trainable``: parameters that train (LoRA: the adapters; default all); the others are
+    frozen: fetched like the rest, with no gradient, state or write-back.
+    ``device_budget_bytes``: offload_param's device budget (default the engine's)."""
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
+    Pt = P if trainable is None else trainable
     grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
     gb = 1e9
     t = {"forward": compute.forward_s * gas, "backward": compute.backward_s * gas}
     offload_opt = optimizer != "none"
-    t["adam"] = P / (profile.adam_params_per_s if offload_opt else profile.device_adam_params_per_s)
-    d2h = P * grad_bytes * gas if offload_opt else 0
-    h2d = P * p if offload_opt else 0
-    if param != "none":
+    t["adam"] = Pt / (profile.adam_params_per_s if offload_opt else profile.device_adam_params_per_s)
+    d2h = Pt * grad_bytes * gas if offload_opt else 0
+    h2d = Pt * p if offload_opt else 0
+    if param != "none" and profile.cuda:     # on a CPU device the staged host copy is used in place
         h2d += 2 * P * p * gas
     t["d2h"] = d2h / (profile.d2h_gbps * gb)
     t["h2d"] = h2d / (profile.h2d_gbps * gb)
-    # One request per block and direction: optimizer state read + written once per step,
-    # offloaded parameters read from NVMe once per micro-step (the backward's fetch comes from
-    # the host copy the forward's read left) and written once per step.
+    # One request per block and direction: optimizer state read + written once per step;
+    # offloaded parameters read from NVMe by the forward, and again by the backward except the
+    # blocks still on the device at the turn (the device budget's worth: a released block's
+    # staging buffer goes back to the pool), trainable ones written once per step.
     # Gradients that wait (clipping, fp16, accumulation) are parked on NVMe once per micro-step
     # and read back for the next one or the update (engine/memory_plan.py decides).
     from offload.engine import memory_plan as mp
@@ -407,31 +423,38 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     S = mp.state_bytes_per_param(cfg, rule, state_dtype)
     park = mp.grad_home(cfg, 1, 1) is mp.GradHome.SPILL
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
-    g_park = P * mp.grad_bytes_per_param(cfg) * gas if park else 0
-    nvme_read = (S * P if opt_nvme else 0) + (P * p * gas if prm_nvme else 0) + g_park
-    nvme_write = (S * P if opt_nvme else 0) + (P * p if prm_nvme else 0) + g_park
-    reads = n * ((1 if opt_nvme else 0) + (gas if prm_nvme else 0) + (gas if park else 0))
+    g_park = Pt * mp.grad_bytes_per_param(cfg) * gas if park else 0
+    budget = device_budget_bytes or 2 * spec.largest_block * p
+    fetch = P * p + max(0, P * p - budget)          # bytes read per micro-step: forward + backward
+    back_blocks = max(0, n - budget // max(spec.largest_block * p, 1))
+    nvme_read = (S * Pt if opt_nvme else 0) + (fetch * gas if prm_nvme else 0) + g_park
+    nvme_write = (S * Pt if opt_nvme else 0) + (Pt * p if prm_nvme else 0) + g_park
+    reads = n * ((1 if opt_nvme else 0) + (gas if park else 0)) + ((n + back_blocks) * gas if prm_nvme else 0)
     writes = n * ((1 if opt_nvme else 0) + (1 if prm_nvme else 0) + (gas if park else 0))
     t_read = nvme_read / (profile.nvme_read_gbps * gb) + reads * profile.nvme_read_latency_s
     t_write = nvme_write / (profile.nvme_write_gbps * gb) + writes * profile.nvme_write_latency_s
     t["nvme"] = max(t_read, t_write) + (1.0 - profile.nvme_duplex) * min(t_read, t_write)
+    # every byte moved to or from NVMe is checksummed (CRC32C) on the CPU by the I/O threads
+    if profile.crc32c_gbps > 0:
+        t["crc"] = (nvme_read + nvme_write) / (profile.crc32c_gbps * gb)
 
     # Where the Adam runs: the CPU when offloaded, and also with no offload on a CPU-only
     # machine (the engine's "device" optimizer is then the same CPU kernel, on its workers).
     adam_on_cpu = offload_opt or not profile.cuda
     device_work = t["forward"] + t["backward"] + (0.0 if adam_on_cpu else t["adam"])
+    crc = t.get("crc", 0.0)
     if compute.shares_cpu:           # CPU-only: compute, Adam and copies share the cores
-        groups = {"cpu": device_work + (t["adam"] if adam_on_cpu else 0.0) + t["d2h"] + t["h2d"],
+        groups = {"cpu": device_work + (t["adam"] if adam_on_cpu else 0.0) + t["d2h"] + t["h2d"] + crc,
                   "nvme": t["nvme"]}
         dev_key = "cpu"
     elif not profile.cuda:
         # Compute that leaves the cores free (bench_step's GIL-free waits) on a CPU device: the
         # gradient hooks still copy each gradient out inline, on the thread that runs backward.
-        groups = {"device": device_work + t["d2h"], "cpu": t["adam"] if adam_on_cpu else 0.0,
+        groups = {"device": device_work + t["d2h"], "cpu": (t["adam"] if adam_on_cpu else 0.0) + crc,
                   "h2d": t["h2d"], "nvme": t["nvme"]}
         dev_key = "device"
     else:
-        groups = {"device": device_work, "cpu": t["adam"] if adam_on_cpu else 0.0,
+        groups = {"device": device_work, "cpu": (t["adam"] if adam_on_cpu else 0.0) + crc,
                   "d2h": t["d2h"], "h2d": t["h2d"], "nvme": t["nvme"]}
         dev_key = "device"
     groups = {k: v for k, v in groups.items() if v > 0}

@@ -1,4 +1,6 @@
-"""The host tier: a fixed budget of host memory, allocated once, lent out slot by slot.
+"""The host tier: a fixed budget of host memory, allocated once, lent out slot by slot
+(``HostPool``: fixed slots, for buffers of known sizes) or range by range (``HostArena``:
+one budget of bytes, for buffers whose sizes are only known at run time).
 
 Every slot is allocated at construction in its exact size rounded up only to the 4096-byte
 page (never to a power of two), page-aligned so the NVMe store can move it with O_DIRECT,
@@ -114,6 +116,32 @@ class HostBuffer:
     def __repr__(self) -> str:
         state = "released" if self._data is None else "on loan"
         return f"HostBuffer(pool={self._pool.name!r}, slot={self._index}, nbytes={self.nbytes}, {state})"
+
+
+class OwnedBuffer:
+    """A page-aligned host buffer of ``nbytes`` outside every pool, with a HostBuffer's
+    ``view`` / ``release``: for a loan that must not wait for its pool because nothing in
+    flight would give a buffer back (engine/grads.py). ``release`` drops it."""
+
+    __slots__ = ("nbytes", "_data")
+
+    def __init__(self, nbytes: int):
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
+        self.nbytes = nbytes
+        self._data = raw[skip:skip + nbytes]
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        if self._data is None:
+            raise RuntimeError("this buffer was already released")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        end = offset_bytes + numel * itemsize
+        if numel < 0 or offset_bytes < 0 or offset_bytes % itemsize or end > self.nbytes:
+            raise ValueError(f"a view of {numel} x {dtype} at offset {offset_bytes} does not fit {self.nbytes} bytes")
+        return self._data[offset_bytes:end].view(dtype)
+
+    def release(self) -> None:
+        self._data = None
 
 
 class HostPool:
@@ -240,3 +268,134 @@ class HostPool:
     def __repr__(self) -> str:
         return (f"HostPool({self.name!r}, {len(self._caps)} slots, {_fmt(self.capacity_bytes)}, "
                 f"pinned={self.pinned})")
+
+
+class HostArena:
+    """One budget of ``capacity_bytes`` host memory (one mapping, allocated up front, pinned
+    like a HostPool's slots), lent as page-aligned ranges of any size: first fit, and a range
+    given back merges with its free neighbours. For buffers whose sizes are known only at run
+    time (saved activations); ``acquire`` / ``try_acquire`` / ``release`` as for HostPool, so
+    the bytes on loan never exceed ``capacity_bytes`` (a multiple of 4096, at most the
+    budget asked: rounded down)."""
+
+    def __init__(self, budget_bytes: int, *, pin: bool | None = None, name: str = "arena"):
+        self.name = name
+        cap = int(budget_bytes) // PAGE * PAGE
+        if cap <= 0:
+            raise PoolBudgetError(f"HostArena {name!r}: a budget of {budget_bytes} bytes holds no 4096-byte page")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            raise ValueError(f"HostArena {name!r}: pin=True needs CUDA, which is not available; pass pin=None or False")
+        self.pinned = bool(pin)
+        self._memory = _HostMemory(cap, self.pinned)
+        self._cap = cap
+        self._cond = threading.Condition()
+        self._free = [(0, cap)]          # (offset, size) of free ranges, sorted by offset, never adjacent
+        self._in_use = 0
+        self._peak = 0
+        self._loans = 0
+        self._closed = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._cap
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self._in_use
+
+    def largest_free(self) -> int:
+        with self._cond:
+            return max((n for _, n in self._free), default=0)
+
+    def try_acquire(self, nbytes: int) -> HostBuffer | None:
+        """A range of at least ``nbytes`` (page-rounded), or None when none is free now."""
+        self._check_size(nbytes)
+        with self._cond:
+            return self._take(nbytes)
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+        """A range of at least ``nbytes``; blocks until ranges given back make room.
+        Raises PoolBudgetError when ``nbytes`` exceeds the capacity, TimeoutError when
+        ``timeout`` seconds pass first."""
+        self._check_size(nbytes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            buf = self._take(nbytes)
+            if buf is not None:
+                return buf
+            with record_function("offload::pool_wait"):
+                while True:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(
+                            f"HostArena {self.name!r}: no free range of >= {nbytes} bytes after {timeout} s "
+                            f"({self._in_use} of {self._cap} bytes in use, largest free range "
+                            f"{max((n for _, n in self._free), default=0)})")
+                    self._cond.wait(remaining)
+                    buf = self._take(nbytes)
+                    if buf is not None:
+                        return buf
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"capacity_bytes": self._cap, "in_use_bytes": self._in_use, "peak_bytes": self._peak,
+                    "loans": self._loans, "largest_free_bytes": max((n for _, n in self._free), default=0),
+                    "pinned": self.pinned}
+
+    def close(self) -> None:
+        """Free the memory. Ranges still on loan must not be used afterwards."""
+        self._closed = True
+        if self._memory is not None:
+            self._memory.free()
+        self._memory = None
+        self._free = []
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_size(self, nbytes: int) -> None:
+        if self._closed:
+            raise RuntimeError(f"HostArena {self.name!r} is closed")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if _round_up(max(nbytes, 1)) > self._cap:
+            raise PoolBudgetError(f"HostArena {self.name!r}: {nbytes} bytes do not fit in its "
+                                  f"{_fmt(self._cap)}")
+
+    def _take(self, nbytes: int) -> HostBuffer | None:  # lock held
+        if self._closed:
+            raise RuntimeError(f"HostArena {self.name!r} is closed")
+        size = _round_up(max(nbytes, 1))
+        for k, (off, n) in enumerate(self._free):
+            if n >= size:
+                if n == size:
+                    del self._free[k]
+                else:
+                    self._free[k] = (off + size, n - size)
+                self._in_use += size
+                self._loans += 1
+                self._peak = max(self._peak, self._in_use)
+                return HostBuffer(self, off, self._memory.data[off:off + size])
+        return None
+
+    def _give_back(self, offset: int, data: torch.Tensor) -> None:
+        size = data.numel()
+        with self._cond:
+            if self._closed:
+                return
+            k = bisect.bisect_left(self._free, (offset, 0))
+            assert k == len(self._free) or self._free[k][0] >= offset + size, "range given back twice"
+            assert k == 0 or sum(self._free[k - 1]) <= offset, "range given back twice"
+            start, end = offset, offset + size
+            if k < len(self._free) and self._free[k][0] == end:        # merge with the next
+                end = sum(self._free.pop(k))
+            if k > 0 and sum(self._free[k - 1]) == start:               # merge with the previous
+                k -= 1
+                start = self._free.pop(k)[0]
+            self._free.insert(k, (start, end - start))
+            self._in_use -= size
+            self._loans -= 1
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return f"HostArena({self.name!r}, {_fmt(self._cap)}, pinned={self.pinned})"

@@ -1,6 +1,6 @@
 """Tiers: where a block's bytes live between uses, behind one interface, and the one
 loaned-buffer state machine every owner of offloaded bytes uses (optimizer state,
-parameter homes).
+parameter homes, parked gradients).
 
 A tier holds keyed byte ranges:
 
@@ -14,6 +14,9 @@ the lot), ``tier.loan(key, nbytes, what)`` returns a key's ``Loan``, whose verbs
 
     ON_TIER --fetch()--> READING --acquire()--> READY --commit()--> WRITING --release()--> ON_TIER
         \\--fill()------------------------------> READY --release()--------------------> ON_TIER
+    ``try_fill()`` is ``fill()`` without waiting for a pool buffer; ``lend(buf, read)`` is
+    ``fetch()`` / ``fill()`` with a buffer the caller supplies (one from another source when
+    the tier's pool cannot be waited for).
     RESIDENT (device and host tiers): every verb is a no-op, acquire() returns the bytes.
 
 ``release()`` from READY returns the buffer without writing it (the bytes were only read);
@@ -213,6 +216,29 @@ class Loan:
                 self._take(self._lend(self._timeout(timeout), "buffer for"))
                 self.state = LoanState.READY
             return self.acquire(timeout)
+
+    def try_fill(self) -> Optional[torch.Tensor]:
+        """``fill()`` if the pool has a buffer free now, else None (nothing changed)."""
+        with self._lock:
+            if self.state is LoanState.ON_TIER:
+                buf = self.tier.pool.try_acquire(self.nbytes)
+                if buf is None:
+                    return None
+                self._take(buf)
+                self.state = LoanState.READY
+            return self.acquire()
+
+    def lend(self, buf, read: bool) -> None:
+        """ON_TIER -> READING (``read``: the key's bytes come into ``buf``) or READY (``buf``
+        will be overwritten) with ``buf`` (a HostBuffer of any pool, or an OwnedBuffer) in
+        place of one of the tier's pool; it is released like the pool's own."""
+        with self._lock:
+            assert self.state is LoanState.ON_TIER, f"{self.what}: lend from {self.state}"
+            if read:
+                self._start_read(buf)
+            else:
+                self._take(buf)
+                self.state = LoanState.READY
 
     def commit(self) -> None:
         """The bytes were modified: start writing them back (READY -> WRITING)."""
