@@ -18,9 +18,14 @@ worker thread while the main thread runs torch):
   torch_isolated    torch work (512x512 matmuls and 64K-element elementwise ops) after a pause
   torch_after_adam  the same torch work right after the step
 Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>= 0.95).
-native_info()["pool"] says where the native workers live: an OpenMP team of torch's runtime
-(default; the runtime then shortens every idle spin, see native/threadpool.c) or plain
-pthreads (OFFLOAD_POOL=pthread: the figures before that change).
+  small ops         torch's small elementwise op (64K floats, back to back) before the native
+                    pool started, and once the pool has started, run and gone idle
+Claim ``torch_small_op_with_pool_vs_without`` (<= 1.10): time per op with the pool over
+without (sequential, not interleaved: "without" exists only before the pool starts).
+The pool registers with torch's OpenMP runtime while it has work (and OFFLOAD_POOL_LINGER_MS,
+default 20, after), so that runtime cuts its idle spins next to the kernels; once idle the
+registration ends and torch spins as before (native/threadpool.c; native_info()["pool"]
+names the runtime, "pthread" with OFFLOAD_POOL=pthread: never registered).
 
 Usage: python benchmarks/bench_adam.py [--size 64M] [--block 4M] [--threads N] [--rounds 12]
 The last line printed is one JSON object with a `claims` map.
@@ -115,12 +120,16 @@ def sharing(block: int, rounds: int) -> dict:
             per.append((time.perf_counter() - t0) / 200 * 1e6)
         return statistics.median(per)
 
-    # torch's small ops under OpenMP's default idle spin (before the native pool exists) and
-    # once the pool's workers have joined the runtime (sequential, not interleaved: the
-    # runtime's spin policy changes once and for all when the pool starts)
+    # torch's small ops before the native pool exists, and once it has run and gone idle
+    # (its registration with torch's OpenMP runtime ended: waited for, bounded)
     torch_work()
     small_default = small_ops_us()
     adam(), torch_work()                                  # warm-up: threads exist, pages touched
+    L = _native.lib()
+    deadline = time.monotonic() + 10
+    while _native.pool_registered(L) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.02)
     small_pool = small_ops_us()
     times = {k: [] for k in ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")}
     for r in range(rounds):
@@ -155,7 +164,7 @@ def main() -> None:
     share = sharing(parse_size(args.block), args.sharing_rounds)
     small_op_us = share.pop("small_op_us")
     print(f"torch small op (64K floats): {small_op_us['default_spin']:.1f} us before the native pool started, "
-          f"{small_op_us['with_pool']:.1f} us after (pool: {_native.native_info().get('pool')})")
+          f"{small_op_us['with_pool']:.1f} us with the pool started and idle (pool: {_native.native_info().get('pool')})")
     for name, ts in share.items():
         print(f"{name:18s} median {statistics.median(ts) * 1e3:8.2f} ms  min {min(ts) * 1e3:8.2f} ms")
     methods = build(n)
@@ -196,9 +205,12 @@ def main() -> None:
             i / a for i, a in zip(share["adam_isolated"], share["adam_after_torch"])), 3),
         "torch_after_adam_vs_isolated": round(statistics.median(
             i / a for i, a in zip(share["torch_isolated"], share["torch_after_adam"])), 3),
+        "torch_small_op_with_pool_vs_without": round(small_op_us["with_pool"] / small_op_us["default_spin"], 3),
     }
     targets = {"fp32_vs_torch_fused": 1.0, "mixed_vs_two_pass": 1.3, "fp32_vs_inplace_roofline": 0.9,
-               "adam_after_torch_vs_isolated": 0.95, "torch_after_adam_vs_isolated": 0.95}
+               "adam_after_torch_vs_isolated": 0.95, "torch_after_adam_vs_isolated": 0.95,
+               "torch_small_op_with_pool_vs_without": 1.10}
+    at_most = {"torch_small_op_with_pool_vs_without"}  # lower is better
     print(json.dumps({"bench": "adam", "size": n, "threads": args.threads, "rounds": args.rounds,
                       "native": _native.native_info(), "torch": torch.__version__,
                       "loadavg_1m": round(os.getloadavg()[0], 2), "wall_s": round(wall, 1),
@@ -206,7 +218,8 @@ def main() -> None:
                       "sharing_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in share.items()},
                       "small_op_us": small_op_us,
                       "claims": claims, "targets": targets,
-                      "missed": [k for k, t in targets.items() if not claims[k] >= t]}))
+                      "missed": [k for k, t in targets.items()
+                                 if not (claims[k] <= t if k in at_most else claims[k] >= t)]}))
 
 
 if __name__ == "__main__":

@@ -201,7 +201,9 @@ if a["lora"]:
                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
-rss_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # imports + the meta model
+import psutil
+rss_base = psutil.Process().memory_info().rss    # now, before initialize: imports + the meta model
+rss_build_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # building it (transient)
 loader = "weights" in inspect.signature(offload.initialize).parameters
 if not loader:      # simulated load: the engine materializes each meta block with the model's init
     for m in lm.modules():
@@ -229,10 +231,13 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "init (simulated: no weights= loader)", "load_s": load_s, "step_s": statistics.median(times[1:] or times),
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
-       "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "step_times": times,
+       "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
+       "step_times": times,
        "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
 eng.close()
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/io") as f:       # bytes this process read from the disk (load and steps)
+    out["disk_read_bytes"] = next((int(l.split()[1]) for l in f if l.startswith("read_bytes:")), None)
 print("RESULT " + json.dumps(out))
 """
 

@@ -62,9 +62,13 @@ OFFLOAD_API int64_t offload_kernel_args_size(void);
 
 OFFLOAD_API int offload_kernel_set_num_threads(int n); /* caller included, >= 1 */
 OFFLOAD_API int offload_kernel_get_num_threads(void);
-/* Where the pool's workers live: "pthread", or the soname of the process's OpenMP runtime
- * (torch's) whose team they form, so that runtime shortens its idle spin (threadpool.c). */
+/* The OpenMP runtime (torch's) the pool registers with while it has work, so that runtime
+ * shortens its idle spins next to the kernels: its soname, or "pthread" (never registers;
+ * threadpool.c). offload_pool_registered: registrations alive now (0 once the pool idled
+ * offload_pool_linger_ns and the runtime stopped counting them). */
 OFFLOAD_API const char *offload_pool_runtime(void);
+OFFLOAD_API int offload_pool_registered(void);
+OFFLOAD_API int64_t offload_pool_linger_ns(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

@@ -16,19 +16,26 @@
  *     fn/ctx (the caller's stack) again: late workers see open == 0 and go back to sleep.
  * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up.
  *
- * One thread budget with torch (OpenMP). torch's intra-op workers are OpenMP threads: after
- * each parallel region they spin (libgomp: GOMP_SPINCOUNT, 300000 pauses, ~4 ms of a core
- * measured here) before sleeping, so a kernel started right after torch work shared the cores
- * with them and lost ~25%. OpenMP runtimes shorten that spin (libgomp: to 1000 pauses, ~20 us,
- * still enough to catch back-to-back small ops) once the process has more OpenMP threads than
- * CPUs, which is the case whenever this pool and torch's team are both sized to the machine.
- * So when the process already has an OpenMP runtime loaded (torch's; found by soname with
- * RTLD_NOLOAD, never loaded here), the workers are started as the team of one OpenMP parallel
- * region that never ends: a host pthread enters GOMP_parallel and sleeps as the region's
- * master; team threads 1..k run worker_main below. The runtime then counts them as its own
- * threads and throttles every idle spin, torch's included. The protocol above is unchanged (no
- * OpenMP barrier is ever reached). Without a runtime, or with OFFLOAD_POOL=pthread, workers
- * are plain pthreads. offload_pool_runtime() reports which.
+ * One thread budget with torch (OpenMP). torch's intra-op workers are OpenMP threads. After
+ * each parallel region libgomp (the runtime torch ships) spins them GOMP_SPINCOUNT = 300000
+ * pauses (~2-4 ms of a core here) before they sleep, unless the process holds more OpenMP
+ * threads than CPUs: then 100 pauses (~5 us), decided when each spin starts. The long spin
+ * is what lets back-to-back small torch ops find their workers awake (64K-float op: ~10 us;
+ * with the short spin every op wakes a sleeping worker: ~90 us). It is also what slowed a
+ * kernel started right after torch work: the spinning worker takes one core for its 2-4 ms.
+ * So the pool registers with the runtime only while it has work: when a kernel starts and the
+ * pool is not registered, a host pthread opens an OpenMP parallel region of the runtime the
+ * process already loaded (torch's; found by soname with RTLD_NOLOAD, never loaded here) with
+ * one thread per CPU, all asleep on a condition variable. The runtime then counts more
+ * threads than CPUs, and every idle spin that starts from then on, torch's included, is the
+ * short one: torch work interleaved with the kernels (the next forward during the optimizer
+ * step, torch work between two blocks' updates) leaves no spinning worker next to a kernel.
+ * Once no kernel has run for LINGER_NS (OFFLOAD_POOL_LINGER_MS), the region ends and the host
+ * exits, which is when the runtime stops counting those threads (libgomp frees a master's
+ * thread pool at its exit): torch's own work then spins as it did before the pool existed.
+ * The workers themselves are always plain pthreads; nothing of the runtime runs a chunk.
+ * OFFLOAD_POOL=pthread never registers. offload_pool_runtime() names the runtime (or
+ * "pthread"); offload_pool_registered() says whether a registration is alive.
  */
 #define _GNU_SOURCE
 #include "threadpool.h"
@@ -132,7 +139,7 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* ---- workers as an OpenMP team (see the header comment) -------------------------------- */
+/* ---- registration with the process's OpenMP runtime (see the header comment) --------- */
 typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 typedef int (*omp_thread_num_fn)(void);
 
@@ -140,10 +147,19 @@ static struct {
     pthread_once_t once;
     gomp_parallel_fn parallel;
     omp_thread_num_fn thread_num;
-    const char *name; /* the runtime's soname, or NULL: plain pthreads */
+    const char *name; /* the runtime's soname, or NULL: never register */
 } OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
 
+#define DEFAULT_LINGER_MS 20L
+static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
+
 static void find_openmp(void) {
+    const char *linger = getenv("OFFLOAD_POOL_LINGER_MS");
+    if (linger != NULL && *linger != '\0') {
+        char *end;
+        long ms = strtol(linger, &end, 10);
+        if (*end == '\0' && ms >= 0 && ms <= 60000) LINGER_NS = ms * 1000000L; /* _native.py checks it */
+    }
     const char *want = getenv("OFFLOAD_POOL");
     if (want != NULL && strcmp(want, "pthread") == 0) return;
     static const char *const names[] = {"libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.so.5"};
@@ -162,41 +178,116 @@ static void find_openmp(void) {
     }
 }
 
-struct team_start {
-    int first;                /* pool index of team thread 1 */
-    int size;                 /* team size asked for, master included */
-    unsigned long generation;
+/* One registration: a host pthread, master of a region of `size` threads that only sleep.
+ * Lifecycle (REG.lock): JOINING (host created) -> HELD (the region runs: the runtime counts
+ * its threads) -> LEAVING (released once the pool idled LINGER_NS; the host returns and
+ * exits) -> freed by the host. At most one registration is current; a kernel starting while
+ * the current one is LEAVING makes a new one (both exist until the old host exits). */
+enum reg_state { REG_JOINING, REG_HELD, REG_LEAVING };
+struct reg {
+    enum reg_state state;
+    unsigned size; /* threads in the region, master included */
 };
 
-/* The body of the never-ending region: team thread t >= 1 is pool worker first + t - 1; the
- * master (the host pthread, t == 0) only keeps the region, and so the team, alive. */
-static void team_main(void *arg) {
-    struct team_start *t = arg;
-    int tn = OMP.thread_num();
-    if (tn == 0) {
-        for (;;) pause();
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;   /* busy / last_end changed (the current master waits on it) */
+    pthread_cond_t release; /* a registration was released (its sleeping threads wait on it) */
+    struct reg *current;   /* NULL: not registered (or the last one is leaving) */
+    int alive;             /* registrations whose host has not exited */
+    int busy;              /* pool_run calls in progress */
+    long last_end;         /* now_ns() when the last pool_run ended */
+} REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+
+/* The region's body. The master waits until the pool has idled LINGER_NS, then releases the
+ * team; the others sleep until released. Nothing here touches the pool's work. */
+static void reg_team(void *arg) {
+    struct reg *r = arg;
+    pthread_mutex_lock(&REG.lock);
+    if (OMP.thread_num() == 0) {
+        r->state = REG_HELD;
+        for (;;) {
+            long now = now_ns(), due = REG.last_end + LINGER_NS;
+            if (REG.busy == 0 && now >= due) break;
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
+            long wait = REG.busy > 0 ? LINGER_NS + 1000000L : due - now;
+            until.tv_sec += wait / 1000000000L;
+            until.tv_nsec += wait % 1000000000L;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&REG.cond, &REG.lock, &until);
+        }
+        r->state = REG_LEAVING;
+        if (REG.current == r) REG.current = NULL;
+        pthread_cond_broadcast(&REG.release);
+    } else {
+        while (r->state != REG_LEAVING) pthread_cond_wait(&REG.release, &REG.lock);
     }
-    worker_loop((struct worker_start){.index = t->first + tn - 1, .generation = t->generation});
+    pthread_mutex_unlock(&REG.lock);
 }
 
-static void *team_host(void *arg) {
-    struct team_start *t = arg;
-    OMP.parallel(team_main, t, (unsigned)t->size, 0);
-    return NULL; /* not reached */
+static void *reg_host(void *arg) {
+    struct reg *r = arg;
+    OMP.parallel(reg_team, r, r->size, 0);
+    /* The runtime stops counting the region's threads when this thread exits (its thread
+     * pool is freed by the runtime's thread destructor), a few microseconds from here. */
+    pthread_mutex_lock(&REG.lock);
+    REG.alive--;
+    pthread_mutex_unlock(&REG.lock);
+    free(r);
+    return NULL;
 }
 
-/* Start `count` OpenMP team workers as pool indices first..first+count-1; 0 on success. */
-static int start_team(int first, int count) {
-    struct team_start *t = malloc(sizeof *t); /* lives as long as the region: forever */
-    if (t == NULL) return -1;
-    *t = (struct team_start){.first = first, .size = count + 1, .generation = P.generation};
-    pthread_t tid;
-    if (pthread_create(&tid, NULL, team_host, t) != 0) {
-        free(t);
-        return -1;
+static int cpu_count(void);
+
+/* A kernel starts: registered from now on (asynchronously: the host starts the region). */
+static void reg_enter(void) {
+    pthread_once(&OMP.once, find_openmp);
+    if (OMP.parallel == NULL) return;
+    pthread_mutex_lock(&REG.lock);
+    REG.busy++;
+    if (REG.current == NULL) {
+        struct reg *r = malloc(sizeof *r);
+        pthread_t tid;
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old); /* the host and the runtime's threads block signals */
+        /* one thread per CPU besides the master: more threads than CPUs whatever torch's own count */
+        if (r != NULL) *r = (struct reg){REG_JOINING, (unsigned)cpu_count() + 1};
+        if (r != NULL && pthread_create(&tid, NULL, reg_host, r) == 0) {
+            pthread_detach(tid);
+            REG.current = r;
+            REG.alive++;
+        } else {
+            free(r); /* not registered: the kernel runs all the same */
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
-    pthread_detach(tid);
-    return 0;
+    pthread_mutex_unlock(&REG.lock);
+}
+
+static void reg_exit(void) {
+    if (OMP.parallel == NULL) return;
+    pthread_mutex_lock(&REG.lock);
+    REG.busy--;
+    REG.last_end = now_ns();
+    pthread_cond_broadcast(&REG.cond);
+    pthread_mutex_unlock(&REG.lock);
+}
+
+OFFLOAD_API int offload_pool_registered(void) {
+    pthread_mutex_lock(&REG.lock);
+    int n = REG.alive;
+    pthread_mutex_unlock(&REG.lock);
+    return n;
+}
+
+OFFLOAD_API int64_t offload_pool_linger_ns(void) {
+    pthread_once(&OMP.once, find_openmp);
+    return LINGER_NS;
 }
 
 const char *pool_runtime(void) {
@@ -218,6 +309,13 @@ static void atfork_child(void) {
     P.started = 0;
     P.active = 0;
     P.open = 0;
+    /* no host exists in the child (the runtime's count inherited from the parent stays) */
+    pthread_mutex_init(&REG.lock, NULL);
+    pthread_cond_init(&REG.cond, NULL);
+    pthread_cond_init(&REG.release, NULL);
+    REG.current = NULL;
+    REG.alive = 0;
+    REG.busy = 0;
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
@@ -248,9 +346,6 @@ static void start_workers(int want) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old); /* workers inherit a mask that blocks signals */
-    pthread_once(&OMP.once, find_openmp);
-    if (OMP.parallel != NULL && P.started < want && start_team(P.started + 1, want - P.started) == 0)
-        P.started = want; /* a runtime may give a smaller team: the missing workers never join */
     while (P.started < want) {
         struct worker_start *start = malloc(sizeof *start);
         if (start == NULL) break;
@@ -274,6 +369,7 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
         return 0;
     }
     pthread_once(&atfork_once, register_atfork);
+    reg_enter();
     pthread_mutex_lock(&P.run_lock);
     int helpers = (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
     if (P.started < helpers) start_workers(helpers);
@@ -304,5 +400,6 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     while (P.active > 0) pthread_cond_wait(&P.done, &P.lock);
     pthread_mutex_unlock(&P.lock);
     pthread_mutex_unlock(&P.run_lock);
+    reg_exit();
     return 0;
 }

@@ -33,6 +33,18 @@ def mode() -> str:
     return value
 
 
+def _check_pool_env() -> None:
+    """OFFLOAD_POOL (``pthread``: never register the pool with torch's OpenMP runtime; unset or
+    ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 20: how
+    long the registration outlives the last kernel), read by native/threadpool.c."""
+    pool = os.environ.get("OFFLOAD_POOL", "auto").strip().lower()
+    if pool not in ("auto", "pthread", ""):
+        raise ValueError(f"OFFLOAD_POOL={pool!r} is not valid: use auto or pthread")
+    linger = os.environ.get("OFFLOAD_POOL_LINGER_MS", "").strip()
+    if linger and not (linger.isdigit() and int(linger) <= 60000):
+        raise ValueError(f"OFFLOAD_POOL_LINGER_MS={linger!r} is not valid: use milliseconds from 0 to 60000")
+
+
 def _find_library() -> str | None:
     candidates = sorted(glob.glob(os.path.join(_HERE, "_offload_native*.so")))
     return candidates[0] if candidates else None
@@ -40,6 +52,7 @@ def _find_library() -> str | None:
 
 def _load() -> None:
     global _lib, _load_error, _loaded
+    _check_pool_env()
     path = _find_library()
     if path is None:
         _load_error = ("the native library offload/_offload_native*.so is not built: "
@@ -110,6 +123,8 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     for name in ("offload_kernel_get_num_threads", "offload_kernel_isa", "offload_kernel_best_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
     lib.offload_pool_runtime.argtypes, lib.offload_pool_runtime.restype = [], ctypes.c_char_p
+    lib.offload_pool_registered.argtypes, lib.offload_pool_registered.restype = [], i32
+    lib.offload_pool_linger_ns.argtypes, lib.offload_pool_linger_ns.restype = [], i64
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -180,9 +195,15 @@ def best_isa(L: ctypes.CDLL) -> str:
 adam_set_num_threads, adam_set_isa = kernel_set_num_threads, kernel_set_isa
 
 
+def pool_registered(L: ctypes.CDLL) -> int:
+    """Registrations of the native pool with torch's OpenMP runtime alive now (the pool holds
+    one while it has work and for ``pool_linger`` seconds after; native/threadpool.c)."""
+    return L.offload_pool_registered()
+
+
 def _kernel_info(lib: ctypes.CDLL) -> dict:
     return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "threads": lib.offload_kernel_get_num_threads(),
-            "pool": lib.offload_pool_runtime().decode()}
+            "pool": lib.offload_pool_runtime().decode(), "pool_linger_s": lib.offload_pool_linger_ns() / 1e9}
 # END KERNEL SECTION
 
 

@@ -233,3 +233,79 @@ def test_hf_models_bit_exact(arch, tmp_path):
     ref, _, _ = train(clone(base), data, cfg(tmp_path), forward=forward)
     got, _, _ = train(clone(base), data, cfg(tmp_path, "nvme"), forward=forward)
     assert_bit_equal(ref, got)
+
+
+def _wide_run(tmp_path, base, xs, prefetch):
+    """The user's loop (no synchronisation) on NVMe homes. Returns, per step, the blocks the
+    forward first used with no NVMe read of theirs since the last step() (served from memory),
+    the blocks written through, the losses and the final weights."""
+    block = (64 * 64 + 64) * 4
+    eng = offload.initialize(clone(base), cfg(tmp_path / str(prefetch), "nvme", opt="cpu",
+                                              prefetch={"enabled": prefetch},
+                                              offload_param={"device_budget_bytes": 2 * (block + 4096)}))
+    events = []                                   # ("read", block) / ("use", block), in order
+    store, po = eng._param_store, eng.param_offload
+    real_read, real_materialize = store.read, po.materialize
+
+    def read(key, *a, **k):
+        events.append(("read", int(key.split(".")[0][1:])))
+        return real_read(key, *a, **k)
+
+    def materialize(i):                           # the block on the device, its reads done
+        real_materialize(i)
+        events.append(("use", i))
+    store.read, po.materialize = read, materialize
+    served, losses = [], []
+    for x in xs:
+        events.clear()
+        loss = eng(x)
+        first_use = {}
+        for k, (what, i) in enumerate(events):
+            if what == "use":
+                first_use.setdefault(i, k)
+        served.append({i for i, k in first_use.items() if ("read", i) not in events[:k]})
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.detach())
+    kept = [i for i in range(len(eng.blocks)) if eng.param_offload.keeps_staged(i)]
+    got = eng.full_state_dict()
+    eng.close()
+    return served, kept, torch.stack(losses), got
+
+
+def test_updated_blocks_stay_staged_for_the_next_forward(tmp_path):
+    """NVMe homes: the blocks the next forward uses first (within the host lookahead) are
+    written through their staging buffers by the update and stay staged, so that forward
+    uses them without reading them from NVMe; without prefetch every block is read back
+    before its use. Training stays what plain torch AdamW computes (the tolerance of
+    tests/test_step.py: twice torch's own fused-vs-single distance)."""
+    torch.manual_seed(0)
+    base = Wide(layers=6, d=64)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 64, generator=g) for _ in range(6)]
+    (tmp_path / "True").mkdir()
+    (tmp_path / "False").mkdir()
+    on = _wide_run(tmp_path, base, xs, True)
+    off = _wide_run(tmp_path, base, xs, False)
+    # the host lookahead (default: twice the device budget, two blocks) covers four blocks
+    assert on[1] == [0, 1, 2, 3] and off[1] == []
+    for s in range(2, len(xs)):                   # once the trace is known
+        assert on[0][s] >= {0, 1, 2, 3}, on[0]
+        assert off[0][s] == set(), off[0]
+    ref, fused = [], []
+    for kw, out in (({"foreach": False}, ref), ({"fused": True}, fused)):
+        model = clone(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
+        for x in xs:
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+        out.append(model.state_dict())
+    sd_bound = 2 * max((ref[-1][k] - fused[-1][k]).abs().max().item() for k in ref[-1]) + 1e-6
+    loss_bound = 2 * (torch.stack(ref[:-1]) - torch.stack(fused[:-1])).abs().max().item() + 1e-6
+    for _, _, losses, got in (on, off):
+        assert max((ref[-1][k] - got[k]).abs().max().item() for k in got) <= sd_bound
+        assert (torch.stack(ref[:-1]) - losses).abs().max().item() <= loss_bound
+    assert max((ref[-1][k] - base.state_dict()[k]).abs().max().item() for k in ref[-1]) > 1e-3

@@ -344,9 +344,9 @@ def test_estimate_asks_the_rule():
     AdamW fp32 keeping 12, int8 state 6.03, SGD without momentum only the master."""
     from offload.planner.estimate import placement_bytes, spec_from_counts
     spec = spec_from_counts(1e8, 1e7)
-    # page rounding per block and pool, and of each region of the state layout (master, two
-    # rows, two int8 scale regions: optim/state_layout.py)
-    P, slack = spec.params, 4096 * 6 * spec.n_blocks
+    # page rounding: every region of a shard's layout (master, each row, each int8 row's
+    # scales) starts on a 4 KiB page, so two layouts differ by at most 5 pages per block
+    P, slack = spec.params, 4096 * 5 * spec.n_blocks
     adamw = get_rule("AdamW").bytes_per_param("nvme", "fp32")
     assert adamw == 12
     fp32 = placement_bytes(spec, "nvme", "none", "bf16")

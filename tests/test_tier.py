@@ -139,15 +139,39 @@ def test_failed_write_gives_the_buffer_back_and_the_next_read_says_why(store, po
     assert pool.stats()["in_use_bytes"] == 0
 
 
+def test_write_through_keeps_the_buffer_and_fails_like_a_write(store, pool):
+    """write_through: the bytes are durable when it returns and stay lent (READY); a failed
+    write gives the buffer back and names the owner."""
+    from offload._native import IO_WRITE
+    tier = NvmeTier(store, pool)
+    tier.reserve({"k": 8192})
+    loan = tier.loan("k", 8192, "parameters of block 3 (l.1)")
+    data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    loan.fill().copy_(data)
+    loan.write_through()
+    assert loan.state is LoanState.READY and torch.equal(loan.acquire(), data)
+    assert pool.stats()["in_use_bytes"] > 0
+    loan.release()                            # READY: no second write
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    assert torch.equal(loan.acquire(), data)  # read back from the tier: it was durable
+    loan.acquire().fill_(7)
+    break_next(store, IO_WRITE)
+    with pytest.raises(TierIOError, match="write of parameters of block 3 .l.1. failed") as exc:
+        loan.write_through()
+    assert exc.value.errno == errno.EBADF
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+
+
 def test_waits_are_bounded(store, pool):
     from offload._native import IO_READ
-    tier = NvmeTier(store, pool, wait_timeout_s=0.5)
+    tier = NvmeTier(store, pool, wait_timeout_s=60.0)   # writing the keys may be slow on a busy machine
     tier.reserve({"a": 1 << 20, "b": 1 << 20, "c": 1 << 20})
     loans = [tier.loan(k, 1 << 20, f"block {i}") for i, k in enumerate("abc")]
     for ln in loans:
         ln.fill().zero_()
         ln.commit()
         ln.release()
+    tier.wait_timeout_s = 0.5                        # the waits under test: nothing can complete them
     a, b = loans[0].acquire(), loans[1].acquire()   # both pool buffers on loan
     t0 = time.monotonic()
     with pytest.raises(TierTimeout, match="block 2: no host buffer free after 0.5 s"):

@@ -241,7 +241,8 @@ class Engine:
                                                            state_on_device=self.tier is Tier.DEVICE,
                                                            write_pool=self._param_write_pool,
                                                            telemetry=self.telemetry,
-                                                           wait_timeout_s=config.wait_timeout_s))
+                                                           wait_timeout_s=config.wait_timeout_s,
+                                                           keep_staged=self._keeps_staged))
         self._d2h = dev.new_stream(self.device)
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
@@ -815,6 +816,11 @@ class Engine:
         except BaseException as exc:
             raise self.pipeline.record_failure(block, "parameter all-gather", exc) from exc
 
+    def _keeps_staged(self, index: int) -> bool:
+        """Whether block ``index``'s new parameters stay staged after their write-back (NVMe
+        homes next used soon; params/offload.py ``plan_write_through``)."""
+        return self.param_offload is not None and self.param_offload.keeps_staged(index)
+
     def step(self) -> bool:
         """Close one micro-step; the step() that closes a window of gradient_accumulation_steps
         micro-steps commits the update (global norm, clipping, fp16 unscale, every block
@@ -824,6 +830,8 @@ class Engine:
         forward of each block waits for that block's update alone; otherwise it returns
         once every update is applied."""
         self._check_ok()
+        if self.param_offload is not None and self.control.at_boundary():
+            self.param_offload.plan_write_through()   # before the updates are queued
         if not self.control.step():
             return False
         self.optimizer.step()

@@ -163,7 +163,7 @@ class StepPipeline:
         with self._lock:
             self._writing = collections.deque(x for x in self._writing if x[1] is not st)
         st.discard()
-        self._params.abort()                      # this worker's write-back buffer
+        self._params.abort(block)                 # this worker's write-back buffer
         try:
             block.grad.reset_window()
         except Exception:   # noqa: BLE001 - the job's own error is the one reported

@@ -91,6 +91,7 @@ class ParamOffload:
         self.peak_all = 0                # ... in any completed step
         self.overruns = 0
         self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
+        self._keep: frozenset = frozenset()           # blocks written through (plan_write_through)
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
     # ---- lifecycle verbs (called by engine/hooks.py) ---------------------------------------
@@ -131,7 +132,10 @@ class ParamOffload:
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
-        if bp is not None and bp.users == 0:
+        # kept when the trace uses it again soon (a saved frozen weight its backward has not
+        # unpacked yet, e.g. a norm after the last adapter's gradient landed)
+        if bp is not None and bp.users == 0 and \
+                not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
             self._release(i)
 
     def param_read(self, p: nn.Parameter):
@@ -228,9 +232,16 @@ class ParamOffload:
             if not over and not no_slot:
                 return
             upcoming = self.prefetcher.upcoming()
-            victims = [j for j, bp in enumerate(self.params)
-                       if bp is not None and j != want and bp.users == 0 and bp.state is not ParamState.HOME
-                       and (bp.device_bytes > 0 or not over)]
+            # a block whose update is in flight may be filling its staging buffer (write-through)
+            held = [j for j, bp in enumerate(self.params)
+                    if bp is not None and j != want and bp.users == 0 and bp.state is not ParamState.HOME]
+            victims = [j for j in held if not self._update_in_flight(j)
+                       and (self.params[j].device_bytes > 0 or not over)]
+            waiting = [j for j in held if self._update_in_flight(j)]
+            if not victims and waiting:
+                with self.telemetry.span("offload::wait_update"):
+                    self._block(waiting[0]).wait_update()    # bounded: the job's waits are
+                continue
             if not victims:
                 if no_slot:
                     raise DeviceBudgetError(
@@ -274,6 +285,33 @@ class ParamOffload:
         self.peak_step = 0
         self._note_peak()
         self.prefetcher.rewind()
+
+    def plan_write_through(self) -> None:
+        """Before a commit queues the updates: the blocks whose new parameters stay staged in
+        host memory after their write-back (``keeps_staged``), so the next forward reads
+        them without an NVMe read. Those the next forward uses first, within the host
+        lookahead (the same bytes the prefetcher would stage ahead), when prefetch is on
+        and the trace known; none across ranks (decisions there must not depend on free
+        buffers)."""
+        pf = self.prefetcher
+        keep = set()
+        if pf.enabled and pf.trace is not None and not self.engine.comm.active:
+            seen = 0
+            for i in pf.trace:
+                if i in keep:
+                    continue
+                bp = self.params[i]
+                seen += bp.nbytes
+                if seen > pf.host_lookahead:
+                    break
+                if bp.on_nvme:
+                    keep.add(i)
+        self._keep = frozenset(keep)
+
+    def keeps_staged(self, i: int) -> bool:
+        """Whether block ``i``'s write-back keeps the new home copy staged (worker threads
+        read this; the main thread sets it before the updates are queued)."""
+        return i in self._keep
 
     def after_step(self) -> None:
         """Updates are queued: drop device copies they make stale, prefetch the next forward."""

@@ -79,13 +79,15 @@ class BlockParts:
 
     # ---- transitions (all parts together) ----------------------------------------------------
     def stage(self) -> bool:
-        """NVMe -> host staging buffers for every part; False (nothing staged) when a buffer
-        is missing for any part."""
-        if not all(p.state is ParamState.HOME for p in self.parts) or not self.slot_free():
+        """NVMe -> host staging buffers for every part still at home (the trainable part may
+        be staged already, written through by its update); False (nothing staged) when a
+        buffer is missing for any of them."""
+        home = [p for p in self.parts if p.state is ParamState.HOME]
+        if not home or not self.slot_free():
             return False
-        for p in self.parts:
+        for k, p in enumerate(home):
             if not p.stage():               # another thread took a buffer meanwhile
-                for q in self.parts:
+                for q in home[:k]:
                     q.release()
                 return False
         return True

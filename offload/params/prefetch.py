@@ -9,6 +9,11 @@ the cursor are kept in flight on each link:
 * host -> device: blocks within ``device_lookahead_bytes`` ahead are copied to the device,
   never beyond the device budget (bytes on the device, in flight included).
 
+The blocks a training forward uses first are not read back at all after an update: the
+commit marks those within ``host_lookahead_bytes`` at the start of the trace (parameter
+offload's ``plan_write_through``), and their updates assemble the new parameters in a
+staging buffer, write it through to NVMe and leave it staged, current, for that forward.
+
 When a request does not match the trace (control flow, a module used a different number of
 times, eval instead of train) the step counts a miss, the block is served on demand, and the
 new order is recorded and replaces the trace at the end of the step. A block is never read

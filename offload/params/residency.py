@@ -80,6 +80,7 @@ class BlockParams:
         self.home_version = 0
         self._copy_version = -1
         self._event = None                # H2D copy in flight
+        self._through = False             # the staged buffer is being filled by a write-through
         self._lock = threading.RLock()
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
 
@@ -225,11 +226,49 @@ class BlockParams:
                 s.param.data = self.placeholder
 
     # ---- the home copy ----------------------------------------------------------------
+    def begin_write_through(self) -> Optional[torch.Tensor]:
+        """NVMe home, next use near: a staging buffer the new home copy is assembled in
+        (1-D, compute dtype, ``home_numel``), so that once written (``write_home``) it stays
+        staged and the next use reads no byte from NVMe. A staged copy of the old version
+        (STAGING / STAGED) is dropped first. None when the block is on the device (its copy
+        is dropped as stale on its next use instead) or no staging buffer is free (then the
+        caller writes through its own write buffer).
+
+        Lifetime: from here to ``write_home`` (or ``abort_write_through``) the buffer holds
+        bytes being written by the optimizer: the block's update is in flight, so neither
+        the prefetcher nor eviction touches it (``ParamOffload`` skips blocks whose update
+        is in flight)."""
+        with self._lock:
+            if not self.on_nvme or self._gather is not None or self._device_state is not None:
+                return None
+            self._drop_host()              # an old staged copy (a read in flight is waited for)
+            try:
+                data = self._loan.fill(timeout=0.0)    # never waits for a buffer
+            except TimeoutError:
+                return None
+            self._through = True
+            return data.view(self.dtype)[:self.home_numel]
+
+    def abort_write_through(self) -> None:
+        """After a failed update: the half-written staging buffer goes back."""
+        with self._lock:
+            if self._through:
+                self._through = False
+                self._loan.release()
+
     def write_home(self, src: torch.Tensor) -> None:
         """Replace the home copy with ``src`` (1-D, compute dtype, host) and wait for it to be
         durable on its tier; device copies made before this are stale from now on. A source
         that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
         with self._lock:
+            if self._through:            # src is the staged buffer (begin_write_through): it stays
+                self._through = False
+                try:
+                    self._loan.write_through()
+                finally:
+                    self.home_version += 1
+                self._copy_version = self.home_version    # the staged copy is the new home copy
+                return
             if self.on_nvme:             # a failure is the caller's stage (the optimizer's write-back)
                 # (frozen parts have no write pool: they are written rarely, through a staging buffer)
                 self._tier.put(self.key, src, self.what, write_pool=self._write_pool or self._tier.pool)

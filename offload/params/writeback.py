@@ -10,7 +10,9 @@ Where the copy goes depends only on the parameters' residency:
   * offloaded parameters (``block.params``, a BlockParams): the new home copy is assembled in
     the HOST home itself, or (NVMe home) in a write buffer held by this worker until the write
     is durable; ``BlockParams.write_home`` then bumps the home version, so device copies made
-    before are stale and refetched;
+    before are stale and refetched. An NVMe block the next forward uses soon
+    (``keep_staged(index)``, decided by parameter offload at the commit) is assembled in a
+    staging buffer instead and written through: it stays staged, current, for that use;
   * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel
     writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
     the device on a side stream after the block's backward kernels (``compute_done``); the
@@ -30,7 +32,8 @@ from offload import device as dev
 
 class ParamWriteBack:
     def __init__(self, *, compute_device: torch.device, copy_param: bool, state_on_device: bool,
-                 write_pool=None, telemetry, wait_timeout_s: Optional[float] = None) -> None:
+                 write_pool=None, telemetry, wait_timeout_s: Optional[float] = None,
+                 keep_staged=None) -> None:
         self._copy_param = copy_param             # fp32 parameters: copied from the master
         self._state_on_device = state_on_device   # the master is on the device (tier none)
         self._write_pool = write_pool             # host buffers for NVMe-home write-back
@@ -38,6 +41,7 @@ class ParamWriteBack:
         self._staging = threading.local()         # per worker: pinned copy for the H2D, NVMe write loan
         self.telemetry = telemetry
         self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
+        self._keep_staged = keep_staged           # block index -> write through a staging buffer
 
     def target(self, block) -> Optional[torch.Tensor]:
         """Where the kernel writes this rank's shard of the new low-precision parameters
@@ -62,13 +66,26 @@ class ParamWriteBack:
         home = bp.home_view_for_write()
         if home is not None:
             return home
+        through = getattr(self._staging, "through", None)
+        if through is not None:
+            return through
+        if self._keep_staged is not None and self._keep_staged(block.index):
+            through = bp.begin_write_through()        # None: no staging buffer free now
+            if through is not None:
+                self._staging.through = through       # this worker's, until commit / abort
+                return through
         loan = getattr(self._staging, "loan", None)
         if loan is None:
             loan = self._staging.loan = self._write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
         return loan.view(bp.dtype, bp.home_numel)
 
-    def abort(self) -> None:
-        """After a failed update on this worker: give back the write buffer it held."""
+    def abort(self, block=None) -> None:
+        """After a failed update on this worker: give back the write buffer it held (and
+        ``block``'s staging buffer, when it was being written through)."""
+        if getattr(self._staging, "through", None) is not None:
+            self._staging.through = None
+            if block is not None and block.params is not None:
+                block.params.abort_write_through()
         loan = getattr(self._staging, "loan", None)
         if loan is not None:
             self._staging.loan = None
@@ -84,6 +101,7 @@ class ParamWriteBack:
             with self.telemetry.span("offload::param_writeback"):
                 if out is None:
                     block.home_shard(target).copy_(master)
+                self._staging.through = None          # write_home settles it, or gives it back on failure
                 bp.write_home(target)
             loan = getattr(self._staging, "loan", None)
             if loan is not None:

@@ -23,10 +23,12 @@ Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). T
               fetched for forward and backward (2 x p x params per micro-step)
     nvme      state read + write (memory_plan.state_bytes_per_param each way, once per step), parked
               gradients (clipping / fp16 / accumulation: written and read once per micro-step), parameters read
-              once per micro-step (backward re-fetches from the host copy) and written once per
-              step; one request per block: requests x latency + bytes / bandwidth, per
-              direction; the directions overlap by the measured duplex share d:
-              nvme = max(read, write) + (1 - d) * min(read, write)
+              by the forward and again by the backward, but for the device budget's worth still on
+              the device at the turn, every micro-step, trainable ones written once per step
+              (``trainable``: LoRA's adapters; frozen ones only fetched); one request per block:
+              requests x latency + bytes / bandwidth, per direction; the directions overlap by the
+              measured duplex share d: nvme = max(read, write) + (1 - d) * min(read, write)
+    crc       every NVMe byte is checksummed (CRC32C) on the CPU: (read + write) / crc rate
 
 Terms are grouped by the resource that executes them: the device (compute, device Adam),
 the CPU (CPU Adam), each link, the disk. On a CPU-only machine the device IS the CPU: compute,

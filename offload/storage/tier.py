@@ -253,6 +253,28 @@ class Loan:
                 raise io_error("write", self.what, exc) from exc
             self.state = LoanState.WRITING
 
+    def write_through(self, timeout: Optional[float] = None) -> None:
+        """The bytes were modified and stay in use: write them back and wait until they are
+        durable, keeping the buffer (READY -> READY; the write-through of a parameter home
+        whose next use is near). A failed write gives the buffer back (ON_TIER) and raises."""
+        with self._lock:
+            if self.state is LoanState.RESIDENT:
+                return
+            assert self.state is LoanState.READY, f"{self.what}: write_through from {self.state}"
+            try:
+                io = self.tier.store.write(self.key, self._bytes)
+            except BaseException as exc:
+                self._give_back()
+                raise io_error("write", self.what, exc) from exc
+            # READY throughout: the lock is held until the write is durable, so no other verb
+            # runs in between, and the bytes are only read by the write
+            t = self._timeout(timeout)
+            try:
+                _wait(io, "write", self.what, t)
+            except BaseException:
+                self._settle_failed(io, t)
+                raise
+
     def poll(self) -> bool:
         """Settle a finished read (-> READY) or write (-> ON_TIER, buffer back) without
         waiting; True when nothing is in flight afterwards. A failed I/O raises (its buffer
