@@ -85,17 +85,16 @@ def main():
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", "/injected/home")
             return real(self, src)
         BlockParams.write_home = write_home
-    elif stage == "adam":
-        import offload.optim as optim
-        real_adam = optim.adam_step
+    elif stage == "adam":              # the update rule's CPU step (the engine's rule object)
+        real_step = eng.rule.cpu_step
         numel = eng.blocks[TARGET].state.numel
 
-        def adam_step(master, *a, **k):
+        def cpu_step(master, *a, **k):
             if master.numel() == eng.blocks[TARGET].layout.numel or master.numel() == numel:
                 fire()
                 raise RuntimeError("injected failure in the CPU kernel")
-            return real_adam(master, *a, **k)
-        optim.adam_step = adam_step
+            return real_step(master, *a, **k)
+        eng.rule.cpu_step = cpu_step
     elif stage == "gradient collective":
         real_wait = GradSync.wait
 

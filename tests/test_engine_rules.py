@@ -173,8 +173,8 @@ def dtype_loop(rule_name, state_dtype, steps=STEPS):
 
 
 # ---- fp32 state: every rule, cpu and nvme ---------------------------------------------------------------
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
-@pytest.mark.parametrize("rule", list(HP))
+@pytest.mark.parametrize("rule,tier", [(r, t) for r in HP for t in ("cpu", "nvme")] +
+                         [(r, "none") for r in ("Lion", "SGD", "Adagrad")])   # none: rule.device_step on CUDA
 def test_rule_matches_torch(rule, tier, tmp_path):
     if rule == "Adafactor" and not hasattr(torch.optim, "Adafactor"):
         pytest.skip("this torch has no torch.optim.Adafactor")
@@ -202,6 +202,23 @@ def test_adafactor_factors_whole_matrices(tmp_path):
         assert plan_bytes == lay.nbytes < 4 * 2 * eng.layouts[1].padded_numel   # below unfactored
     finally:
         eng.close()
+
+
+def test_adafactor_split_tensor_keeps_unfactored_piece():
+    """A shard that holds only part of a matrix (ZeRO) keeps the unfactored variance of its
+    piece; whole matrices in the shard keep row / column statistics."""
+    from offload.optim.state_layout import StateLayout
+    rule = get_rule("Adafactor")
+    hp = dict(rule.defaults)
+    # shard [0, 1024) of a flat holding a 16 x 16 matrix at 0 and a 40 x 30 matrix at 256 (split)
+    lay = StateLayout.for_shard(rule, [hp], 1024, "fp32", [(0, 256, (16, 16), 0), (256, 1200, (40, 30), 0)])
+    assert [(t.start, t.numel, t.shape, dict(t.rows)) for t in lay.tensors] == [
+        (0, 256, (16, 16), {"row_var": 16, "col_var": 16}), (256, 768, None, {"variance": 768})]
+    again = StateLayout.from_description(lay.describe())
+    assert again.describe() == lay.describe() and again.nbytes == lay.nbytes
+    buf = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    master, rows = lay.views(buf)
+    assert lay.tensor_state(rows, 1)["variance"].numel() == 768 and master.numel() == 1024
 
 
 # ---- bf16 / int8 state against the same rule in plain torch ----------------------------------------------

@@ -206,6 +206,11 @@ class StepPipeline:
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
         st = block.state
+        if st.residency is Residency.WRITING:     # this block's last write is still in flight (a
+            at[0] = "state write"                 # busy disk): it completes before the state is read
+            with self._lock:
+                self._writing = collections.deque(x for x in self._writing if x[1] is not st)
+                st.reclaim(block=True, timeout=self.wait_timeout_s)
         at[0] = "state read"
         if st.tier is Tier.NVME and not st.in_memory:
             self._fetch(st)

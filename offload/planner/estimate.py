@@ -241,7 +241,9 @@ def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = Fal
     out = []
     for lay in layouts:
         parts = frozen.pop(lay.name, [])
-        out.append(BlockSize(lay.name, lay.numel, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+        out.append(BlockSize(lay.name, lay.numel, tuple(nbytes(q) for q in parts),
+                             params=tuple((sg.offset, sg.numel, tuple(sg.shape), sg.group) for sg in lay.segments),
+                             in_place=(frozen_in_place,) * len(parts)))
     for name, parts in frozen.items():
         out.append(BlockSize(name, 0, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
     return out
