@@ -374,7 +374,6 @@ class Engine:
     def _build_storage(self) -> None:
         """Host pools and NVMe stores, sized by the memory plan (engine/memory_plan.py says
         what each pool holds)."""
-        from offload.engine.memory_plan import GradHome
         from offload.storage.pinned_pool import HostPool
         cfg, plan = self.config, self.plan
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()

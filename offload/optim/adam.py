@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from offload.optim import reference as _reference
-from offload.optim.rule import Row, UpdateRule, load_row, state_dtype_of, store_row
+from offload.optim.rule import Row, UpdateRule, state_dtype_of
 
 
 class AdamHparams(ctypes.Structure):
