@@ -10,8 +10,8 @@ CPU), the optimizer state on the cpu and nvme tiers.
   against its plain-torch reference in offload/optim/lion.py, the bound from the distance
   between that single-tensor reference and its foreach form (Lion.device_step).
 * bf16 and int8 state: against a plain-torch loop applying the same rule with the same state
-  dtype: each block's parameters flattened as the engine flattens them (the int8 scale blocks
-  of 256 elements start where the engine's do), the rows stored as bf16 / as quant.py's
+  dtype, per parameter (the engine starts every parameter on a 256-element scale block, so
+  its int8 blocks are each tensor's own, as here), the rows stored as bf16 / as quant.py's
   codes and scales between steps, the rule's reference update in fp32 in between. The bound
   is a hundredth of the distance between that loop and the same loop with fp32 state: a
   broken update (state not written back, a wrong scale, rows swapped) moves by far more.
@@ -140,35 +140,30 @@ def block_params(model):
 
 
 def dtype_loop(rule_name, state_dtype, steps=STEPS):
-    """A plain-torch loop applying ``rule_name`` with ``state_dtype`` rows per block flat (the
-    engine's layout: one flat per block, int8 scale blocks from its start), the rule's
-    reference update in fp32 between loading and storing the rows."""
+    """A plain-torch loop applying ``rule_name`` with ``state_dtype`` rows per parameter (int8:
+    each tensor quantized on its own, scale blocks from its first element, as 8-bit Adam
+    does), the rule's reference update in fp32 between loading and storing the rows."""
     rule, model = get_rule(rule_name), make_model()
     group = dict(rule.defaults, **HP[rule_name])
-    blocks = block_params(model)
+    params = [p for ps in block_params(model) for p in ps]
     rows = rule.rows(group)
     states = []
-    for ps in blocks:
-        n = sum(p.numel() for p in ps)
+    for p in params:
         st = {}
         for r in rows:
-            store_row(st, r, torch.full((n,), float(group[r.init]) if r.init else 0.0), state_dtype)
+            store_row(st, r, torch.full((p.numel(),), float(group[r.init]) if r.init else 0.0), state_dtype)
         states.append(st)
     for s, (x, y) in enumerate(batches(steps)):
         model(x, y).backward()
         with torch.no_grad():
-            for ps, st in zip(blocks, states):
-                flat = torch.cat([p.detach().reshape(-1) for p in ps])
-                grad = torch.cat([p.grad.reshape(-1) for p in ps])
+            for p, st in zip(params, states):
+                flat = p.detach().reshape(-1).clone()
                 wide = {r.name: load_row(st, r).clone() for r in rows}
-                rule.reference(flat, grad, wide, group, s + 1)
+                rule.reference(flat, p.grad.reshape(-1), wide, group, s + 1)
                 for r in rows:
                     store_row(st, r, wide[r.name], state_dtype)
-                off = 0
-                for p in ps:
-                    p.copy_(flat[off:off + p.numel()].view(p.shape))
-                    off += p.numel()
-                    p.grad = None
+                p.copy_(flat.view(p.shape))
+                p.grad = None
     return snapshot(model)
 
 

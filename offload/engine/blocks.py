@@ -19,9 +19,11 @@ Layout of one block's flat buffer (1-D, one dtype)::
     [ group 0 params | group 1 params | ... | padding to a multiple of world_size * 1024 ]
 
 Parameters are ordered by optimizer group, so each group's hyper-parameters apply to one
-contiguous range (``group_ranges``). With ``group_align`` (int8 optimizer state: 256, its
-scale block) each group after the first starts on a multiple of it, the gap zero padding, so
-no scale block spans two groups.
+contiguous range (``group_ranges``). With ``param_align`` (int8 optimizer state: 256, its
+scale block) every parameter starts on a multiple of it, the gaps zero padding, so no scale
+block spans two parameters (each tensor is quantized on its own, as 8-bit Adam does: a
+LayerNorm gain sharing a block's absmax with a weight matrix would lose the matrix's small
+second moments) nor two groups.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def block_roots(model: nn.Module, block_names: Optional[Sequence[str]]) -> List[
 
 
 def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_group_of: Dict[int, int],
-                  world_size: int = 1, group_align: int = 1) -> List[BlockLayout]:
+                  world_size: int = 1, param_align: int = 1) -> List[BlockLayout]:
     """Assign every trainable parameter to exactly one block and lay the blocks out.
 
     ``param_group_of`` maps ``id(param)`` to its optimizer group index."""
@@ -140,8 +142,7 @@ def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_
         items.sort(key=lambda it: param_group_of[id(it[1])])  # stable: module order within a group
         segs, off = [], 0
         for pn, p in items:
-            if segs and segs[-1].group != param_group_of[id(p)]:
-                off = -(-off // group_align) * group_align       # a new group: aligned start
+            off = -(-off // param_align) * param_align           # aligned start (1: contiguous)
             segs.append(Segment(pn, p, off, p.numel(), p.shape, param_group_of[id(p)]))
             off += p.numel()
         lay = BlockLayout(len(layouts), n, modules[n], segs, off, sharding.padded_numel(off, world_size))
@@ -155,6 +156,19 @@ def build_layouts(model: nn.Module, block_names: Optional[Sequence[str]], param_
     if not layouts:
         raise ModelError("the model has no trainable parameters: nothing to optimize")
     return layouts
+
+
+def gaps(lay: "BlockLayout", numel: int) -> List[Tuple[int, int]]:
+    """The [a, b) ranges of a block's flat ``[0, numel)`` that no parameter covers: the
+    alignment gaps between parameters and the padding at the end."""
+    out, off = [], 0
+    for s in sorted(lay.segments, key=lambda s: s.offset):
+        if s.offset > off:
+            out.append((off, s.offset))
+        off = max(off, s.offset + s.numel)
+    if off < numel:
+        out.append((off, numel))
+    return out
 
 
 def frozen_parts(model: nn.Module, block_names: Optional[Sequence[str]],

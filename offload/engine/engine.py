@@ -172,7 +172,7 @@ class Engine:
         self.optimizer = self._make_optimizer(model, param_groups)
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world,
-                                         group_align=quant.BLOCK if self.state_dtype == "int8" else 1)
+                                         param_align=quant.BLOCK if self.state_dtype == "int8" else 1)
         # Frozen parameters are offloaded with their blocks whenever parameters are:
         # (root name, root module, parts) per block root holding any
         self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
@@ -651,7 +651,8 @@ class Engine:
                 if self._grad_tier is not None:
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
                                       has_jobs=self._jobs_in_flight, key=self._grad_key(lay),
-                                      what=f"gradients of block {lay.index} ({lay.name or '<root>'})")
+                                      what=f"gradients of block {lay.index} ({lay.name or '<root>'})",
+                                      gaps=blk.gaps(lay, gn))
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,7 +61,7 @@ class GradBuffer:
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
                  dtype: torch.dtype = torch.float32, tier=None, has_jobs=None, device=None,
-                 key: str = "", what: str = ""):
+                 key: str = "", what: str = "", gaps: Sequence[Tuple[int, int]] = ()):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
@@ -80,6 +80,9 @@ class GradBuffer:
         self._parking = None                          # Future of park() in flight
         self._park_thread = None                      # the worker running the park job
         self._zero_on_return = None                   # segments to zero when a parked sum returns
+        # [a, b) ranges no parameter covers (alignment gaps, padding): zeroed in a borrowed
+        # buffer, which holds another block's bytes (an int8 scale block may span a gap)
+        self._gaps = tuple(gaps)
 
     # ---- one backward ------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -127,6 +130,9 @@ class GradBuffer:
         if not (self._loan.fetch() if parked else self._loan.try_fill() is not None):
             self._lend_when_free(parked)
         self.tensor = self._loan.acquire().view(self._dtype)     # a read in flight: waited (bounded)
+        if not parked:
+            for a, b in self._gaps:
+                self.tensor[a:b].zero_()
         if parked:                                   # the window's sum so far is back
             self.spill = Spill.NONE
             segs, self._zero_on_return = self._zero_on_return, None
