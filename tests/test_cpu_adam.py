@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -412,24 +413,35 @@ def test_concurrent_callers(backend):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_pool_after_fork(native):
-    n = 1 << 20
-    p0, grads = _param0(n), _grads(n, F32, 2)
-    expected = _run_ours(p0, grads, True, 0.0)[0]  # the parent's workers are running now
-    pid = os.fork()
-    if pid == 0:  # child: the pool must start fresh workers, not wait for the parent's
-        torch.set_num_threads(1)  # keep torch's own (OpenMP) pool out of the forked child
-        ok = torch.equal(_run_ours(p0, grads, True, 0.0)[0], expected)
-        os._exit(0 if ok else 1)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    pytest.fail("adam_step hung in a forked child")
+def test_pool_after_fork():
+    """A forked child starts fresh pool workers instead of waiting for the parent's. Run in a
+    fresh interpreter: fork() of the test process itself can fail with ENOMEM once earlier
+    tests have reserved large host pools."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import torch
+        from test_cpu_adam import _param0, _grads, _run_ours, F32
+        n = 1 << 20
+        p0, grads = _param0(n), _grads(n, F32, 2)
+        expected = _run_ours(p0, grads, True, 0.0)[0]   # the parent's workers are running now
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)   # keep torch's own (OpenMP) pool out of the forked child
+            os._exit(0 if torch.equal(_run_ours(p0, grads, True, 0.0)[0], expected) else 1)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                sys.exit(os.waitstatus_to_exitcode(status))
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        sys.exit("adam_step hung in a forked child")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])))
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 
 # ---- CPUAdam: the torch.optim.Optimizer ------------------------------------------------
