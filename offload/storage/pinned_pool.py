@@ -199,27 +199,10 @@ class HostPool:
 
         Raises PoolBudgetError when no slot could ever hold ``nbytes``, TimeoutError when
         ``timeout`` seconds pass first."""
-        self._check_size(nbytes)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            buf = self._take(nbytes)
-            if buf is not None:
-                return buf
-            with record_function("offload::pool_wait"):
-                return self._wait_for_slot(nbytes, deadline, timeout)
-
-    def _wait_for_slot(self, nbytes: int, deadline: float | None, timeout: float | None) -> HostBuffer:
-        while True:  # lock held
-            buf = self._take(nbytes)
-            if buf is not None:
-                return buf
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"HostPool {self.name!r}: no free slot of >= {nbytes} bytes after {timeout} s "
-                    f"({len(self._free)} of {len(self._caps)} slots free, {self._in_use} bytes in use); "
-                    "a buffer is probably held too long, or the pool is too small for the lookahead")
-            self._cond.wait(remaining)
+        return _acquire(self, nbytes, timeout, lambda: (
+            f"HostPool {self.name!r}: no free slot of >= {nbytes} bytes after {timeout} s "
+            f"({len(self._free)} of {len(self._caps)} slots free, {self._in_use} bytes in use); "
+            "a buffer is probably held too long, or the pool is too small for the lookahead"))
 
     def stats(self) -> dict:
         with self._cond:
@@ -319,24 +302,10 @@ class HostArena:
         """A range of at least ``nbytes``; blocks until ranges given back make room.
         Raises PoolBudgetError when ``nbytes`` exceeds the capacity, TimeoutError when
         ``timeout`` seconds pass first."""
-        self._check_size(nbytes)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            buf = self._take(nbytes)
-            if buf is not None:
-                return buf
-            with record_function("offload::pool_wait"):
-                while True:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError(
-                            f"HostArena {self.name!r}: no free range of >= {nbytes} bytes after {timeout} s "
-                            f"({self._in_use} of {self._cap} bytes in use, largest free range "
-                            f"{max((n for _, n in self._free), default=0)})")
-                    self._cond.wait(remaining)
-                    buf = self._take(nbytes)
-                    if buf is not None:
-                        return buf
+        return _acquire(self, nbytes, timeout, lambda: (
+            f"HostArena {self.name!r}: no free range of >= {nbytes} bytes after {timeout} s "
+            f"({self._in_use} of {self._cap} bytes in use, largest free range "
+            f"{max((n for _, n in self._free), default=0)})"))
 
     def trim(self) -> int:
         """Give the pages of every free range back to the OS (``MADV_DONTNEED``; they read as
@@ -412,3 +381,24 @@ class HostArena:
 
     def __repr__(self) -> str:
         return f"HostArena({self.name!r}, {_fmt(self._cap)}, pinned={self.pinned})"
+
+
+def _acquire(pool, nbytes: int, timeout: float | None, timed_out) -> HostBuffer:
+    """``pool._take(nbytes)`` under ``pool._cond``, waiting (bounded by ``timeout``) for
+    buffers given back; ``timed_out()`` is the TimeoutError's message. Shared by HostPool
+    (fixed slots) and HostArena (ranges)."""
+    pool._check_size(nbytes)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with pool._cond:
+        buf = pool._take(nbytes)
+        if buf is not None:
+            return buf
+        with record_function("offload::pool_wait"):
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(timed_out())
+                pool._cond.wait(remaining)
+                buf = pool._take(nbytes)
+                if buf is not None:
+                    return buf
