@@ -208,9 +208,9 @@ class StepPipeline:
         st = block.state
         if st.residency is Residency.WRITING:     # this block's last write is still in flight (a
             at[0] = "state write"                 # busy disk): it completes before the state is read
-            with self._lock:
+            with self._lock:                      # no other thread reclaims it once it is off the list
                 self._writing = collections.deque(x for x in self._writing if x[1] is not st)
-                st.reclaim(block=True, timeout=self.wait_timeout_s)
+            st.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
         at[0] = "state read"
         if st.tier is Tier.NVME and not st.in_memory:
             self._fetch(st)
