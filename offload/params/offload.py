@@ -235,9 +235,8 @@ class ParamOffload:
             # a block whose update is in flight may be filling its staging buffer (write-through)
             held = [j for j, bp in enumerate(self.params)
                     if bp is not None and j != want and bp.users == 0 and bp.state is not ParamState.HOME]
-            victims = [j for j in held if not self._update_in_flight(j)
-                       and (self.params[j].device_bytes > 0 or not over)]
             waiting = [j for j in held if self._update_in_flight(j)]
+            victims = [j for j in held if j not in waiting and (self.params[j].device_bytes > 0 or not over)]
             if not victims and waiting:
                 with self.telemetry.span("offload::wait_update"):
                     self._block(waiting[0]).wait_update()    # bounded: the job's waits are
