@@ -72,6 +72,8 @@ def main():
         break_io(eng._store, f"b{TARGET}.state", "read", stall=stage == "stall")
     elif stage == "state write":
         break_io(eng._store, f"b{TARGET}.state", "write")
+    elif stage == "gradient park":     # clipping: the window's sum waits on NVMe for step()
+        break_io(eng._store, f"b{TARGET}.grad", "write")
     elif stage == "parameter read":
         break_io(eng._param_store, f"b{TARGET}.param", "read")
     elif stage == "parameter write-back" and prm == "nvme":

@@ -28,6 +28,7 @@ CASES = [
     ("state read", "nvme", "none", 0.0, 9),           # EBADF from the I/O backend, asynchronously
     ("state write", "nvme", "none", 0.0, 9),          # fails after its job returned
     ("state write", "nvme", "nvme", 1.0, 9),
+    ("gradient park", "nvme", "none", 1.0, 9),       # the window's gradient sum parked on NVMe
     ("adam", "cpu", "none", 0.0, None),
     ("adam", "nvme", "nvme", 1.0, None),              # clipping: submitted by step()
     ("parameter write-back", "cpu", "nvme", 0.0, 9),  # the parameter home's NVMe write

@@ -176,17 +176,26 @@ class GradBuffer:
         self._loan.release()                          # waits for the write (bounded)
         self.spill = Spill.PARKED
 
-    def start_park(self, run, first=None):
+    def start_park(self, run, first=None, fail=None):
         """Park on a worker (``run(fn)`` returns a Future), after ``first()`` (a reader of the
         buffer, e.g. its norms) if given; the next borrow waits for it. Returns the Future,
-        whose result is ``first()``'s."""
+        whose result is ``first()``'s. ``fail(stage, exc)`` turns a failure of ``first``
+        ("gradient norm") or of the write ("gradient park") into the error the Future raises
+        (the engine's: it names the block and is raised from the user's next call)."""
         self._wait_parking()
 
         def job():
             self._park_thread = threading.get_ident()   # first() reads the buffer before the park
+            stage = "gradient norm"
             try:
                 out = first() if first is not None else None
+                stage = "gradient park"
                 self.park()
+            except BaseException as exc:
+                err = fail(stage, exc) if fail is not None else exc
+                if err is exc:
+                    raise
+                raise err from exc
             finally:
                 self._park_thread = None
             return out

@@ -165,7 +165,8 @@ class StepControl:
             if b.grad.spills:
                 # the window's sum waits for step() or the next micro-step on NVMe (grads.py),
                 # parked on a worker right after its norm is taken
-                fut = b.grad.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None)
+                fut = b.grad.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None,
+                                        fail=lambda stage, exc, b=b: self.pipeline.record_failure(b, stage, exc))
                 if norm:
                     self._norms.append(fut)
             elif norm:
