@@ -68,7 +68,14 @@ OFFLOAD_API int offload_kernel_get_num_threads(void);
  * offload_pool_linger_ns and the runtime stopped counting them). */
 OFFLOAD_API const char *offload_pool_runtime(void);
 OFFLOAD_API int offload_pool_registered(void);
+OFFLOAD_API int64_t offload_pool_registrations(void); /* started since the library loaded */
 OFFLOAD_API int64_t offload_pool_linger_ns(void);
+/* A phase of kernels under way (an optimizer step over many blocks or tensors): while any
+ * hold is taken, a registration started by a kernel lasts through the gaps between kernels.
+ * Every hold is released exactly once (from any thread); release returns -EINVAL if none is
+ * taken. */
+OFFLOAD_API void offload_pool_hold(void);
+OFFLOAD_API int offload_pool_release(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

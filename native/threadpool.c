@@ -30,9 +30,24 @@
  * threads than CPUs, and every idle spin that starts from then on, torch's included, is the
  * short one: torch work interleaved with the kernels (the next forward during the optimizer
  * step, torch work between two blocks' updates) leaves no spinning worker next to a kernel.
- * Once no kernel has run for LINGER_NS (OFFLOAD_POOL_LINGER_MS), the region ends and the host
- * exits, which is when the runtime stops counting those threads (libgomp frees a master's
- * thread pool at its exit): torch's own work then spins as it did before the pool existed.
+ * Once no kernel runs and no hold is taken (below), and LINGER_NS (OFFLOAD_POOL_LINGER_MS,
+ * default 0) has passed, the region ends and the host exits, which is when the runtime stops
+ * counting those threads (libgomp frees a master's thread pool at its exit): torch's own work
+ * then spins as it did before the pool existed.
+ *
+ * What a registration costs, and holds. Each one creates the host and the region's threads
+ * (cpu_count + 1 thread creations and exits, ~0.1-0.3 ms of CPU here) and lasts as long as it
+ * is wanted. Torch work inside it pays the short spin: back-to-back small ops each wake a
+ * sleeping worker, so a registration that outlives the kernels slows the torch work after
+ * them (with a 20 ms linger, torch work right after a block-sized step ran up to 1.45x
+ * slower). A registration that ends with each kernel instead lets every gap between two
+ * kernels of one optimizer step start torch spins at the full count, which then run next to
+ * the following kernel (and the step re-registers per block). So the caller that knows a
+ * phase of kernels is under way says so: offload_pool_hold() / offload_pool_release() bracket
+ * it (the engine's optimizer pipeline: from a block's submission to its job's end; the
+ * standalone optimizers: one step() over all their parameters). A hold starts no registration
+ * by itself; the first kernel under it does, and the registration then lasts until the last
+ * hold is released and no kernel runs: one per phase, ended as the phase ends.
  * The workers themselves are always plain pthreads; nothing of the runtime runs a chunk.
  * OFFLOAD_POOL=pthread never registers. offload_pool_runtime() names the runtime (or
  * "pthread"); offload_pool_registered() says whether a registration is alive.
@@ -150,7 +165,7 @@ static struct {
     const char *name; /* the runtime's soname, or NULL: never register */
 } OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
 
-#define DEFAULT_LINGER_MS 20L
+#define DEFAULT_LINGER_MS 0L /* holds bridge the gaps a phase of kernels has (see the header) */
 static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
 
 static void find_openmp(void) {
@@ -196,11 +211,14 @@ static struct {
     struct reg *current;   /* NULL: not registered (or the last one is leaving) */
     int alive;             /* registrations whose host has not exited */
     int busy;              /* pool_run calls in progress */
-    long last_end;         /* now_ns() when the last pool_run ended */
-} REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+    int held;              /* offload_pool_hold() calls not yet released */
+    long made;             /* registrations started since the library loaded */
+    long last_end;         /* now_ns() when the last pool_run ended or the last hold was released */
+} REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0};
 
-/* The region's body. The master waits until the pool has idled LINGER_NS, then releases the
- * team; the others sleep until released. Nothing here touches the pool's work. */
+/* The region's body. The master waits until no kernel runs, no hold is taken and LINGER_NS
+ * has passed since the last of them, then releases the team; the others sleep until
+ * released. Nothing here touches the pool's work. */
 static void reg_team(void *arg) {
     struct reg *r = arg;
     pthread_mutex_lock(&REG.lock);
@@ -208,10 +226,11 @@ static void reg_team(void *arg) {
         r->state = REG_HELD;
         for (;;) {
             long now = now_ns(), due = REG.last_end + LINGER_NS;
-            if (REG.busy == 0 && now >= due) break;
+            if (REG.busy == 0 && REG.held == 0 && now >= due) break;
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
-            long wait = REG.busy > 0 ? LINGER_NS + 1000000L : due - now;
+            /* reg_exit and offload_pool_release broadcast; the timeout only bounds a lost wake-up */
+            long wait = REG.busy > 0 || REG.held > 0 ? 100000000L : due - now;
             until.tv_sec += wait / 1000000000L;
             until.tv_nsec += wait % 1000000000L;
             if (until.tv_nsec >= 1000000000L) {
@@ -261,6 +280,7 @@ static void reg_enter(void) {
             pthread_detach(tid);
             REG.current = r;
             REG.alive++;
+            REG.made++;
         } else {
             free(r); /* not registered: the kernel runs all the same */
         }
@@ -278,9 +298,34 @@ static void reg_exit(void) {
     pthread_mutex_unlock(&REG.lock);
 }
 
+OFFLOAD_API void offload_pool_hold(void) {
+    pthread_mutex_lock(&REG.lock);
+    REG.held++;
+    pthread_mutex_unlock(&REG.lock);
+}
+
+OFFLOAD_API int offload_pool_release(void) {
+    pthread_mutex_lock(&REG.lock);
+    int ok = REG.held > 0;
+    if (ok) {
+        REG.held--;
+        REG.last_end = now_ns();
+        pthread_cond_broadcast(&REG.cond);
+    }
+    pthread_mutex_unlock(&REG.lock);
+    return ok ? 0 : -22; /* -EINVAL: no hold to release */
+}
+
 OFFLOAD_API int offload_pool_registered(void) {
     pthread_mutex_lock(&REG.lock);
     int n = REG.alive;
+    pthread_mutex_unlock(&REG.lock);
+    return n;
+}
+
+OFFLOAD_API int64_t offload_pool_registrations(void) {
+    pthread_mutex_lock(&REG.lock);
+    long n = REG.made;
     pthread_mutex_unlock(&REG.lock);
     return n;
 }
@@ -316,6 +361,7 @@ static void atfork_child(void) {
     REG.current = NULL;
     REG.alive = 0;
     REG.busy = 0;
+    REG.held = 0; /* the parent's holds belong to its threads, which the child lacks */
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 

@@ -10,6 +10,7 @@ kernels run concurrently with PyTorch work on other threads.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -35,8 +36,9 @@ def mode() -> str:
 
 def _check_pool_env() -> None:
     """OFFLOAD_POOL (``pthread``: never register the pool with torch's OpenMP runtime; unset or
-    ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 20: how
-    long the registration outlives the last kernel), read by native/threadpool.c."""
+    ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 0: how
+    long the registration outlives the last kernel and the last hold, see ``pool_hold``), read
+    by native/threadpool.c."""
     pool = os.environ.get("OFFLOAD_POOL", "auto").strip().lower()
     if pool not in ("auto", "pthread", ""):
         raise ValueError(f"OFFLOAD_POOL={pool!r} is not valid: use auto or pthread")
@@ -125,6 +127,9 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_runtime.argtypes, lib.offload_pool_runtime.restype = [], ctypes.c_char_p
     lib.offload_pool_registered.argtypes, lib.offload_pool_registered.restype = [], i32
     lib.offload_pool_linger_ns.argtypes, lib.offload_pool_linger_ns.restype = [], i64
+    lib.offload_pool_registrations.argtypes, lib.offload_pool_registrations.restype = [], i64
+    lib.offload_pool_hold.argtypes, lib.offload_pool_hold.restype = [], None
+    lib.offload_pool_release.argtypes, lib.offload_pool_release.restype = [], i32
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -197,8 +202,48 @@ adam_set_num_threads, adam_set_isa = kernel_set_num_threads, kernel_set_isa
 
 def pool_registered(L: ctypes.CDLL) -> int:
     """Registrations of the native pool with torch's OpenMP runtime alive now (the pool holds
-    one while it has work and for ``pool_linger`` seconds after; native/threadpool.c)."""
+    one while it has work or a hold is taken, and for ``pool_linger_s`` after; threadpool.c)."""
     return L.offload_pool_registered()
+
+
+def pool_registrations(L: ctypes.CDLL) -> int:
+    """Registrations started since the library loaded (one per phase of kernels under a hold)."""
+    return L.offload_pool_registrations()
+
+
+def pool_hold(L: ctypes.CDLL) -> None:
+    """A phase of kernels starts (an optimizer step over many blocks or tensors): from its first
+    kernel until the matching ``pool_release``, the pool's registration with torch's OpenMP
+    runtime lasts through the gaps between kernels, so torch work in those gaps does not start
+    full-length idle spins next to the next kernel, and the phase registers once, not once
+    per kernel. Taking a hold starts no registration by itself. Release every hold exactly
+    once, from any thread."""
+    L.offload_pool_hold()
+
+
+def pool_release(L: ctypes.CDLL) -> None:
+    """The end of a ``pool_hold``: with no hold left and no kernel running, the registration
+    ends (torch's idle workers spin at their full count again)."""
+    if L.offload_pool_release() != 0:
+        raise RuntimeError("pool_release without a matching pool_hold")
+
+
+@contextlib.contextmanager
+def pool_held():
+    """``pool_hold`` for the duration of a with-block (nothing when the library is not in use;
+    a library that cannot load is reported by the kernel call itself)."""
+    try:
+        L = lib()
+    except ImportError:
+        L = None
+    if L is None:
+        yield
+        return
+    pool_hold(L)
+    try:
+        yield
+    finally:
+        pool_release(L)
 
 
 def _kernel_info(lib: ctypes.CDLL) -> dict:

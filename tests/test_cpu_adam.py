@@ -630,14 +630,18 @@ out = {"registered_before": _native.pool_registered(L), "default": idle_spin_ms(
 n = 1 << 20
 p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
 stop = threading.Event()
-def kernels():  # the optimizer's thread, stepping blocks while torch works
-    while not stop.is_set():
-        adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+def kernels():  # the optimizer's thread, stepping blocks while torch works, under one hold
+    with _native.pool_held():                 # as the engine's pipeline holds for its jobs
+        while not stop.is_set():
+            adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+            time.sleep(0.002)                 # a gap between two blocks' kernels
+made = _native.pool_registrations(L)
 bg = threading.Thread(target=kernels); bg.start()
 time.sleep(0.05)
 out["registered_busy"] = _native.pool_registered(L)
 out["busy"] = idle_spin_ms()
 stop.set(); bg.join()
+out["registrations_in_phase"] = _native.pool_registrations(L) - made
 deadline = time.monotonic() + 10
 while _native.pool_registered(L) and time.monotonic() < deadline:
     time.sleep(0.005)
@@ -655,18 +659,21 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     more threads than CPUs and cuts the idle spin of torch's workers to microseconds (they
     do not burn a core next to the kernel); once the pool has idled, the registration ends and
     torch's workers spin after their work as they did before the pool existed (what keeps
-    back-to-back small torch ops fast). Measured as the CPU torch's worker threads burn while
-    idle (schedstat, so other load does not enter), in a fresh process."""
+    back-to-back small torch ops fast). The kernels run as the engine's pipeline runs them,
+    under one hold with gaps between them: one registration for the phase. Measured as the CPU
+    torch's worker threads burn while idle (schedstat, so other load does not enter), in a
+    fresh process."""
     if offload.native_info()["pool"] == "pthread":
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread)")
-    # a linger far above the gaps between the background kernels, so the registration holds
-    # through the busy phase on a loaded machine (the default is 20 ms)
-    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2", OFFLOAD_POOL_LINGER_MS="500")
+    # the default linger (0): the hold alone carries the registration over the gaps
+    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
     env.pop("OFFLOAD_POOL", None)
+    env.pop("OFFLOAD_POOL_LINGER_MS", None)
     res = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["registered_before"] == 0 and out["registered_busy"] == 1 and out["registered_idle"] == 0, out
+    assert out["registrations_in_phase"] == 1, f"the hold did not carry one registration over the gaps: {out}"
     assert out["default"] > 1.0, f"torch's idle workers did not spin before the pool existed: {out}"
     assert out["busy"] < 0.2 * out["default"], f"torch's idle workers spun next to the kernels: {out}"
     assert out["idle"] > 0.3 * out["default"], f"torch's default spin did not come back once the pool idled: {out}"

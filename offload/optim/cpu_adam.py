@@ -219,20 +219,21 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise TypeError("CPUAdam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                adam_step(_flat(p, "param"), _flat(p.grad, "param.grad"), _flat(state["exp_avg"], "exp_avg"),
-                          _flat(state["exp_avg_sq"], "exp_avg_sq"), step=int(state["step"].item()),
-                          lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                          weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"])
+        with _native.pool_held():   # one registration with torch's OpenMP for the whole step
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise TypeError("CPUAdam does not support sparse gradients")
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["step"] += 1
+                    adam_step(_flat(p, "param"), _flat(p.grad, "param.grad"), _flat(state["exp_avg"], "exp_avg"),
+                              _flat(state["exp_avg_sq"], "exp_avg_sq"), step=int(state["step"].item()),
+                              lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"])
         return loss

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from offload import _native
 from offload.optim.rule import STATE_DTYPES, get_rule, load_row, state_dtype_of, store_row
 
 
@@ -79,18 +80,19 @@ class RuleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise TypeError(f"{self.rule.name} does not support sparse gradients")
-                if not p.is_contiguous() or not p.grad.is_contiguous():
-                    raise ValueError(f"{self.rule.name} updates parameters in place through a flat view: "
-                                     f"make the parameter and its gradient contiguous")
-                flat, done = self._state_of(p, group)
-                self.state[p]["step"] += 1
-                self.rule.cpu_step(p.view(-1), p.grad.view(-1), flat, group, done + 1, shape=tuple(p.shape))
+        with _native.pool_held():   # one registration with torch's OpenMP for the whole step
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise TypeError(f"{self.rule.name} does not support sparse gradients")
+                    if not p.is_contiguous() or not p.grad.is_contiguous():
+                        raise ValueError(f"{self.rule.name} updates parameters in place through a flat view: "
+                                         f"make the parameter and its gradient contiguous")
+                    flat, done = self._state_of(p, group)
+                    self.state[p]["step"] += 1
+                    self.rule.cpu_step(p.view(-1), p.grad.view(-1), flat, group, done + 1, shape=tuple(p.shape))
         return loss
 
 

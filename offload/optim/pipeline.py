@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from offload import _native
 from offload import device as dev
 from offload.engine.block_shard import BlockShard
 from offload.errors import BlockError, block_error
@@ -176,7 +177,24 @@ class StepPipeline:
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
-        fut = self._pool.submit(self._job, block, args)
+        # From submission to the job's end (run, failed or cancelled), the native pool's
+        # registration with torch's OpenMP runtime lasts through the gaps between the blocks'
+        # kernels: one registration per optimizer phase, ended as the last job ends
+        # (_native.pool_hold; native/threadpool.c).
+        try:
+            L = _native.lib()
+        except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
+            L = None
+        if L is None:
+            fut = self._pool.submit(self._job, block, args)
+        else:
+            _native.pool_hold(L)
+            try:
+                fut = self._pool.submit(self._job, block, args)
+            except BaseException:
+                _native.pool_release(L)
+                raise
+            fut.add_done_callback(lambda _: _native.pool_release(L))
         block.pending = fut
         return fut
 
