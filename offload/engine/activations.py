@@ -105,12 +105,35 @@ def _layout(shape, stride) -> str:
     return "dense" if dense else "gapped"
 
 
+class _Transfers:
+    """The NVMe transfers of one saved tensor moving together (a direct write's head page and
+    body): done when all are; ``wait`` bounds them all by one ``timeout``."""
+
+    __slots__ = ("ios",)
+
+    def __init__(self, ios):
+        self.ios = list(ios)
+
+    def done(self) -> bool:
+        return all(io.done() for io in self.ios)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for io in self.ios:
+            io.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _direct_head(t: torch.Tensor) -> int:
+    """Bytes of ``t`` before its first 4 KiB page boundary (0: it starts on one)."""
+    return (-t.data_ptr()) % PAGE
+
+
 class _Saved:
     """One offloaded saved tensor: its metadata, where its bytes are, and its transfers."""
 
     __slots__ = ("owner", "index", "nbytes", "dtype", "shape", "stride", "dense", "device", "state", "host",
                  "direct", "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
-                 "__weakref__")
+                 "head", "head_key", "held", "__weakref__")
 
     def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool, host):
         self.owner = owner
@@ -132,6 +155,13 @@ class _Saved:
         self.handles = 1                             # packs that returned this record
         self.unpacks = 0
         self.keep: Optional[torch.Tensor] = None     # the restored tensor, until every handle unpacked it
+        # Written straight from device memory (CPU device, nvme; ``head`` is not None): the body
+        # (from the first page boundary on) goes to ``key`` from the tensor itself, which
+        # ``held`` keeps alive until the write is durable; the ``head`` bytes before that
+        # boundary go through a one-page range of the pool (``host``) to ``head_key``.
+        self.head: Optional[int] = None
+        self.head_key: Optional[str] = None
+        self.held: Optional[torch.Tensor] = None
 
     def __del__(self):
         # the last handle is gone: the graph that saved it was freed (backward, or dropped)
@@ -157,6 +187,8 @@ class ActivationOffload:
         self.store = store                  # NvmeStore for tier nvme
         self.telemetry = telemetry
         self.saved_tensors = self
+        # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
+        self._direct = tier == "nvme" and device.type == "cpu"
         self._d2h = dev.new_stream(device)
         self._h2d = dev.new_stream(device)
         # Records retire (``__del__``) on whichever thread drops the graph, possibly inside a
@@ -164,7 +196,7 @@ class ActivationOffload:
         # through a deque (atomic appends) and are settled under the lock later.
         self._lock = threading.RLock()
         self._free_keys: Dict[int, List[str]] = collections.defaultdict(list)
-        self._retired = collections.deque()  # (key, size, io, host) whose last handle is gone
+        self._retired = collections.deque()  # (keys, io, host, keep) of records whose last handle is gone
         self._draining: List[tuple] = []     # ... whose transfer was still in flight
         self._reserved = collections.Counter()   # key size -> keys reserved
         self._param_storages: set = set()
@@ -231,6 +263,9 @@ class ActivationOffload:
         if layout == "overlapping":
             return NOT_MINE
         nbytes = t.numel() * t.element_size()
+        if (self._direct and layout == "dense" and nbytes - _direct_head(t) >= PAGE
+                and t.data_ptr() % t.element_size() == 0):
+            return self._pack_direct(t, nbytes)
         host = self._lend(nbytes, t)                 # a range of the budgeted pool (may wait, bounded)
         rec = _Saved(self, len(self._records), t, layout == "dense", host)
         self._records.append(weakref.ref(rec))
@@ -253,6 +288,34 @@ class ActivationOffload:
         self._pump()
         return rec
 
+    def _pack_direct(self, t: torch.Tensor, nbytes: int) -> _Saved:
+        """CPU device, nvme: host and device are one memory, so a copy to the pool would only
+        cost a memcpy and RSS. The tensor's bytes from its first page boundary on are written
+        to NVMe straight from the tensor (O_DIRECT needs page-aligned memory), which is held
+        (device bytes, within the write window) until the write is durable; the few bytes
+        before that boundary go through a one-page range of the pool. The mirror of
+        backward's read straight into device memory."""
+        head = _direct_head(t)
+        host = self._lend(PAGE, t) if head else None
+        rec = _Saved(self, len(self._records), t, True, host)
+        rec.head, rec.held = head, t
+        self._records.append(weakref.ref(rec))
+        self._by_src[id(t)] = weakref.ref(rec)
+        self._device_hold(nbytes)                    # until its write is durable
+        with self.telemetry.span("offload::act_d2h", "act_d2h", nbytes):
+            if head:
+                flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+                host.view(torch.uint8, PAGE)[PAGE - head:].copy_(flat[:head])
+        with self._lock:
+            self.stats_["saved_bytes"] += nbytes
+            self.stats_["d2h_bytes"] += nbytes
+            self.stats_["direct_bytes"] += nbytes
+            self.stats_["tensors"] += 1
+        rec.state = SavedState.ON_HOST
+        self._write(rec)
+        self._pump()
+        return rec
+
     def _device_hold(self, n: int) -> None:
         with self._lock:
             self.device_bytes += n
@@ -263,12 +326,15 @@ class ActivationOffload:
         ``lookahead_bytes`` of D2H in flight, or ``final``: the forward ended, waits for the
         oldest, so the device holds at most that much beyond what the forward itself keeps);
         finished writes give their host copies back; more than ``lookahead_bytes`` in flight
-        to NVMe waits for the oldest."""
+        to NVMe waits for the oldest, never for the newest: a tensor larger than the lookahead
+        is written while forward goes on, and waited for only when the next one is saved
+        (if it is still in flight then)."""
         while self._copying and (final or self.device_bytes > self.lookahead or self._copying[0].event.query()):
             self._finish_copy_out()
         while self._writing:
             rec = self._writing[0]
-            if rec.state is SavedState.WRITING and not (self._writing_bytes > self.lookahead or rec.io.done()):
+            over = self._writing_bytes > self.lookahead and len(self._writing) > 1
+            if rec.state is SavedState.WRITING and not (over or rec.io.done()):
                 break
             self._finish_write(rec)
 
@@ -290,6 +356,19 @@ class ActivationOffload:
     def _write(self, rec: _Saved) -> None:
         if self.tier != "nvme":
             return
+        if rec.head is not None:                     # straight from device memory: body, head page
+            body = rec.held.as_strided((rec.held.numel(),), (1,)).view(torch.uint8)[rec.head:]
+            rec.key = self._take_key(body.numel())
+            with self.telemetry.span("offload::act_nvme_write"):
+                ios = [self.store.write(rec.key, body)]
+                if rec.head:
+                    rec.head_key = self._take_key(PAGE)
+                    ios.append(self.store.write(rec.head_key, rec.host.view(torch.uint8, PAGE)))
+            rec.io = _Transfers(ios)
+            rec.state = SavedState.WRITING
+            self._writing.append(rec)
+            self._writing_bytes += rec.nbytes
+            return
         rec.key = self._take_key(rec.nbytes)
         with self.telemetry.span("offload::act_nvme_write"):
             rec.io = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
@@ -307,6 +386,25 @@ class ActivationOffload:
         rec.io = None
         rec.state = SavedState.ON_NVME
         self._drop_host(rec)
+        self._release_held(rec)
+
+    def _release_held(self, rec: _Saved, keep: bool = False) -> Optional[torch.Tensor]:
+        """A direct write is durable: the device tensor it was written from is autograd's
+        again (freed unless something else holds it), or, with ``keep``, returned to be
+        handed back by unpack (its device bytes stay counted). Its bytes must be what was
+        saved: a tensor modified in place while its write ran has no good copy anywhere."""
+        held, rec.held = rec.held, None
+        if held is None:
+            return None
+        if not keep:
+            self._device_hold(-rec.nbytes)
+        if held._version != rec.version:
+            raise RuntimeError(
+                f"activation offload: a tensor saved for backward (shape {rec.shape}, {rec.dtype}) was modified by "
+                "an inplace operation while it was written to NVMe; plain torch fails at backward on this too "
+                "(a variable needed for gradient computation has been modified by an inplace operation): clone "
+                "it before modifying it")
+        return held
 
     # ---- the host pool -------------------------------------------------------------------------
     def _lend(self, nbytes: int, t: Optional[torch.Tensor] = None, wait: bool = True):
@@ -431,27 +529,32 @@ class ActivationOffload:
     def _settle_retired(self) -> None:   # lock held; on the engine's thread
         while self._retired:
             self._draining.append(self._retired.popleft())
-        keep = []
-        for key, size, io, (host, direct) in self._draining:
+        still = []
+        for keys, io, host, keep in self._draining:
             if io is None or io.done():
-                if key is not None:
+                for key, size in keys:
                     self._free_keys[size].append(key)
                 if host is not None:
                     self._give_back(host)
             else:
-                keep.append((key, size, io, (host, direct)))   # a transfer on the key / range is still in flight
-        self._draining = keep
+                still.append((keys, io, host, keep))   # a transfer on a key / the range is still in flight
+        self._draining = still
 
     def _retire(self, rec: _Saved) -> None:
         """The last handle of ``rec`` is gone: its pool range and NVMe key go back at the next
         ``_settle_retired`` (a finalizer may run inside the pool's own critical section, so it
         only queues them: deque appends are atomic)."""
         with self._lock:
-            if rec.restored is not None or rec.direct is not None:
+            if rec.restored is not None or rec.direct is not None or rec.held is not None:
                 self.device_bytes -= rec.nbytes
-        if rec.key is not None or rec.host is not None:
-            # a read in flight into ``direct`` keeps it alive until the read ends
-            self._retired.append((rec.key, self._key_size(rec.nbytes), rec.io, (rec.host, rec.direct)))
+        keys = []
+        if rec.key is not None:
+            keys.append((rec.key, self._key_size(rec.nbytes - (rec.head or 0))))
+        if rec.head_key is not None:
+            keys.append((rec.head_key, PAGE))
+        if keys or rec.host is not None:
+            # a transfer in flight keeps what it reads or writes (``direct``, ``held``) alive until it ends
+            self._retired.append((keys, rec.io, rec.host, (rec.direct, rec.held)))
 
     # ---- unpack: back to the device ------------------------------------------------------------
     def unpack(self, rec: _Saved) -> torch.Tensor:
@@ -490,7 +593,8 @@ class ActivationOffload:
         return self._order
 
     def _prefetch(self) -> None:
-        """Bring back the tensors ahead of the cursor, within ``lookahead_bytes`` on the device."""
+        """Bring back the tensors ahead of the cursor, within ``lookahead_bytes`` on the device
+        (and always the next one, however large: it is needed soonest)."""
         order = self._expected_order()
         ahead = 0
         for i in order[self._cursor:]:
@@ -498,8 +602,8 @@ class ActivationOffload:
             if rec is None or rec.last is not None:
                 continue
             ahead += rec.nbytes
-            if ahead > self.lookahead:
-                break
+            if ahead > self.lookahead and ahead > rec.nbytes:
+                break                                # the next one comes back even if larger
             if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
                 with self.telemetry.span("offload::act_prefetch"):
                     if not self._fetch(rec, wait=False):
@@ -524,12 +628,26 @@ class ActivationOffload:
             with self.telemetry.span("offload::act_nvme_wait"):
                 rec.io.wait(self.wait_timeout_s)
             rec.io = None
+            if rec.held is not None:                  # written from device memory, which is still here
+                rec.restored = self._release_held(rec, keep=True)
+                self._drop_host(rec)
+                rec.state = SavedState.ON_DEVICE
+                with self._lock:
+                    self.stats_["h2d_bytes"] += rec.nbytes
+                return True
             rec.state = SavedState.STAGED              # its host copy is still here
             return True
         if rec.state is SavedState.ON_HOST:
             rec.state = SavedState.STAGED
             return True
         assert rec.state is SavedState.ON_NVME, rec.state
+        if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
+            rec.direct = _aligned_cpu_device(PAGE + rec.nbytes - rec.head)
+            self._device_hold(rec.nbytes)
+            rec.io = _Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
+                                 self.store.read(rec.head_key, rec.direct[:PAGE])])
+            rec.state = SavedState.READING
+            return True
         if self.device.type == "cpu":                 # host and device are one memory: no pool range
             rec.direct = _aligned_cpu_device(rec.nbytes)
             self._device_hold(rec.nbytes)
@@ -552,7 +670,8 @@ class ActivationOffload:
     def _to_device(self, rec: _Saved) -> None:
         """STAGED -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
         if rec.direct is not None:                    # CPU device, read from NVMe into device memory
-            src, rec.direct = rec.direct.view(rec.dtype), None
+            off = PAGE - rec.head if rec.head else 0   # a direct write's head page: the tensor starts in it
+            src, rec.direct = rec.direct[off:off + rec.nbytes].view(rec.dtype), None
             with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
                 if rec.dense:
                     t = src.as_strided(rec.shape, rec.stride)     # the read's target is the tensor
@@ -626,7 +745,7 @@ class ActivationOffload:
         with self._lock:
             c = dict(self.stats_)
         out = {"device": self.tier, "tensors": c.get("tensors", 0), "saved_bytes": c.get("saved_bytes", 0),
-               "saved_twice": c.get("saved_twice", 0),
+               "saved_twice": c.get("saved_twice", 0), "direct_bytes": c.get("direct_bytes", 0),
                "bytes_moved": {"d2h": c.get("d2h_bytes", 0), "h2d": c.get("h2d_bytes", 0)},
                "gbps": {k[4:]: snap["gbps"].get(k, 0.0) for k in ("act_d2h", "act_h2d")},
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
