@@ -133,7 +133,7 @@ class _Saved:
 
     __slots__ = ("owner", "index", "nbytes", "dtype", "shape", "stride", "dense", "device", "state", "host",
                  "direct", "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
-                 "head", "head_key", "held", "__weakref__")
+                 "head", "head_key", "held", "wio", "__weakref__")
 
     def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool, host):
         self.owner = owner
@@ -146,7 +146,8 @@ class _Saved:
         self.host = host                             # HostBuffer lent by the pool: the host copy
         self.direct: Optional[torch.Tensor] = None   # CPU device, nvme: 1-D uint8 read target (device memory)
         self.key: Optional[str] = None               # NVMe key
-        self.io = None                               # NVMe transfer in flight
+        self.io = None                               # NVMe read in flight
+        self.wio = None                              # NVMe write in flight (while in ``_writing``)
         self.event = None                            # CUDA copy in flight (either way)
         self.restored: Optional[torch.Tensor] = None  # device tensor ahead of its unpack
         self.last = None                             # weakref to the tensor last handed out
@@ -310,6 +311,7 @@ class ActivationOffload:
             self.stats_["saved_bytes"] += nbytes
             self.stats_["d2h_bytes"] += nbytes
             self.stats_["direct_bytes"] += nbytes
+            self.stats_["direct_tensors"] += 1
             self.stats_["tensors"] += 1
         rec.state = SavedState.ON_HOST
         self._write(rec)
@@ -334,7 +336,7 @@ class ActivationOffload:
         while self._writing:
             rec = self._writing[0]
             over = self._writing_bytes > self.lookahead and len(self._writing) > 1
-            if rec.state is SavedState.WRITING and not (over or rec.io.done()):
+            if rec.wio is not None and not (over or rec.wio.done()):
                 break
             self._finish_write(rec)
 
@@ -349,8 +351,8 @@ class ActivationOffload:
             self._write(rec)
 
     def _reap_writes(self) -> None:
-        """Backward: dequeue writes that finished (or were finished by a fetch), never wait."""
-        while self._writing and (self._writing[0].state is not SavedState.WRITING or self._writing[0].io.done()):
+        """Dequeue writes that finished (or were finished by a fetch), never wait."""
+        while self._writing and (self._writing[0].wio is None or self._writing[0].wio.done()):
             self._finish_write(self._writing[0])
 
     def _write(self, rec: _Saved) -> None:
@@ -364,39 +366,52 @@ class ActivationOffload:
                 if rec.head:
                     rec.head_key = self._take_key(PAGE)
                     ios.append(self.store.write(rec.head_key, rec.host.view(torch.uint8, PAGE)))
-            rec.io = _Transfers(ios)
+            rec.wio = _Transfers(ios)
             rec.state = SavedState.WRITING
             self._writing.append(rec)
             self._writing_bytes += rec.nbytes
             return
         rec.key = self._take_key(rec.nbytes)
         with self.telemetry.span("offload::act_nvme_write"):
-            rec.io = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
+            rec.wio = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
         rec.state = SavedState.WRITING
         self._writing.append(rec)
         self._writing_bytes += rec.nbytes
 
     def _finish_write(self, rec: _Saved) -> None:
+        """The oldest write: dequeue it, waiting for it unless a fetch already did."""
         self._writing.popleft()
-        if rec.state is not SavedState.WRITING:
-            return                                   # already waited for by a fetch
+        if rec.wio is not None:
+            self._complete_write(rec)
+
+    def _complete_write(self, rec: _Saved, stage: bool = False) -> None:
+        """Wait (bounded) for ``rec``'s write; it stays dequeued-later in ``_writing``. A
+        record still WRITING goes ON_NVME and gives its host copy back, or with ``stage``
+        keeps it (STAGED: a fetch about to copy it back). A direct write's device tensor is
+        let go (``_release_held``) unless unpack already handed it out (then it is autograd's,
+        counted by the unpack)."""
+        wio, rec.wio = rec.wio, None
         self._writing_bytes -= rec.nbytes
         with self.telemetry.span("offload::act_nvme_wait"):
-            rec.io.wait(self.wait_timeout_s)
-        rec.io = None
-        rec.state = SavedState.ON_NVME
+            wio.wait(self.wait_timeout_s)
+        writing = rec.state is SavedState.WRITING
+        if writing and stage:
+            rec.state = SavedState.STAGED
+            return
+        if writing:
+            rec.state = SavedState.ON_NVME
         self._drop_host(rec)
-        self._release_held(rec)
+        self._release_held(rec, counted=writing)
 
-    def _release_held(self, rec: _Saved, keep: bool = False) -> Optional[torch.Tensor]:
+    def _release_held(self, rec: _Saved, counted: bool = True) -> None:
         """A direct write is durable: the device tensor it was written from is autograd's
-        again (freed unless something else holds it), or, with ``keep``, returned to be
-        handed back by unpack (its device bytes stay counted). Its bytes must be what was
-        saved: a tensor modified in place while its write ran has no good copy anywhere."""
+        again (freed unless something else holds it; ``counted``: its device bytes were
+        still counted here). Its bytes must be what was saved: a tensor modified in place
+        while its write ran has no good copy anywhere."""
         held, rec.held = rec.held, None
         if held is None:
-            return None
-        if not keep:
+            return
+        if counted:
             self._device_hold(-rec.nbytes)
         if held._version != rec.version:
             raise RuntimeError(
@@ -404,7 +419,6 @@ class ActivationOffload:
                 "an inplace operation while it was written to NVMe; plain torch fails at backward on this too "
                 "(a variable needed for gradient computation has been modified by an inplace operation): clone "
                 "it before modifying it")
-        return held
 
     # ---- the host pool -------------------------------------------------------------------------
     def _lend(self, nbytes: int, t: Optional[torch.Tensor] = None, wait: bool = True):
@@ -554,7 +568,7 @@ class ActivationOffload:
             keys.append((rec.head_key, PAGE))
         if keys or rec.host is not None:
             # a transfer in flight keeps what it reads or writes (``direct``, ``held``) alive until it ends
-            self._retired.append((keys, rec.io, rec.host, (rec.direct, rec.held)))
+            self._retired.append((keys, rec.io or rec.wio, rec.host, (rec.direct, rec.held)))
 
     # ---- unpack: back to the device ------------------------------------------------------------
     def unpack(self, rec: _Saved) -> torch.Tensor:
@@ -623,24 +637,25 @@ class ActivationOffload:
             self._device_hold(-rec.nbytes)
             rec.state = SavedState.STAGED             # _pump only dequeues it
             return True
+        if rec.state is SavedState.WRITING and rec.held is not None:
+            # written from device memory, which is still here: handed back as it is (its
+            # device bytes, counted since pack, go with it); the write goes on, and lets it go
+            # when it is durable (_complete_write)
+            rec.restored = rec.held
+            rec.state = SavedState.ON_DEVICE
+            with self._lock:
+                self.stats_["h2d_bytes"] += rec.nbytes
+                self.stats_["held_hits"] += 1
+            return True
         if rec.state is SavedState.WRITING:
-            self._writing_bytes -= rec.nbytes         # finished here; _pump only dequeues it
-            with self.telemetry.span("offload::act_nvme_wait"):
-                rec.io.wait(self.wait_timeout_s)
-            rec.io = None
-            if rec.held is not None:                  # written from device memory, which is still here
-                rec.restored = self._release_held(rec, keep=True)
-                self._drop_host(rec)
-                rec.state = SavedState.ON_DEVICE
-                with self._lock:
-                    self.stats_["h2d_bytes"] += rec.nbytes
-                return True
-            rec.state = SavedState.STAGED              # its host copy is still here
+            self._complete_write(rec, stage=True)     # its host copy is still here; _pump only dequeues it
             return True
         if rec.state is SavedState.ON_HOST:
             rec.state = SavedState.STAGED
             return True
         assert rec.state is SavedState.ON_NVME, rec.state
+        if rec.wio is not None:                       # a direct write unpacked before it was durable: again
+            self._complete_write(rec)
         if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
             rec.direct = _aligned_cpu_device(PAGE + rec.nbytes - rec.head)
             self._device_hold(rec.nbytes)
@@ -746,12 +761,14 @@ class ActivationOffload:
             c = dict(self.stats_)
         out = {"device": self.tier, "tensors": c.get("tensors", 0), "saved_bytes": c.get("saved_bytes", 0),
                "saved_twice": c.get("saved_twice", 0), "direct_bytes": c.get("direct_bytes", 0),
+               "direct_tensors": c.get("direct_tensors", 0),
                "bytes_moved": {"d2h": c.get("d2h_bytes", 0), "h2d": c.get("h2d_bytes", 0)},
                "gbps": {k[4:]: snap["gbps"].get(k, 0.0) for k in ("act_d2h", "act_h2d")},
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
                "host_pool_bytes": self.pool.capacity_bytes,
-               "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0)}}
+               "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0),
+                            "before_durable": c.get("held_hits", 0)}}
         if self.store is not None:
             st = self.store.stats()
             for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
@@ -763,7 +780,8 @@ class ActivationOffload:
     def close(self) -> None:
         for rec in list(self._writing):
             try:
-                rec.io.wait(self.wait_timeout_s)
+                if rec.wio is not None:
+                    rec.wio.wait(self.wait_timeout_s)
             except Exception:   # noqa: BLE001 - closing: the data is discarded anyway
                 pass
         self._writing.clear()
