@@ -15,6 +15,8 @@ One saved tensor (``_Saved``) moves through explicit states::
     pack:      COPYING_OUT --(D2H done)--> ON_HOST [--write--> WRITING --(done)--> ON_NVME]
     backward:  ON_HOST | ON_NVME --fetch()--> READING --(read done)--> STAGED
                --to_device()--> COPYING_IN --(H2D done)--> ON_DEVICE --unpack--> (handed to autograd)
+    direct (CPU device, nvme): ON_HOST --write--> WRITING --(done)--> ON_NVME, as above; a fetch
+               while WRITING hands the held tensor over: WRITING --> ON_DEVICE (its write goes on)
 
 Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs
 on a side stream after the producing kernels and ``record_stream`` keeps its memory from
@@ -25,13 +27,19 @@ of its own. With ``cpu`` the range lives while any handle does (a retained graph
 twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
 ahead of backward to the end of the copy back (on the CPU device the read lands straight
 in the tensor autograd gets: device memory, as an H2D copy's target would be; the pool's
-pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). The NVMe
+pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). On the
+CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
+first page boundary on it is written straight from device memory, held (counted in
+``device_bytes``) until that write is durable, and only the bytes before that boundary go
+through a one-page range of the pool; a tensor needed again before its write is durable is
+handed back as it is. The NVMe
 extent (a key of the store, checksummed per extent like all the engine's swap data) returns
 to a free list when the last handle goes; ranges and keys of retired records are given back
 on this engine's thread (``_settle_retired``), never from a finalizer.
 
 Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
-for the oldest write. A pack that finds the pool full makes room (``_lend``): it finishes
+for the oldest write, never for the newest (a tensor larger than the lookahead is written
+while forward goes on, and waited for at the next pack if still in flight). A pack that finds the pool full makes room (``_lend``): it finishes
 the oldest D2H copy, the oldest write (``nvme``: the copy then lives on NVMe only) or the
 oldest copy back, and waits at most ``wait_timeout_s`` in all. With ``cpu`` nothing of the
 forward leaves the pool before its backward, so a forward whose copies exceed the pool
@@ -40,8 +48,8 @@ graph still alive are waited for (bounded) first.
 
 Backward order. Saved tensors are expected back in the order the last backward unpacked
 them (the first step: reverse pack order). Each unpack advances a cursor along that order
-and starts bringing back the tensors ahead of it within ``lookahead_bytes`` (NVMe read, then
-the H2D copy on a side stream); an unpack that finds its tensor not yet on its way counts a
+and starts bringing back the tensors ahead of it within ``lookahead_bytes``, and always the
+next one however large (NVMe read, then the H2D copy on a side stream); an unpack that finds its tensor not yet on its way counts a
 miss and fetches on demand. Restored tensors wait on the device only until unpacked.
 """
 from __future__ import annotations
