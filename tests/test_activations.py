@@ -256,7 +256,11 @@ def test_host_copies_draw_on_the_budgeted_pool(act, tmp_path, monkeypatch):
             assert torch.equal(a[k], b[k]), f"step {step}: {k} differs"
     act_st = st["activations"]
     assert 0 < lent.peak <= budget
-    assert lent.loans >= act_st["tensors"] > 0                 # every copy took a range of the pool
+    # every host copy took a range of the pool; on the CPU device with nvme, dense tensors are
+    # written straight from device memory (a range only for the bytes before their first page)
+    direct = act_st["direct_tensors"]
+    assert lent.loans >= act_st["tensors"] - direct and act_st["tensors"] > 0
+    assert (direct > 0) == (act == "nvme" and eng.device.type == "cpu")
     assert act_st["host_bytes_peak"] <= budget and act_st["host_pool_bytes"] <= budget
     if act == "nvme":                   # the pool binds: one forward saves far more than it holds
         assert act_st["saved_bytes"] / len(data) > 3 * budget
@@ -288,3 +292,48 @@ def test_host_pool_too_small_is_an_error_naming_the_fix(tmp_path):
             assert need == -(-n // 4096) * 4096 > 4096 and n <= largest
     with pytest.raises(offload.config.ConfigError, match="offload_activations.host_bytes"):
         offload.Config.from_any({"offload_activations": {"device": "cpu", "host_bytes": 100}})
+
+
+def test_direct_writes_handed_back_before_durable(tmp_path):
+    """CPU device, nvme: dense tensors are written straight from device memory. A tensor that
+    backward needs while its write is still in flight is handed back as it is (no read), the
+    write finishes later, and the next steps read the rest from NVMe: training still equals
+    training without activation offload bit for bit."""
+    base = make("llama", False)
+    data = batches(3, vocab=64)
+    cfg = config(tmp_path, "nvme", "fp32")
+    cfg["offload_param"] = {"device": "none"}
+    cfg["offload_activations"] = {**cfg["offload_activations"], "lookahead_bytes": 1 << 30}
+    ref, _ = train("llama", clone(base), {**cfg, "offload_activations": {"device": "none"}}, data)
+    eng = offload.initialize(clone(base), cfg)
+    if eng.device.type != "cpu":
+        eng.close()
+        pytest.skip("direct writes are the CPU device's path")
+    held = {"open": False}
+
+    class Held:                    # a write that does not report done until the gate opens
+        def __init__(self, io):
+            self.io = io
+
+        def done(self):
+            return held["open"] and self.io.done()
+
+        def wait(self, timeout=None):
+            self.io.wait(timeout)
+    store = eng.activations.store
+    write = store.write
+    store.write = lambda key, src: Held(write(key, src))
+    got = []
+    for step, (x, y) in enumerate(data):
+        held["open"] = step > 0    # the first forward's writes all look in flight at its backward
+        eng.backward(loss_of("llama", eng, x, y))
+        eng.step()
+        got.append(eng.full_state_dict())
+    st = eng.stats()["activations"]
+    eng.close()
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: {k} differs"
+    assert st["direct_tensors"] > 0 and st["prefetch"]["before_durable"] >= st["direct_tensors"] / len(data)
+    assert st["bytes_moved"]["nvme_read"] < st["bytes_moved"]["nvme_write"]   # handed back, not read
+    assert st["bytes_moved"]["h2d"] == st["saved_bytes"]

@@ -15,6 +15,8 @@ One saved tensor (``_Saved``) moves through explicit states::
     pack:      COPYING_OUT --(D2H done)--> ON_HOST [--write--> WRITING --(done)--> ON_NVME]
     backward:  ON_HOST | ON_NVME --fetch()--> READING --(read done)--> STAGED
                --to_device()--> COPYING_IN --(H2D done)--> ON_DEVICE --unpack--> (handed to autograd)
+    direct (CPU device, nvme): ON_HOST --write--> WRITING --(done)--> ON_NVME, as above; a fetch
+               while WRITING hands the held tensor over: WRITING --> ON_DEVICE (its write goes on)
 
 Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs
 on a side stream after the producing kernels and ``record_stream`` keeps its memory from
@@ -25,13 +27,19 @@ of its own. With ``cpu`` the range lives while any handle does (a retained graph
 twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
 ahead of backward to the end of the copy back (on the CPU device the read lands straight
 in the tensor autograd gets: device memory, as an H2D copy's target would be; the pool's
-pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). The NVMe
+pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). On the
+CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
+first page boundary on it is written straight from device memory, held (counted in
+``device_bytes``) until that write is durable, and only the bytes before that boundary go
+through a one-page range of the pool; a tensor needed again before its write is durable is
+handed back as it is. The NVMe
 extent (a key of the store, checksummed per extent like all the engine's swap data) returns
 to a free list when the last handle goes; ranges and keys of retired records are given back
 on this engine's thread (``_settle_retired``), never from a finalizer.
 
 Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
-for the oldest write. A pack that finds the pool full makes room (``_lend``): it finishes
+for the oldest write, never for the newest (a tensor larger than the lookahead is written
+while forward goes on, and waited for at the next pack if still in flight). A pack that finds the pool full makes room (``_lend``): it finishes
 the oldest D2H copy, the oldest write (``nvme``: the copy then lives on NVMe only) or the
 oldest copy back, and waits at most ``wait_timeout_s`` in all. With ``cpu`` nothing of the
 forward leaves the pool before its backward, so a forward whose copies exceed the pool
@@ -40,8 +48,8 @@ graph still alive are waited for (bounded) first.
 
 Backward order. Saved tensors are expected back in the order the last backward unpacked
 them (the first step: reverse pack order). Each unpack advances a cursor along that order
-and starts bringing back the tensors ahead of it within ``lookahead_bytes`` (NVMe read, then
-the H2D copy on a side stream); an unpack that finds its tensor not yet on its way counts a
+and starts bringing back the tensors ahead of it within ``lookahead_bytes``, and always the
+next one however large (NVMe read, then the H2D copy on a side stream); an unpack that finds its tensor not yet on its way counts a
 miss and fetches on demand. Restored tensors wait on the device only until unpacked.
 """
 from __future__ import annotations
@@ -105,12 +113,35 @@ def _layout(shape, stride) -> str:
     return "dense" if dense else "gapped"
 
 
+class _Transfers:
+    """The NVMe transfers of one saved tensor moving together (a direct write's head page and
+    body): done when all are; ``wait`` bounds them all by one ``timeout``."""
+
+    __slots__ = ("ios",)
+
+    def __init__(self, ios):
+        self.ios = list(ios)
+
+    def done(self) -> bool:
+        return all(io.done() for io in self.ios)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for io in self.ios:
+            io.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _direct_head(t: torch.Tensor) -> int:
+    """Bytes of ``t`` before its first 4 KiB page boundary (0: it starts on one)."""
+    return (-t.data_ptr()) % PAGE
+
+
 class _Saved:
     """One offloaded saved tensor: its metadata, where its bytes are, and its transfers."""
 
     __slots__ = ("owner", "index", "nbytes", "dtype", "shape", "stride", "dense", "device", "state", "host",
                  "direct", "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
-                 "__weakref__")
+                 "head", "head_key", "held", "wio", "__weakref__")
 
     def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool, host):
         self.owner = owner
@@ -123,7 +154,8 @@ class _Saved:
         self.host = host                             # HostBuffer lent by the pool: the host copy
         self.direct: Optional[torch.Tensor] = None   # CPU device, nvme: 1-D uint8 read target (device memory)
         self.key: Optional[str] = None               # NVMe key
-        self.io = None                               # NVMe transfer in flight
+        self.io = None                               # NVMe read in flight
+        self.wio = None                              # NVMe write in flight (while in ``_writing``)
         self.event = None                            # CUDA copy in flight (either way)
         self.restored: Optional[torch.Tensor] = None  # device tensor ahead of its unpack
         self.last = None                             # weakref to the tensor last handed out
@@ -132,6 +164,13 @@ class _Saved:
         self.handles = 1                             # packs that returned this record
         self.unpacks = 0
         self.keep: Optional[torch.Tensor] = None     # the restored tensor, until every handle unpacked it
+        # Written straight from device memory (CPU device, nvme; ``head`` is not None): the body
+        # (from the first page boundary on) goes to ``key`` from the tensor itself, which
+        # ``held`` keeps alive until the write is durable; the ``head`` bytes before that
+        # boundary go through a one-page range of the pool (``host``) to ``head_key``.
+        self.head: Optional[int] = None
+        self.head_key: Optional[str] = None
+        self.held: Optional[torch.Tensor] = None
 
     def __del__(self):
         # the last handle is gone: the graph that saved it was freed (backward, or dropped)
@@ -157,6 +196,8 @@ class ActivationOffload:
         self.store = store                  # NvmeStore for tier nvme
         self.telemetry = telemetry
         self.saved_tensors = self
+        # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
+        self._direct = tier == "nvme" and device.type == "cpu"
         self._d2h = dev.new_stream(device)
         self._h2d = dev.new_stream(device)
         # Records retire (``__del__``) on whichever thread drops the graph, possibly inside a
@@ -164,7 +205,7 @@ class ActivationOffload:
         # through a deque (atomic appends) and are settled under the lock later.
         self._lock = threading.RLock()
         self._free_keys: Dict[int, List[str]] = collections.defaultdict(list)
-        self._retired = collections.deque()  # (key, size, io, host) whose last handle is gone
+        self._retired = collections.deque()  # (keys, io, host, keep) of records whose last handle is gone
         self._draining: List[tuple] = []     # ... whose transfer was still in flight
         self._reserved = collections.Counter()   # key size -> keys reserved
         self._param_storages: set = set()
@@ -231,6 +272,9 @@ class ActivationOffload:
         if layout == "overlapping":
             return NOT_MINE
         nbytes = t.numel() * t.element_size()
+        if (self._direct and layout == "dense" and nbytes - _direct_head(t) >= PAGE
+                and t.data_ptr() % t.element_size() == 0):
+            return self._pack_direct(t, nbytes)
         host = self._lend(nbytes, t)                 # a range of the budgeted pool (may wait, bounded)
         rec = _Saved(self, len(self._records), t, layout == "dense", host)
         self._records.append(weakref.ref(rec))
@@ -253,6 +297,35 @@ class ActivationOffload:
         self._pump()
         return rec
 
+    def _pack_direct(self, t: torch.Tensor, nbytes: int) -> _Saved:
+        """CPU device, nvme: host and device are one memory, so a copy to the pool would only
+        cost a memcpy and RSS. The tensor's bytes from its first page boundary on are written
+        to NVMe straight from the tensor (O_DIRECT needs page-aligned memory), which is held
+        (device bytes, within the write window) until the write is durable; the few bytes
+        before that boundary go through a one-page range of the pool. The mirror of
+        backward's read straight into device memory."""
+        head = _direct_head(t)
+        host = self._lend(PAGE, t) if head else None
+        rec = _Saved(self, len(self._records), t, True, host)
+        rec.head, rec.held = head, t
+        self._records.append(weakref.ref(rec))
+        self._by_src[id(t)] = weakref.ref(rec)
+        self._device_hold(nbytes)                    # until its write is durable
+        with self.telemetry.span("offload::act_d2h", "act_d2h", nbytes):
+            if head:
+                flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+                host.view(torch.uint8, PAGE)[PAGE - head:].copy_(flat[:head])
+        with self._lock:
+            self.stats_["saved_bytes"] += nbytes
+            self.stats_["d2h_bytes"] += nbytes
+            self.stats_["direct_bytes"] += nbytes
+            self.stats_["direct_tensors"] += 1
+            self.stats_["tensors"] += 1
+        rec.state = SavedState.ON_HOST
+        self._write(rec)
+        self._pump()
+        return rec
+
     def _device_hold(self, n: int) -> None:
         with self._lock:
             self.device_bytes += n
@@ -263,12 +336,15 @@ class ActivationOffload:
         ``lookahead_bytes`` of D2H in flight, or ``final``: the forward ended, waits for the
         oldest, so the device holds at most that much beyond what the forward itself keeps);
         finished writes give their host copies back; more than ``lookahead_bytes`` in flight
-        to NVMe waits for the oldest."""
+        to NVMe waits for the oldest, never for the newest: a tensor larger than the lookahead
+        is written while forward goes on, and waited for only when the next one is saved
+        (if it is still in flight then)."""
         while self._copying and (final or self.device_bytes > self.lookahead or self._copying[0].event.query()):
             self._finish_copy_out()
         while self._writing:
             rec = self._writing[0]
-            if rec.state is SavedState.WRITING and not (self._writing_bytes > self.lookahead or rec.io.done()):
+            over = self._writing_bytes > self.lookahead and len(self._writing) > 1
+            if rec.wio is not None and not (over or rec.wio.done()):
                 break
             self._finish_write(rec)
 
@@ -283,30 +359,74 @@ class ActivationOffload:
             self._write(rec)
 
     def _reap_writes(self) -> None:
-        """Backward: dequeue writes that finished (or were finished by a fetch), never wait."""
-        while self._writing and (self._writing[0].state is not SavedState.WRITING or self._writing[0].io.done()):
+        """Dequeue writes that finished (or were finished by a fetch), never wait."""
+        while self._writing and (self._writing[0].wio is None or self._writing[0].wio.done()):
             self._finish_write(self._writing[0])
 
     def _write(self, rec: _Saved) -> None:
         if self.tier != "nvme":
             return
+        if rec.head is not None:                     # straight from device memory: body, head page
+            body = rec.held.as_strided((rec.held.numel(),), (1,)).view(torch.uint8)[rec.head:]
+            rec.key = self._take_key(body.numel())
+            with self.telemetry.span("offload::act_nvme_write"):
+                ios = [self.store.write(rec.key, body)]
+                if rec.head:
+                    rec.head_key = self._take_key(PAGE)
+                    ios.append(self.store.write(rec.head_key, rec.host.view(torch.uint8, PAGE)))
+            rec.wio = _Transfers(ios)
+            rec.state = SavedState.WRITING
+            self._writing.append(rec)
+            self._writing_bytes += rec.nbytes
+            return
         rec.key = self._take_key(rec.nbytes)
         with self.telemetry.span("offload::act_nvme_write"):
-            rec.io = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
+            rec.wio = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
         rec.state = SavedState.WRITING
         self._writing.append(rec)
         self._writing_bytes += rec.nbytes
 
     def _finish_write(self, rec: _Saved) -> None:
+        """The oldest write: dequeue it, waiting for it unless a fetch already did."""
         self._writing.popleft()
-        if rec.state is not SavedState.WRITING:
-            return                                   # already waited for by a fetch
+        if rec.wio is not None:
+            self._complete_write(rec)
+
+    def _complete_write(self, rec: _Saved, stage: bool = False) -> None:
+        """Wait (bounded) for ``rec``'s write; it stays dequeued-later in ``_writing``. A
+        record still WRITING goes ON_NVME and gives its host copy back, or with ``stage``
+        keeps it (STAGED: a fetch about to copy it back). A direct write's device tensor is
+        let go (``_release_held``) unless unpack already handed it out (then it is autograd's,
+        counted by the unpack)."""
+        wio, rec.wio = rec.wio, None
         self._writing_bytes -= rec.nbytes
         with self.telemetry.span("offload::act_nvme_wait"):
-            rec.io.wait(self.wait_timeout_s)
-        rec.io = None
-        rec.state = SavedState.ON_NVME
+            wio.wait(self.wait_timeout_s)
+        writing = rec.state is SavedState.WRITING
+        if writing and stage:
+            rec.state = SavedState.STAGED
+            return
+        if writing:
+            rec.state = SavedState.ON_NVME
         self._drop_host(rec)
+        self._release_held(rec, counted=writing)
+
+    def _release_held(self, rec: _Saved, counted: bool = True) -> None:
+        """A direct write is durable: the device tensor it was written from is autograd's
+        again (freed unless something else holds it; ``counted``: its device bytes were
+        still counted here). Its bytes must be what was saved: a tensor modified in place
+        while its write ran has no good copy anywhere."""
+        held, rec.held = rec.held, None
+        if held is None:
+            return
+        if counted:
+            self._device_hold(-rec.nbytes)
+        if held._version != rec.version:
+            raise RuntimeError(
+                f"activation offload: a tensor saved for backward (shape {rec.shape}, {rec.dtype}) was modified by "
+                "an inplace operation while it was written to NVMe; plain torch fails at backward on this too "
+                "(a variable needed for gradient computation has been modified by an inplace operation): clone "
+                "it before modifying it")
 
     # ---- the host pool -------------------------------------------------------------------------
     def _lend(self, nbytes: int, t: Optional[torch.Tensor] = None, wait: bool = True):
@@ -431,27 +551,32 @@ class ActivationOffload:
     def _settle_retired(self) -> None:   # lock held; on the engine's thread
         while self._retired:
             self._draining.append(self._retired.popleft())
-        keep = []
-        for key, size, io, (host, direct) in self._draining:
+        still = []
+        for keys, io, host, keep in self._draining:
             if io is None or io.done():
-                if key is not None:
+                for key, size in keys:
                     self._free_keys[size].append(key)
                 if host is not None:
                     self._give_back(host)
             else:
-                keep.append((key, size, io, (host, direct)))   # a transfer on the key / range is still in flight
-        self._draining = keep
+                still.append((keys, io, host, keep))   # a transfer on a key / the range is still in flight
+        self._draining = still
 
     def _retire(self, rec: _Saved) -> None:
         """The last handle of ``rec`` is gone: its pool range and NVMe key go back at the next
         ``_settle_retired`` (a finalizer may run inside the pool's own critical section, so it
         only queues them: deque appends are atomic)."""
         with self._lock:
-            if rec.restored is not None or rec.direct is not None:
+            if rec.restored is not None or rec.direct is not None or rec.held is not None:
                 self.device_bytes -= rec.nbytes
-        if rec.key is not None or rec.host is not None:
-            # a read in flight into ``direct`` keeps it alive until the read ends
-            self._retired.append((rec.key, self._key_size(rec.nbytes), rec.io, (rec.host, rec.direct)))
+        keys = []
+        if rec.key is not None:
+            keys.append((rec.key, self._key_size(rec.nbytes - (rec.head or 0))))
+        if rec.head_key is not None:
+            keys.append((rec.head_key, PAGE))
+        if keys or rec.host is not None:
+            # a transfer in flight keeps what it reads or writes (``direct``, ``held``) alive until it ends
+            self._retired.append((keys, rec.io or rec.wio, rec.host, (rec.direct, rec.held)))
 
     # ---- unpack: back to the device ------------------------------------------------------------
     def unpack(self, rec: _Saved) -> torch.Tensor:
@@ -490,7 +615,8 @@ class ActivationOffload:
         return self._order
 
     def _prefetch(self) -> None:
-        """Bring back the tensors ahead of the cursor, within ``lookahead_bytes`` on the device."""
+        """Bring back the tensors ahead of the cursor, within ``lookahead_bytes`` on the device
+        (and always the next one, however large: it is needed soonest)."""
         order = self._expected_order()
         ahead = 0
         for i in order[self._cursor:]:
@@ -498,8 +624,8 @@ class ActivationOffload:
             if rec is None or rec.last is not None:
                 continue
             ahead += rec.nbytes
-            if ahead > self.lookahead:
-                break
+            if ahead > self.lookahead and ahead > rec.nbytes:
+                break                                # the next one comes back even if larger
             if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
                 with self.telemetry.span("offload::act_prefetch"):
                     if not self._fetch(rec, wait=False):
@@ -519,17 +645,32 @@ class ActivationOffload:
             self._device_hold(-rec.nbytes)
             rec.state = SavedState.STAGED             # _pump only dequeues it
             return True
+        if rec.state is SavedState.WRITING and rec.held is not None:
+            # written from device memory, which is still here: handed back as it is (its
+            # device bytes, counted since pack, go with it); the write goes on, and lets it go
+            # when it is durable (_complete_write)
+            rec.restored = rec.held
+            rec.state = SavedState.ON_DEVICE
+            with self._lock:
+                self.stats_["h2d_bytes"] += rec.nbytes
+                self.stats_["held_hits"] += 1
+            return True
         if rec.state is SavedState.WRITING:
-            self._writing_bytes -= rec.nbytes         # finished here; _pump only dequeues it
-            with self.telemetry.span("offload::act_nvme_wait"):
-                rec.io.wait(self.wait_timeout_s)
-            rec.io = None
-            rec.state = SavedState.STAGED              # its host copy is still here
+            self._complete_write(rec, stage=True)     # its host copy is still here; _pump only dequeues it
             return True
         if rec.state is SavedState.ON_HOST:
             rec.state = SavedState.STAGED
             return True
         assert rec.state is SavedState.ON_NVME, rec.state
+        if rec.wio is not None:                       # a direct write unpacked before it was durable: again
+            self._complete_write(rec)
+        if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
+            rec.direct = _aligned_cpu_device(PAGE + rec.nbytes - rec.head)
+            self._device_hold(rec.nbytes)
+            rec.io = _Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
+                                 self.store.read(rec.head_key, rec.direct[:PAGE])])
+            rec.state = SavedState.READING
+            return True
         if self.device.type == "cpu":                 # host and device are one memory: no pool range
             rec.direct = _aligned_cpu_device(rec.nbytes)
             self._device_hold(rec.nbytes)
@@ -552,7 +693,8 @@ class ActivationOffload:
     def _to_device(self, rec: _Saved) -> None:
         """STAGED -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
         if rec.direct is not None:                    # CPU device, read from NVMe into device memory
-            src, rec.direct = rec.direct.view(rec.dtype), None
+            off = PAGE - rec.head if rec.head else 0   # a direct write's head page: the tensor starts in it
+            src, rec.direct = rec.direct[off:off + rec.nbytes].view(rec.dtype), None
             with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
                 if rec.dense:
                     t = src.as_strided(rec.shape, rec.stride)     # the read's target is the tensor
@@ -626,13 +768,15 @@ class ActivationOffload:
         with self._lock:
             c = dict(self.stats_)
         out = {"device": self.tier, "tensors": c.get("tensors", 0), "saved_bytes": c.get("saved_bytes", 0),
-               "saved_twice": c.get("saved_twice", 0),
+               "saved_twice": c.get("saved_twice", 0), "direct_bytes": c.get("direct_bytes", 0),
+               "direct_tensors": c.get("direct_tensors", 0),
                "bytes_moved": {"d2h": c.get("d2h_bytes", 0), "h2d": c.get("h2d_bytes", 0)},
                "gbps": {k[4:]: snap["gbps"].get(k, 0.0) for k in ("act_d2h", "act_h2d")},
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
                "host_pool_bytes": self.pool.capacity_bytes,
-               "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0)}}
+               "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0),
+                            "before_durable": c.get("held_hits", 0)}}
         if self.store is not None:
             st = self.store.stats()
             for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
@@ -644,7 +788,8 @@ class ActivationOffload:
     def close(self) -> None:
         for rec in list(self._writing):
             try:
-                rec.io.wait(self.wait_timeout_s)
+                if rec.wio is not None:
+                    rec.wio.wait(self.wait_timeout_s)
             except Exception:   # noqa: BLE001 - closing: the data is discarded anyway
                 pass
         self._writing.clear()
