@@ -644,10 +644,12 @@ class Engine:
             layout = self._state_layout(lay, s0, s1)
             nbytes = layout.nbytes
             assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
+            by_ref = self._grads_by_reference(layout, grad_dtype)
+            held = {"by_reference": True, "segments": lay.segments} if by_ref else {}
             if self.tier is Tier.DEVICE:
                 state = OptimState(self._state_key(lay), layout, Tier.DEVICE,
                                    tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
-                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
+                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments), **held)
             else:
                 if self._grad_tier is not None:
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
@@ -656,7 +658,7 @@ class Engine:
                                       gaps=blk.gaps(lay, gn))
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
-                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments), **held)
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
                     state = OptimState(self._state_key(lay), layout, Tier.HOST, tensor=t)
@@ -693,6 +695,16 @@ class Engine:
                                           landing=landing))
             del full, master
         self._build_units()
+
+    def _grads_by_reference(self, layout, grad_dtype: torch.dtype) -> bool:
+        """Whether a block's gradients are read where autograd leaves them instead of being
+        copied into the gradient buffer (engine/grads.py): on a CPU device (the gradient is
+        already in host memory), one rank (no collective reads the buffer), stages 0-1 (the
+        buffer is the full flat), no spilling, gradients in the buffer's dtype, and an
+        elementwise rule with fp32 or bf16 rows (stepped in any sub-ranges)."""
+        return (self.device.type == "cpu" and not self.comm.active and self.stage < 2
+                and self._grad_tier is None and grad_dtype == self.dtype and not layout.tensors
+                and self.state_dtype != "int8")
 
     def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
         """Whether a block's device parameters can be the fp32 master itself: the compute
