@@ -227,3 +227,25 @@ def test_close_without_restore_releases_offloaded_parameters(prm, tmp_path):
     eng.close(restore=False)
     assert all(p.numel() == 0 for p in model.parameters())
     assert model.gain.item() == 0.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU device's zero-copy paths")
+def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
+    """On a CPU device (fp32, state on the host) the parameters are the fp32 master the
+    update writes, and gradients are read where autograd left them, not copied: the same
+    results as torch with one and two backward() calls per step; close() gives the
+    parameters memory of their own, with their trained values."""
+    model = make_model()
+    eng = offload.initialize(model, cfg("cpu", "none", 0.5, tmp_path))
+    assert all(b.grad.by_reference for b in eng.blocks)
+    for b in eng.blocks:
+        master = b.state.views(b.state.acquire())[0]
+        for s in b.layout.segments:
+            assert s.param.data_ptr() == master[s.offset:].data_ptr(), s.name
+    losses = train(eng, batches(6), backwards=2)
+    check(torch.stack(losses), eng.full_state_dict(), 0.5, 3, backwards=2)
+    final = eng.full_state_dict()
+    states = {b.state.views(b.state.acquire())[0].untyped_storage().data_ptr() for b in eng.blocks}
+    eng.close()
+    assert not {p.untyped_storage().data_ptr() for p in model.parameters()} & states
+    assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items() if k in final)

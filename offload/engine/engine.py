@@ -212,6 +212,7 @@ class Engine:
         self.units = []                   # BlockParts per block that visits the device (param offload)
         self.blocks: List[BlockShard] = []
         self._origin: List[torch.device] = []   # per block: its parameters' device at initialize
+        self._master_params: List[int] = []     # blocks whose parameters are views of the master
         self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
         self._closed = False
         try:
@@ -643,10 +644,12 @@ class Engine:
             layout = self._state_layout(lay, s0, s1)
             nbytes = layout.nbytes
             assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
+            by_ref = self._grads_by_reference(layout, grad_dtype)
+            held = {"by_reference": True, "segments": lay.segments} if by_ref else {}
             if self.tier is Tier.DEVICE:
                 state = OptimState(self._state_key(lay), layout, Tier.DEVICE,
                                    tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
-                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
+                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments), **held)
             else:
                 if self._grad_tier is not None:
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
@@ -655,7 +658,7 @@ class Engine:
                                       gaps=blk.gaps(lay, gn))
                 else:
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
-                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments), **held)
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
                     state = OptimState(self._state_key(lay), layout, Tier.HOST, tensor=t)
@@ -670,7 +673,13 @@ class Engine:
             state.overwrite(fill)
             state.reclaim(block=True)
             params = self._param_home(lay)
-            if params is None:
+            if params is None and self._master_is_param(s0, s1, lay):
+                # the parameters are views of the fp32 master in the state buffer: the update
+                # writes them in place, with no write-back copy (released at close())
+                param_flat = state.views(t)[0]
+                blk.bind_views(lay, param_flat)
+                self._master_params.append(lay.index)
+            elif params is None:
                 param_flat = full.to(device=self.device, dtype=self.dtype)
                 blk.bind_views(lay, param_flat)
             else:                          # offloaded: written home, never whole on the device
@@ -686,6 +695,24 @@ class Engine:
                                           landing=landing))
             del full, master
         self._build_units()
+
+    def _grads_by_reference(self, layout, grad_dtype: torch.dtype) -> bool:
+        """Whether a block's gradients are read where autograd leaves them instead of being
+        copied into the gradient buffer (engine/grads.py): on a CPU device (the gradient is
+        already in host memory), one rank (no collective reads the buffer), stages 0-1 (the
+        buffer is the full flat), no spilling, gradients in the buffer's dtype, and an
+        elementwise rule with fp32 or bf16 rows (stepped in any sub-ranges)."""
+        return (self.device.type == "cpu" and not self.comm.active and self.stage < 2
+                and self._grad_tier is None and grad_dtype == self.dtype and not layout.tensors
+                and self.state_dtype != "int8")
+
+    def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
+        """Whether a block's device parameters can be the fp32 master itself: the compute
+        device is the CPU (its memory is the host's), parameters are fp32, the state is a
+        persistent host buffer (offload_optimizer cpu) and this rank steps the whole flat
+        (ZeRO stage 0, or one rank), so nothing but the update ever writes them."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier is Tier.HOST
+                and (s0, s1) == (0, lay.padded_numel))
 
     def _init_ranges(self, lay, s0: int, s1: int) -> list:
         """(initial value per row, a, b) of each group's range in the shard [s0, s1): rows
@@ -995,9 +1022,19 @@ class Engine:
                 self.param_offload.close()
             if self.activations is not None:
                 self.activations.close()
+            self._own_master_params()
             self._release_storage()
         for seg, t in restored or ():
             seg.param.data = t
+
+    def _own_master_params(self) -> None:
+        """Parameters that were views of the master (``_master_is_param``) get memory of
+        their own, so the state's host buffer can go."""
+        for i in self._master_params:
+            b = self.blocks[i]
+            b.param_flat = b.param_flat.clone()
+            blk.bind_views(b.layout, b.param_flat)
+        self._master_params = []
 
     def _restore_wanted(self, restore: Optional[bool]) -> bool:
         if restore is not None:

@@ -12,6 +12,14 @@ holds the completion events, which the optimizer waits for (``wait_landed``) bef
 reads the buffer. The device gradient is freed by the caller right after the landing is
 queued (its memory is protected by ``record_stream``).
 
+Held by reference (``by_reference``: the compute device is the CPU, one rank, gradients in
+the buffer's dtype, no spilling): a parameter's first gradient of a window is not copied;
+the buffer keeps the tensor autograd produced (it only reads it) and the update reads it
+from there (``runs``, ``segment``); a later landing in the same window sums it into the
+buffer (``torch.add(held, new, out=range)``) and drops it. Every holder is dropped when the
+window is consumed (``reset_window``). ``resident()`` copies held gradients into the buffer
+first, so a reader of the whole buffer sees the window's sum.
+
 Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
 ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
 and parameter homes use), so gradients that must outlive their buffer (the update waits for
@@ -61,7 +69,8 @@ class GradBuffer:
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
                  dtype: torch.dtype = torch.float32, tier=None, has_jobs=None, device=None,
-                 key: str = "", what: str = "", gaps: Sequence[Tuple[int, int]] = ()):
+                 key: str = "", what: str = "", gaps: Sequence[Tuple[int, int]] = (),
+                 by_reference: bool = False, segments: Sequence = ()):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
@@ -83,6 +92,11 @@ class GradBuffer:
         # [a, b) ranges no parameter covers (alignment gaps, padding): zeroed in a borrowed
         # buffer, which holds another block's bytes (an int8 scale block may span a gap)
         self._gaps = tuple(gaps)
+        # by reference: per segment, this window's gradient tensor when it was not copied
+        self.by_reference = by_reference
+        self._held: List[Optional[torch.Tensor]] = [None] * num_segments
+        self._ranges = [(s.offset, s.offset + s.numel) for s in segments]   # flat ranges, by segment
+        assert not by_reference or (tensor is not None and tier is None and len(self._ranges) == num_segments)
 
     # ---- one backward ------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -100,14 +114,21 @@ class GradBuffer:
         if self.tensor is None:
             self._borrow()
         dst = self.tensor[offset:offset + flat.numel()]
+        held = self._held[index]
         if not self._seen[index]:
-            if dst.device == flat.device:
+            if self.by_reference and flat.device == dst.device and flat.dtype == dst.dtype \
+                    and flat.is_contiguous() and flat.data_ptr() != dst.data_ptr():
+                self._held[index] = flat              # read by the update; never written
+            elif dst.device == flat.device:
                 dst.copy_(flat)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:
                     self.events.append(ev)
             self._seen[index] = True
+        elif held is not None:                        # the window's second gradient: summed here
+            torch.add(held, flat, out=dst)
+            self._held[index] = None
         elif dst.device == flat.device:
             dst.add_(flat)
         else:
@@ -212,12 +233,45 @@ class GradBuffer:
             fut.result()
 
     def resident(self) -> torch.Tensor:
-        """The buffer in memory (a parked sum is read back into a borrowed buffer)."""
+        """The buffer in memory (a parked sum is read back into a borrowed buffer; held
+        gradients are copied in)."""
         if self._park_thread != threading.get_ident():
             self._wait_parking()
         if self.tensor is None and self.spill is Spill.PARKED:
             self._borrow()
+        for i, held in enumerate(self._held):
+            if held is not None:
+                a, b = self._ranges[i]
+                self.tensor[a:b].copy_(held)
+                self._held[i] = None
         return self.tensor
+
+    def segment(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s gradient of this window (by reference: held or in the buffer)."""
+        assert self.by_reference
+        held = self._held[index]
+        if held is not None:
+            return held
+        a, b = self._ranges[index]
+        return self.tensor[a:b]
+
+    def runs(self, a: int, b: int) -> List[Tuple[int, int, torch.Tensor]]:
+        """(start, end, gradient) covering the flat range [a, b) in order: a held gradient's
+        own tensor for its segment, buffer slices between them (one run when nothing is held)."""
+        if not self.by_reference:
+            return [(a, b, self.resident()[a:b])]
+        out, pos = [], a
+        for (s0, s1), held in sorted(zip(self._ranges, self._held), key=lambda t: t[0][0]):
+            if held is None or s1 <= a or s0 >= b:
+                continue
+            assert a <= s0 and s1 <= b, "a held gradient's segment lies inside one stepped range"
+            if pos < s0:
+                out.append((pos, s0, self.tensor[pos:s0]))
+            out.append((s0, s1, held))
+            pos = s1
+        if pos < b:
+            out.append((pos, b, self.tensor[pos:b]))
+        return out
 
     def seen(self, index: int) -> bool:
         """Whether parameter ``index`` got a gradient in the current window."""
@@ -279,6 +333,7 @@ class GradBuffer:
         buffer goes back to the pool)."""
         self._wait_parking()
         self._seen = [False] * self.num_segments
+        self._held = [None] * self.num_segments       # the update has read them
         self.spill, self._zero_on_return = Spill.NONE, None
         if self._loan is None and self._device is not None:
             self.wait_landed()

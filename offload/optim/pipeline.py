@@ -240,17 +240,24 @@ class StepPipeline:
         at[0] = "gradient landing"
         block.grad.wait_landed()
         master, rows = st.views(buf)
-        grad = block.grad_shard()
+        held = block.grad.by_reference        # gradients read where autograd left them (grads.py)
+        grad = block.grad.tensor if held else block.grad_shard()
         out = self._params.target(block)      # the parameter side says where the new copy goes
         at[0] = "adam"                        # the stage's name in errors (any rule)
         rule = args.rule
         with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
                                  st.nbytes + grad.numel() * grad.element_size()):
             on_device = st.tier is Tier.DEVICE and master.is_cuda
-            if on_device and args.grad_scale != 1.0:
+            if held:                          # elementwise rules only: each run stepped on its own
+                for g, a, b, _, _ in _pieces(block, st.layout, rows):
+                    for ra, rb, rgrad in block.grad.runs(a, b):
+                        rule.cpu_step(master[ra:rb], rgrad, st.layout.slice(rows, ra, rb), args.groups[g],
+                                      args.step, param_copy=None if out is None else out[ra:rb],
+                                      grad_scale=args.grad_scale, shape=None)
+            elif on_device and args.grad_scale != 1.0:
                 dev.mark_used(grad, dev.current_stream(grad.device))
                 grad.mul_(args.grad_scale)
-            for g, a, b, shape, state in _pieces(block, st.layout, rows):
+            for g, a, b, shape, state in ([] if held else _pieces(block, st.layout, rows)):
                 group = args.groups[g]
                 if on_device:
                     _device_step(rule, master[a:b], grad[a:b], state, group, args.step, shape)

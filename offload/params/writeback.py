@@ -18,7 +18,8 @@ Where the copy goes depends only on the parameters' residency:
     the device on a side stream after the block's backward kernels (``compute_done``); the
     compute stream waits for ``block.update_event`` before the next use;
   * fp32 parameters, or optimizer state on the device: ``out`` is None and the copy is taken
-    from the fp32 master.
+    from the fp32 master; on a CPU device with the state on the host the parameters are the
+    master itself (engine ``_master_is_param``), so ``commit`` has nothing to copy.
 """
 from __future__ import annotations
 
