@@ -256,6 +256,14 @@ def test_plan_and_estimate_count_the_chunk():
     for b in chunked.blocks:
         assert b.state_chunks[0][0] == 0 and b.state_chunks[-1][1] == b.shard[1] - b.shard[0]
         assert all(a % mp.CHUNK_ALIGN == 0 for a, _ in b.state_chunks)
+    # offload estimate counts the engine's plan: the 2B model's swap slots at the chunk, not the embedding
+    from offload.planner import estimate as est
+    spec = est.spec_from_counts(2.15e9, largest_layer=65_536_000, n_blocks=33)
+    row = est.placement_bytes(spec, "nvme", "nvme", buffer_count=2)
+    cfg = est.plan_config("nvme", "nvme", buffer_count=2)
+    host = mp.plan(est.spec_blocks(spec), cfg).host
+    assert row.pinned == host + 2 * (2 * spec.largest_block * 2)     # plus the link staging (two bf16 windows)
+    assert mp.plan(est.spec_blocks(spec), cfg).pool("offload-swap").slots[0] <= 256 << 20
     ada = Config.from_dict(dict(base, optimizer={"type": "Adafactor"}))
     assert mp.state_chunks(ada, 65_536_000) == ((0, 65_536_000),)
     tiny = Config.from_dict(dict(base, offload_optimizer=dict(base["offload_optimizer"], state_chunk_bytes=4096)))

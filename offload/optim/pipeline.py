@@ -235,8 +235,7 @@ class StepPipeline:
                 # the parameter side says where the new copy goes; with chunks fp32
                 # parameters too, filled from each chunk's master (never whole)
                 out = self._params.target(block, whole_master=len(chunks) == 1)
-                if len(chunks) > 1 and out is None:
-                    raise AssertionError(f"block {block.name}: a chunked state needs a parameter target")
+                assert out is not None or len(chunks) == 1, f"block {block.name}: chunked state, no target"
             master, rows = c.views(buf)
             at[0] = "adam" + c.where              # the stage's name in errors (any rule)
             with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
