@@ -234,7 +234,9 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
        "step_times": times,
        "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
-eng.close()
+# restore=False: the run's model is discarded; bringing 2 bytes per parameter back into it
+# (close()'s default when they fit in RAM) is not the fine-tune's memory, and would be counted
+eng.close(restore=False)
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 with open("/proc/self/io") as f:       # bytes this process read from the disk (load and steps)
     out["disk_read_bytes"] = next((int(l.split()[1]) for l in f if l.startswith("read_bytes:")), None)

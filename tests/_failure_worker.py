@@ -1,7 +1,10 @@
 """One failure-injection run, in its own process (tests/test_failures.py runs it under a timeout,
 so a hang fails the test instead of hanging CI).
 
-    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR
+    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked]
+
+``chunked``: the optimizer state moves in chunks (offload_optimizer.state_chunk_bytes below
+block TARGET's state); the failure hits its second chunk.
 
 Trains a small GPT with a failure injected into one stage of block TARGET's work, as a user
 loop would (forward, backward, step; no synchronize between steps), and prints one JSON line:
@@ -62,16 +65,22 @@ def break_io(store, key, op, stall=False):
 
 def main():
     stage, opt, prm, clip, nvme = sys.argv[1:6]
-    cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2},
+    chunked = sys.argv[6:7] == ["chunked"]
+    cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2,
+                                 "state_chunk_bytes": 100_000 if chunked else None},
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
            "gradient_clipping": float(clip), "aio": {"backend": "native", "block_size": 1 << 16},
            "wait_timeout_s": 5.0 if stage == "stall" else 60.0}
     eng = offload.initialize(make_model(layers=2), cfg)
     dirs = list(eng.swap_dirs().values())
+    key = f"b{TARGET}.state"
+    if chunked:                        # its second chunk
+        assert len(eng.blocks[TARGET].state.chunks) > 1
+        key = eng.blocks[TARGET].state.chunks[1].key
     if stage in ("state read", "stall"):
-        break_io(eng._store, f"b{TARGET}.state", "read", stall=stage == "stall")
+        break_io(eng._store, key, "read", stall=stage == "stall")
     elif stage == "state write":
-        break_io(eng._store, f"b{TARGET}.state", "write")
+        break_io(eng._store, key, "write")
     elif stage == "gradient park":     # clipping: the window's sum waits on NVMe for step()
         break_io(eng._store, f"b{TARGET}.grad", "write")
     elif stage == "parameter read":

@@ -12,11 +12,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def run_worker(stage, opt, prm, clip, nvme_dir):
+def run_worker(stage, opt, prm, clip, nvme_dir, *extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
     try:
         out = subprocess.run([sys.executable, os.path.join(HERE, "_failure_worker.py"), stage, opt, prm, str(clip),
-                              str(nvme_dir)], capture_output=True, text=True, timeout=180, env=env)
+                              str(nvme_dir), *extra], capture_output=True, text=True, timeout=180, env=env)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the engine hung after a failure injected into {stage}: {exc.stderr}")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -70,4 +70,26 @@ def test_stalled_read_times_out_naming_block(tmp_path):
     assert r["stage"] == "state read" and r["block"] == "2 (layers.0)", r
     assert "not done after 5.0 s" in r["text"] and r["errno"] == 110, r   # ETIMEDOUT
     assert r["latency"] < 5.0 + 10.0 and r["close"] == "returned" and r["close_s"] < 5.0 + 10.0, r
+    assert r["dirs_left"] == [], r
+
+
+@pytest.mark.parametrize("stage", ["state read", "state write", "stall"])
+def test_failed_chunk_names_block_chunk_and_stage(stage, tmp_path):
+    """Optimizer state in chunks: a failed read or write of block 2's second chunk (or a read
+    that never completes) names the block, the chunk and its elements, and the stage; the job
+    gives its buffers back and close() returns."""
+    r = run_worker(stage, "nvme", "nvme", 1.0, tmp_path, "chunked")
+    assert r["fired"], r
+    want = "state read" if stage == "stall" else stage
+    assert r["block"] == "2 (layers.0)" and r["stage"].startswith(f"{want} (chunk 2 of "), r
+    assert "elements [" in r["stage"] and f"{r['stage']} of block 2 (layers.0) failed" in r["text"], r
+    if stage == "stall":
+        assert "not done after 5.0 s" in r["text"] and r["errno"] == 110, r
+    else:
+        assert r["is_oserror"] and r["errno"] == 9 and ".swap" in r["text"], r
+        assert r["latency"] < 10.0, r
+    assert r["after"] == r["text"], r
+    if stage != "stall":                # a stalled read keeps its buffer (never reused live)
+        assert all(v == 0 for v in r["in_use"].values()), r
+    assert r["close"] == "returned" and r["close_s"] < 15.0, r
     assert r["dirs_left"] == [], r

@@ -47,6 +47,8 @@ _FLAGS = (
      "none | cpu | nvme: where tensors saved for backward wait"),
     ("--nvme-path", "*.nvme_path", str, "directory for the NVMe swap files (every tier)"),
     ("--buffer-count", "offload_optimizer.buffer_count", int, "optimizer blocks read ahead (nvme)"),
+    ("--state-chunk-bytes", "offload_optimizer.state_chunk_bytes", "bytes",
+     "optimizer state of larger blocks moves in chunks of this size (nvme)"),
     ("--device-budget", "offload_param.device_budget_bytes", "bytes", "peak offloaded param bytes on device"),
     ("--aio-backend", "aio.backend", str, "native | portable"),
     ("--aio-block-size", "aio.block_size", "bytes", "I/O request size"),

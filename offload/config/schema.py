@@ -181,12 +181,17 @@ class OffloadOptimizerConfig:
     # go to NVMe; with cpu, every block's gradients stay in host memory. A number: the
     # gradients stay in host memory if they fit, else a pool of this size and NVMe.
     grad_host_bytes: Optional[int] = None
+    # nvme: a block shard whose optimizer state is larger is read, stepped and written in
+    # chunks of at most this many bytes, so each of the buffer_count swap buffers holds a
+    # chunk, not the largest block (an embedding). None: whole blocks.
+    state_chunk_bytes: Optional[int] = 256 << 20
 
     def __post_init__(self):
         _check_finite(self, "offload_optimizer.")
         _check_choice("offload_optimizer.device", self.device, TIER_DEVICES)
         _check_positive("offload_optimizer.buffer_count", self.buffer_count)
         _check_positive("offload_optimizer.grad_host_bytes", self.grad_host_bytes)
+        _check_positive("offload_optimizer.state_chunk_bytes", self.state_chunk_bytes)
         if self.device == "nvme":
             _require_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
 

@@ -55,7 +55,7 @@ from offload.engine.memory_plan import GradHome
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
-from offload.optim.state import OptimState, Tier
+from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params.writeback import ParamWriteBack
 from offload.engine.telemetry import Telemetry
@@ -391,7 +391,8 @@ class Engine:
             self._store = NvmeStore(cfg.offload_optimizer.nvme_path, backend=a.backend, block_size=a.block_size,
                                     queue_depth=a.queue_depth, threads=a.thread_count, checksum=a.checksum,
                                     name="optimizer")
-            self._store.reserve({self._state_key(lay): bp.state_bytes for lay, bp in zip(self.layouts, plan.blocks)})
+            self._store.reserve({chunk_key(self._state_key(lay), k, len(bp.chunk_bytes)): nb
+                                 for lay, bp in zip(self.layouts, plan.blocks) for k, nb in enumerate(bp.chunk_bytes)})
             self._swap_pool = pool("offload-swap")
             if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
                 from offload.storage.tier import NvmeTier
@@ -663,15 +664,13 @@ class Engine:
                     t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
                     state = OptimState(self._state_key(lay), layout, Tier.HOST, tensor=t)
                 else:
+                    bp = self.plan.blocks[lay.index]
                     state = OptimState(self._state_key(lay), layout, Tier.NVME, pool=self._swap_pool,
                                        store=self._store, what=f"block {lay.index} ({lay.name or '<root>'})",
-                                       wait_timeout_s=self.config.wait_timeout_s)
-            ranges = self._init_ranges(lay, s0, s1)
-
-            def fill(buf, layout=layout, master=master, ranges=ranges):
-                layout.init(buf, master.to(buf.device), ranges)
-            state.overwrite(fill)
-            state.reclaim(block=True)
+                                       wait_timeout_s=self.config.wait_timeout_s, chunks=bp.state_chunks)
+                    assert tuple(c.nbytes for c in state.chunks) == bp.chunk_bytes, \
+                        "the memory plan and the state chunks disagree"
+            state.initialize(master, self._init_ranges(lay, s0, s1))   # chunk by chunk, on its tier
             params = self._param_home(lay)
             if params is None and self._master_is_param(s0, s1, lay):
                 # the parameters are views of the fp32 master in the state buffer: the update

@@ -264,11 +264,11 @@ class GradBuffer:
         for (s0, s1), held in sorted(zip(self._ranges, self._held), key=lambda t: t[0][0]):
             if held is None or s1 <= a or s0 >= b:
                 continue
-            assert a <= s0 and s1 <= b, "a held gradient's segment lies inside one stepped range"
-            if pos < s0:
-                out.append((pos, s0, self.tensor[pos:s0]))
-            out.append((s0, s1, held))
-            pos = s1
+            lo, hi = max(s0, a), min(s1, b)           # a state chunk may end inside a segment
+            if pos < lo:
+                out.append((pos, lo, self.tensor[pos:lo]))
+            out.append((lo, hi, held[lo - s0:hi - s0]))
+            pos = hi
         if pos < b:
             out.append((pos, b, self.tensor[pos:b]))
         return out

@@ -79,6 +79,48 @@ def shard_state_bytes(config, numel: int, params: Sequence[tuple] = (), rule: Op
     return StateLayout.for_shard(r, groups, numel, sd, params).nbytes
 
 
+CHUNK_ALIGN = 4096     # elements: chunk starts are multiples (of the int8 scale block, 256, too)
+
+
+def state_chunks(config, numel: int, params: Sequence[tuple] = (), rule: Optional[str] = None,
+                 state_dtype: Optional[str] = None) -> Tuple[Tuple[int, int], ...]:
+    """The element ranges ``[a, b)`` in which one shard's optimizer state is read, stepped and
+    written (optim/state.py's chunks): one range ``[0, numel)`` unless the state is on NVMe
+    and its bytes exceed ``offload_optimizer.state_chunk_bytes``; then equal ranges (the last
+    shorter), starts a multiple of ``CHUNK_ALIGN`` elements, each chunk's own layout at most
+    ``state_chunk_bytes``. Never chunked: a rule whose rows are per tensor (Adafactor: its
+    factored rows need the whole tensor's gradient, and a tensor may be larger than a
+    chunk), and ``state_chunk_bytes: null``."""
+    from offload.optim.state_layout import StateLayout
+    whole = ((0, numel),)
+    oc = config.offload_optimizer
+    limit = getattr(oc, "state_chunk_bytes", None)
+    if oc.device != "nvme" or limit is None or numel <= CHUNK_ALIGN:
+        return whole
+    r, sd, hp = _rule_of(config, rule, state_dtype)
+    if r.per_tensor or shard_state_bytes(config, numel, params, rule, state_dtype) <= limit:
+        return whole
+    rows = r.rows(hp)
+    most = int(limit // r.bytes_per_param("host", sd, hp)) // CHUNK_ALIGN * CHUNK_ALIGN
+    while most > 0 and StateLayout(rows, most, sd).nbytes > limit:
+        most -= CHUNK_ALIGN
+    if most <= 0:
+        raise ValueError(f"offload_optimizer.state_chunk_bytes={limit} cannot hold {CHUNK_ALIGN} elements of "
+                         f"{r.name} state ({sd}): raise it to at least "
+                         f"{StateLayout(rows, CHUNK_ALIGN, sd).nbytes} bytes")
+    k = -(-numel // most)                                     # chunks, then balanced
+    n = -(-(-(-numel // k)) // CHUNK_ALIGN) * CHUNK_ALIGN     # <= most (a multiple of CHUNK_ALIGN)
+    return tuple((a, min(a + n, numel)) for a in range(0, numel, n))
+
+
+def chunk_state_bytes(config, numel: int, chunks: Sequence[tuple], params: Sequence[tuple] = (),
+                      rule: Optional[str] = None, state_dtype: Optional[str] = None) -> Tuple[int, ...]:
+    """Bytes of each chunk's state buffer (a swap-pool slot and a swap-file key hold one)."""
+    if len(chunks) == 1:
+        return (shard_state_bytes(config, numel, params, rule, state_dtype),)
+    return tuple(shard_state_bytes(config, b - a, (), rule, state_dtype) for a, b in chunks)
+
+
 def grad_bytes_per_param(config) -> int:
     """Host gradient element size: the compute dtype crosses as is without accumulation in
     bf16, else gradients are summed in fp32 (as Engine._grad_dtype)."""
@@ -124,6 +166,8 @@ class BlockPlan:
     param_bytes: int                    # trainable part on the device (compute dtype, full flat)
     home_bytes: int                     # trainable part at home (the shard with ZeRO-3)
     frozen: Tuple[int, ...]             # frozen parts, device bytes = home bytes
+    state_chunks: Tuple[Tuple[int, int], ...] = ()   # element ranges of the state's chunks (state_chunks)
+    chunk_bytes: Tuple[int, ...] = ()   # bytes of each chunk's state (one: state_bytes)
 
     @property
     def device_bytes(self) -> int:
@@ -222,9 +266,11 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
             padded, s0, s1 = 0, 0, 0
         gn = (s1 - s0) if stage >= 2 else padded
         home = (s1 - s0) if stage == 3 else padded
-        sb = shard_state_bytes(config, s1 - s0, tuple((o - s0, n, shp, g) for o, n, shp, g in b.params),
-                               rule, state_dtype) if b.numel else 0
-        bps.append(BlockPlan((s0, s1), padded, gn, sb, padded * p, home * p, tuple(b.frozen)))
+        shp = tuple((o - s0, n, shp, g) for o, n, shp, g in b.params)
+        sb = shard_state_bytes(config, s1 - s0, shp, rule, state_dtype) if b.numel else 0
+        chunks = state_chunks(config, s1 - s0, shp, rule, state_dtype) if b.numel else ()
+        cb = chunk_state_bytes(config, s1 - s0, chunks, shp, rule, state_dtype) if b.numel else ()
+        bps.append(BlockPlan((s0, s1), padded, gn, sb, padded * p, home * p, tuple(b.frozen), chunks, cb))
     trained = [b for b in bps if b.padded_numel]
     oc, pc = config.offload_optimizer, config.offload_param
     grad_sizes = [b.grad_numel * gb for b in trained]
@@ -254,9 +300,9 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         pools.append(Pool("offload-host", tuple(host_slots), "gradients of every block; cpu optimizer state"))
     swap_slots = max(oc.buffer_count, config.optimizer_workers + 1)
     if oc.device == "nvme":
-        nvme["optimizer"] = sum(_page(b.state_bytes) for b in trained)
-        pools.append(Pool("offload-swap", (max(b.state_bytes for b in trained),) * swap_slots,
-                          "optimizer state read ahead / written behind"))
+        nvme["optimizer"] = sum(_page(c) for b in trained for c in b.chunk_bytes)
+        pools.append(Pool("offload-swap", (max(c for b in trained for c in b.chunk_bytes),) * swap_slots,
+                          "optimizer state read ahead / written behind, a chunk at a time"))
     device = 0
     if oc.device == "none":
         device += sum(b.state_bytes + b.grad_numel * 4 for b in trained)

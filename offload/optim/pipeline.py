@@ -5,16 +5,21 @@ One update job per block shard::
     read state (NVMe, ahead) -> the update rule with fused unscale/clip -> parameter write-back
     (params/writeback.py) -> write state back (NVMe) -> gradient window reset
 
+A state in chunks (optim/state.py: a shard larger than ``state_chunk_bytes`` on NVMe) is read,
+stepped and written chunk by chunk inside its job: the parameter write-back follows the
+last chunk; the read-ahead walks chunks, so a pool buffer holds one chunk at a time.
+
 Jobs run on ``workers`` threads while the main thread goes on with backward or the next
 forward; the native kernel releases the GIL and has its own thread pool. Reads run ahead of
 the jobs along ``order`` (the order in which jobs are expected), bounded by the host pool:
-at most ``slots - workers`` states are fetched ahead, so a job that finds its state not yet
+at most ``slots - workers`` chunks are fetched ahead, so a job that finds its chunk not yet
 fetched always gets a buffer once a write in flight completes (``_fetch``), never deadlocks.
 
 Failures. Every wait of a job is bounded (``wait_timeout_s``). A job that fails releases what
 it holds (its state buffer, its gradient buffer, its write-back buffer) and raises a
 ``BlockError`` naming its block and stage (state read, gradient collective, adam, parameter
-write-back, state write). A state write fails after its job has returned: its error is
+write-back, state write; with chunks the stage names the chunk: "state read (chunk 2 of 4,
+elements [a, b) of the shard)"). A state write fails after its job has returned: its error is
 attributed to its own block when the write is reclaimed, never raised inside the job that
 happened to reclaim it. Every failure is recorded (``failure()``); the engine raises the
 first one from the user's next call.
@@ -62,9 +67,9 @@ class StepPipeline:
         self.read_ahead = max(0, slots - workers)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-step")
         self._lock = threading.RLock()
-        self._order: List[int] = []
+        self._order: List[tuple] = []             # (block index, chunk index) in expected order
         self._cursor = 0
-        self._writing = collections.deque()       # (block, OptimState) with a write in flight
+        self._writing = collections.deque()       # (block, StateChunk) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
         self.wait_timeout_s = wait_timeout_s
         self._params = params                     # params/writeback.py: the new parameters' way home
@@ -73,19 +78,21 @@ class StepPipeline:
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
-        """The block indices in the order their jobs are expected; starts reading ahead."""
+        """The block indices in the order their jobs are expected; starts reading ahead
+        (each block's chunks in order)."""
         with self._lock:
-            self._order = list(order)
+            self._order = [(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))]
             self._cursor = 0
         self.prefetch()
 
     def prefetch(self) -> None:
         with self._lock:
             self._reclaim(block=False)
-            fetched = sum(1 for b in self.blocks
-                          if b.state.residency in (Residency.READING, Residency.READY))
+            fetched = sum(1 for b in self.blocks for c in b.state.chunks
+                          if c.residency in (Residency.READING, Residency.READY))
             while self._cursor < len(self._order) and fetched < self.read_ahead:
-                st = self.blocks[self._order[self._cursor]].state
+                i, k = self._order[self._cursor]
+                st = self.blocks[i].state.chunks[k]
                 if st.tier is not Tier.NVME or st.in_memory:
                     self._cursor += 1
                     continue
@@ -110,7 +117,7 @@ class StepPipeline:
                 done = st.reclaim(block=block, timeout=self.wait_timeout_s)
             except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
                 done = True
-                self._record(b, "state write", exc)
+                self._record(b, "state write" + st.where, exc)
             if not done:
                 break
             self._writing.popleft()
@@ -160,10 +167,9 @@ class StepPipeline:
 
     def _abort(self, block: BlockShard) -> None:
         """After a failed job: give back everything the job held."""
-        st = block.state
         with self._lock:
-            self._writing = collections.deque(x for x in self._writing if x[1] is not st)
-        st.discard()
+            self._writing = collections.deque(x for x in self._writing if x[0] is not block)
+        block.state.discard()
         self._params.abort(block)                 # this worker's write-back buffer
         try:
             block.grad.reset_window()
@@ -223,61 +229,84 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        st = block.state
-        if st.residency is Residency.WRITING:     # this block's last write is still in flight (a
-            at[0] = "state write"                 # busy disk): it completes before the state is read
-            with self._lock:                      # no other thread reclaims it once it is off the list
-                self._writing = collections.deque(x for x in self._writing if x[1] is not st)
-            st.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
-        at[0] = "state read"
-        if st.tier is Tier.NVME and not st.in_memory:
-            self._fetch(st)
-        with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
-            buf = st.acquire(timeout=self.wait_timeout_s)
-        if self._grad_sync is not None:
-            at[0] = "gradient collective"
-            self._grad_sync.wait(block)
-        at[0] = "gradient landing"
-        block.grad.wait_landed()
-        master, rows = st.views(buf)
-        held = block.grad.by_reference        # gradients read where autograd left them (grads.py)
-        grad = block.grad.tensor if held else block.grad_shard()
-        out = self._params.target(block)      # the parameter side says where the new copy goes
-        at[0] = "adam"                        # the stage's name in errors (any rule)
+        chunks = block.state.chunks
+        out = grad = master = None
         rule = args.rule
-        with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
-                                 st.nbytes + grad.numel() * grad.element_size()):
-            on_device = st.tier is Tier.DEVICE and master.is_cuda
-            if held:                          # elementwise rules only: each run stepped on its own
-                for g, a, b, _, _ in _pieces(block, st.layout, rows):
-                    for ra, rb, rgrad in block.grad.runs(a, b):
-                        rule.cpu_step(master[ra:rb], rgrad, st.layout.slice(rows, ra, rb), args.groups[g],
-                                      args.step, param_copy=None if out is None else out[ra:rb],
-                                      grad_scale=args.grad_scale, shape=None)
-            elif on_device and args.grad_scale != 1.0:
-                dev.mark_used(grad, dev.current_stream(grad.device))
-                grad.mul_(args.grad_scale)
-            for g, a, b, shape, state in ([] if held else _pieces(block, st.layout, rows)):
-                group = args.groups[g]
-                if on_device:
-                    _device_step(rule, master[a:b], grad[a:b], state, group, args.step, shape)
-                    if out is not None:
-                        out[a:b].copy_(master[a:b])
-                    continue
-                rule.cpu_step(master[a:b], grad[a:b], state, group, args.step,
-                              param_copy=None if out is None else out[a:b], grad_scale=args.grad_scale,
-                              shape=shape)
+        for c in chunks:
+            if c.residency is Residency.WRITING:  # this chunk's last write is still in flight (a
+                at[0] = "state write" + c.where   # busy disk): it completes before it is read
+                with self._lock:                  # no other thread reclaims it once it is off the list
+                    self._writing = collections.deque(x for x in self._writing if x[1] is not c)
+                c.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
+            at[0] = "state read" + c.where
+            if c.tier is Tier.NVME and not c.in_memory:
+                self._fetch(c)
+            with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
+                buf = c.acquire(timeout=self.wait_timeout_s)
+            if grad is None:
+                if self._grad_sync is not None:
+                    at[0] = "gradient collective"
+                    self._grad_sync.wait(block)
+                at[0] = "gradient landing"
+                block.grad.wait_landed()
+                # by reference: gradients read where autograd left them (grads.py), per run
+                grad = block.grad.tensor if block.grad.by_reference else block.grad_shard()
+                # the parameter side says where the new copy goes; with chunks fp32
+                # parameters too, filled from each chunk's master (never whole)
+                out = self._params.target(block, whole_master=len(chunks) == 1)
+                assert out is not None or len(chunks) == 1, f"block {block.name}: chunked state, no target"
+            master, rows = c.views(buf)
+            at[0] = "adam" + c.where              # the stage's name in errors (any rule)
+            with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
+                                     c.nbytes + (c.b - c.a) * grad.element_size()):
+                self._step_chunk(block, c, master, rows, grad, out, args)
+            if len(chunks) > 1:                  # written now: its buffer goes to the next chunk
+                at[0] = "state write" + c.where
+                with self.telemetry.span("offload::state_write"):
+                    c.commit()
+                with self._lock:
+                    self._writing.append((block, c))
+                self.prefetch()
         at[0] = "parameter write-back"
-        self._params.commit(block, master, out, args.compute_done)
+        self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
         block.stepped = args.step
-        if st.tier is Tier.NVME:
+        c = chunks[0]
+        if len(chunks) == 1 and c.tier is Tier.NVME:
             at[0] = "state write"
             with self.telemetry.span("offload::state_write"):
-                st.commit()
+                c.commit()
             with self._lock:
-                self._writing.append((block, st))
+                self._writing.append((block, c))
         at[0] = "gradient reset"
         block.grad.reset_window()
+
+    def _step_chunk(self, block: BlockShard, c, master, rows: dict, grad, out, args: StepArgs) -> None:
+        """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
+        ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
+        rule = args.rule
+        on_device = c.tier is Tier.DEVICE and master.is_cuda
+        if on_device and args.grad_scale != 1.0:
+            dev.mark_used(grad, dev.current_stream(grad.device))
+            grad.mul_(args.grad_scale)
+        for g, a, b, shape, state in _pieces(block, c, rows):
+            group = args.groups[g]
+            A, B = c.a + a, c.a + b                  # in the shard
+            if on_device:
+                _device_step(rule, master[a:b], grad[A:B], state, group, args.step, shape)
+                if out is not None:
+                    out[A:B].copy_(master[a:b])
+                continue
+            copy = out is not None and out.dtype in (torch.bfloat16, torch.float16)
+            if not block.grad.by_reference:
+                rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
+                              param_copy=out[A:B] if copy else None, grad_scale=args.grad_scale, shape=shape)
+            else:                                     # an elementwise rule: each run stepped on its own
+                for ra, rb, rgrad in block.grad.runs(A, B):
+                    x, y = ra - c.a, rb - c.a
+                    rule.cpu_step(master[x:y], rgrad, c.layout.slice(rows, x, y), group, args.step,
+                                  param_copy=out[ra:rb] if copy else None, grad_scale=args.grad_scale, shape=None)
+            if out is not None and not copy:          # fp32 parameters, state in chunks
+                out[A:B].copy_(master[a:b])
 
     # ---- synchronization -------------------------------------------------------------------
     def wait_all(self) -> None:
@@ -293,11 +322,12 @@ class StepPipeline:
             while self._writing:
                 self._reclaim(block=True)
         for b in self.blocks:
-            if b.state.tier is Tier.NVME and b.state.in_memory:
-                try:
-                    b.state.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
-                except BaseException as exc:
-                    self._record(b, "state read", exc)
+            for c in b.state.chunks:
+                if c.tier is Tier.NVME and c.in_memory:
+                    try:
+                        c.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
+                    except BaseException as exc:
+                        self._record(b, "state read" + c.where, exc)
         with self._lock:
             self._cursor = len(self._order)
         err = self.failure() or err
@@ -313,15 +343,19 @@ class StepPipeline:
             self._pool.shutdown(wait=True)
 
 
-def _pieces(block: BlockShard, layout, rows: dict):
-    """(group, a, b, shape, state rows) of each range the rule steps at once, in shard
-    coordinates: each param group's range for an elementwise rule; each tensor piece for a
-    per-tensor rule (Adafactor: its shape when the shard holds the whole tensor)."""
+def _pieces(block: BlockShard, chunk, rows: dict):
+    """(group, a, b, shape, state rows) of each range the rule steps at once, in the
+    coordinates of ``chunk`` (elements [chunk.a, chunk.b) of the shard): each param group's
+    range for an elementwise rule; each tensor piece for a per-tensor rule (Adafactor: its
+    shape when the shard holds the whole tensor; never chunked)."""
+    layout = chunk.layout
     if layout.tensors:
+        assert (chunk.a, chunk.b) == (0, layout.numel), "a per-tensor state is not chunked"
         for k, t in enumerate(layout.tensors):
             yield t.group, t.start, t.start + t.numel, t.shape, layout.tensor_state(rows, k)
         return
-    s0, s1 = block.shard
+    s0 = block.shard[0] + chunk.a
+    s1 = block.shard[0] + chunk.b
     for g, a, b in block.layout.group_ranges:
         a, b = max(a, s0) - s0, min(b, s1) - s0
         if a < b:

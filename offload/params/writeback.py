@@ -44,13 +44,16 @@ class ParamWriteBack:
         self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
         self._keep_staged = keep_staged           # block index -> write through a staging buffer
 
-    def target(self, block) -> Optional[torch.Tensor]:
+    def target(self, block, whole_master: bool = True) -> Optional[torch.Tensor]:
         """Where the kernel writes this rank's shard of the new low-precision parameters
-        (None: fp32 parameters, copied from the master by ``commit``)."""
+        (None: fp32 parameters, copied from the master by ``commit``). ``whole_master``
+        False (optimizer state in chunks: the master is never whole): fp32 parameters get
+        their destination too, which the caller fills from each chunk's master."""
         s0, s1 = block.shard
+        from_master = self._copy_param and whole_master
         if block.params is not None:
-            return None if self._copy_param else block.home_shard(self._home_target(block))
-        if self._copy_param or self._state_on_device:
+            return None if from_master else block.home_shard(self._home_target(block))
+        if from_master or self._state_on_device:
             return None   # copied (and cast) from the master by commit()
         if not block.param_flat.is_cuda:
             return block.param_flat[s0:s1]
@@ -67,22 +70,28 @@ class ParamWriteBack:
         home = bp.home_view_for_write()
         if home is not None:
             return home
-        through = getattr(self._staging, "through", None)
-        if through is not None:
-            return through
+        # Decided once per update: ``target()`` and ``commit()`` both ask, and the kernel has
+        # written into the first answer by the time commit() asks again (whether the block is
+        # kept staged, or a staging buffer is free, may have changed in between).
+        current = getattr(self._staging, "current", None)
+        if current is not None:
+            return current
         if self._keep_staged is not None and self._keep_staged(block.index):
             through = bp.begin_write_through()        # None: no staging buffer free now
             if through is not None:
                 self._staging.through = through       # this worker's, until commit / abort
+                self._staging.current = through
                 return through
         loan = getattr(self._staging, "loan", None)
         if loan is None:
             loan = self._staging.loan = self._write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
-        return loan.view(bp.dtype, bp.home_numel)
+        self._staging.current = loan.view(bp.dtype, bp.home_numel)
+        return self._staging.current
 
     def abort(self, block=None) -> None:
         """After a failed update on this worker: give back the write buffer it held (and
         ``block``'s staging buffer, when it was being written through)."""
+        self._staging.current = None
         if getattr(self._staging, "through", None) is not None:
             self._staging.through = None
             if block is not None and block.params is not None:
@@ -94,7 +103,8 @@ class ParamWriteBack:
 
     def commit(self, block, master: torch.Tensor, out: Optional[torch.Tensor], compute_done=None) -> None:
         """Make the new parameters (``out``, or ``master`` when ``out`` is None) the block's
-        parameters on their tier. Returns once host buffers may be reused by this worker."""
+        parameters on their tier. Returns once host buffers may be reused by this worker.
+        ``master`` may be None when ``out`` holds the new parameters (chunked state)."""
         s0, s1 = block.shard
         if block.params is not None:
             bp = block.params
@@ -103,6 +113,7 @@ class ParamWriteBack:
                 if out is None:
                     block.home_shard(target).copy_(master)
                 self._staging.through = None          # write_home settles it, or gives it back on failure
+                self._staging.current = None
                 bp.write_home(target)
             loan = getattr(self._staging, "loan", None)
             if loan is not None:
