@@ -201,26 +201,52 @@ if a["lora"]:
                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
-import psutil
+import psutil, threading
+
+
+def _status():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in f)
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
+
+
+# What is resident at the peak: /proc/self/status sampled every 50 ms, the sample with the most
+# VmRSS kept with the phase it fell in (the planner's RSS terms are compared with it).
+phase, peak, done = ["build"], {"VmRSS": 0}, threading.Event()
+
+
+def _sampler():
+    while not done.wait(0.05):
+        st = _status()
+        if st["VmRSS"] > peak["VmRSS"]:
+            peak.clear()
+            peak.update(st, phase=phase[0])
+
+
+threading.Thread(target=_sampler, daemon=True).start()
 rss_base = psutil.Process().memory_info().rss    # now, before initialize: imports + the meta model
-rss_build_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # building it (transient)
+rss_build_peak = _status()["VmHWM"]              # building it (transient; this process's own peak)
 loader = "weights" in inspect.signature(offload.initialize).parameters
 if not loader:      # simulated load: the engine materializes each meta block with the model's init
     for m in lm.modules():
         if not hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
             m.reset_parameters = (lambda m=m: [p.fill_(1.0) for p in m.parameters(recurse=False)])
 cfg = a["cfg"]
+phase[0] = "load"
 t0 = time.perf_counter()
 eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.initialize(lm, cfg)
 load_s = time.perf_counter() - t0
-rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rss_load = _status()["VmHWM"]
 x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
 losses, times = [], []
 for step in range(a["steps"]):
     t0 = time.perf_counter()
     for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
+        phase[0] = f"step {step} forward"
         loss = eng(input_ids=x, labels=x).loss
+        phase[0] = f"step {step} backward"
         eng.backward(loss)
+        phase[0] = f"step {step} step()"
         eng.step()
     eng.synchronize()
     times.append(time.perf_counter() - t0)
@@ -234,8 +260,14 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
        "step_times": times,
        "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
+phase[0] = "close"
 eng.close()
+done.set()
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# ru_maxrss of a child started by fork/vfork + exec starts at the parent's own peak (Linux
+# carries the old mm's high-water mark over exec); VmHWM is this process's alone
+out["vm_hwm_bytes"] = _status()["VmHWM"]
+out["rss_at_peak"] = {k: peak.get(k) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "phase")}
 with open("/proc/self/io") as f:       # bytes this process read from the disk (load and steps)
     out["disk_read_bytes"] = next((int(l.split()[1]) for l in f if l.startswith("read_bytes:")), None)
 print("RESULT " + json.dumps(out))
