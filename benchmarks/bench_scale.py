@@ -201,26 +201,52 @@ if a["lora"]:
                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 lm = model                 # (no wrapper: the checkpoint's keys are the model's own)
-import psutil
+import psutil, threading
+
+
+def _status():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (l.split(":", 1) for l in f)
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
+
+
+# What is resident at the peak: /proc/self/status sampled every 50 ms, the sample with the most
+# VmRSS kept with the phase it fell in (the planner's RSS terms are compared with it).
+phase, peak, done = ["build"], {"VmRSS": 0}, threading.Event()
+
+
+def _sampler():
+    while not done.wait(0.05):
+        st = _status()
+        if st["VmRSS"] > peak["VmRSS"]:
+            peak.clear()
+            peak.update(st, phase=phase[0])
+
+
+threading.Thread(target=_sampler, daemon=True).start()
 rss_base = psutil.Process().memory_info().rss    # now, before initialize: imports + the meta model
-rss_build_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # building it (transient)
+rss_build_peak = _status()["VmHWM"]              # building it (transient; this process's own peak)
 loader = "weights" in inspect.signature(offload.initialize).parameters
 if not loader:      # simulated load: the engine materializes each meta block with the model's init
     for m in lm.modules():
         if not hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
             m.reset_parameters = (lambda m=m: [p.fill_(1.0) for p in m.parameters(recurse=False)])
 cfg = a["cfg"]
+phase[0] = "load"
 t0 = time.perf_counter()
 eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.initialize(lm, cfg)
 load_s = time.perf_counter() - t0
-rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rss_load = _status()["VmHWM"]
 x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
 losses, times = [], []
 for step in range(a["steps"]):
     t0 = time.perf_counter()
     for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
+        phase[0] = f"step {step} forward"
         loss = eng(input_ids=x, labels=x).loss
+        phase[0] = f"step {step} backward"
         eng.backward(loss)
+        phase[0] = f"step {step} step()"
         eng.step()
     eng.synchronize()
     times.append(time.perf_counter() - t0)
@@ -233,11 +259,18 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
        "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
        "step_times": times,
-       "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {})}
+       "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {}),
+       "host_pools": st.get("host_pools", {})}
+phase[0] = "close"
 # restore=False: the run's model is discarded; bringing 2 bytes per parameter back into it
 # (close()'s default when they fit in RAM) is not the fine-tune's memory, and would be counted
 eng.close(restore=False)
+done.set()
 out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# ru_maxrss of a child started by fork/vfork + exec starts at the parent's own peak (Linux
+# carries the old mm's high-water mark over exec); VmHWM is this process's alone
+out["vm_hwm_bytes"] = _status()["VmHWM"]
+out["rss_at_peak"] = {k: peak.get(k) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "phase")}
 with open("/proc/self/io") as f:       # bytes this process read from the disk (load and steps)
     out["disk_read_bytes"] = next((int(l.split()[1]) for l in f if l.startswith("read_bytes:")), None)
 print("RESULT " + json.dumps(out))
@@ -294,9 +327,8 @@ def _llama(hf: dict, layers: int, lora: bool, rank: int, device=None):
 
 def measure_compute(run: dict, rounds: int = 3) -> dict:
     """Forward and backward seconds of one micro-step of the run's model on this CPU with no
-    offload, and the bytes of activations autograd saves (parameters excluded), from a 1- and a
-    2-layer model of the same width (layers cost the same each): the planner's compute term
-    (``offload.planner.plan.Compute``) and the activation memory."""
+    offload, from a 1- and a 2-layer model of the same width (layers cost the same each): the
+    planner's compute term (``offload.planner.plan.Compute``)."""
     import statistics
     import torch
     out = {}
@@ -306,19 +338,10 @@ def measure_compute(run: dict, rounds: int = 3) -> dict:
         with torch.no_grad():
             for prm in model.parameters():
                 prm.normal_(0, 0.02)
-        params = {prm.untyped_storage().data_ptr() for prm in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                saved[ptr] = t.untyped_storage().nbytes()
-            return t
         fwd, bwd = [], []
         for i in range(rounds + 1):
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = model(input_ids=x, labels=x).loss
+            loss = model(input_ids=x, labels=x).loss
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
@@ -326,40 +349,59 @@ def measure_compute(run: dict, rounds: int = 3) -> dict:
             if i:
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
-        out[layers] = (statistics.median(fwd), statistics.median(bwd), sum(saved.values()))
+        out[layers] = (statistics.median(fwd), statistics.median(bwd))
         del model
     L = run["hf"]["num_hidden_layers"]
     per = [b - a for a, b in zip(out[1], out[2])]
     total = [a + (L - 1) * d for a, d in zip(out[1], per)]
-    return {"forward_s": max(total[0], 0.0), "backward_s": max(total[1], 0.0), "saved_bytes": max(int(total[2]), 0)}
+    return {"forward_s": max(total[0], 0.0), "backward_s": max(total[1], 0.0)}
+
+
+def run_baseline(run: dict) -> int:
+    """The planner's baseline RSS of a run's process: a fresh interpreter importing what the
+    child imports and building its model on the meta device (``rss.measure_baseline``)."""
+    from offload.planner import rss
+    hf = {k: v for k, v in run["hf"].items() if k not in ("architectures", "torch_dtype")}
+    setup = ("from accelerate import init_empty_weights\n"
+             f"conf = transformers.LlamaConfig(**{hf!r})\n"
+             "with init_empty_weights():\n    model = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)\n")
+    if run["lora"]:
+        setup += (f"model = peft.get_peft_model(model, peft.LoraConfig(r={run['rank']}, lora_alpha={2 * run['rank']}, "
+                  "lora_dropout=0.0, target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']))\n")
+    return rss.measure_baseline(("torch", "offload", "transformers", "psutil") + (("peft",) if run["lora"] else ()),
+                                setup)
 
 
 def predict(run: dict, profile: dict, compute: dict, base_rss: int) -> dict:
-    """The planner's prediction of one run (offload/planner: ``plan.predict`` for the step
-    time, the engine's memory plan for the host pools) with the run's own config. Peak host
-    memory on a CPU-only machine (the device is the process heap; offloaded parameters are
-    used in their host staging buffers): the process before ``initialize`` (imports and the
-    meta model: ``base_rss``, measured) + every host pool of the plan + the activations one
-    micro-step saves (``measure_compute``)."""
+    """The planner's prediction of one run (offload/planner) with the run's own config:
+    ``plan.predict`` for the step time, ``rss.predict_rss`` for the peak host memory, term by
+    term: the baseline of the process (``base_rss``: a fresh interpreter importing what the
+    child imports), each host pool of the engine's memory plan, the activations autograd saves
+    in one micro-step (counted on the meta device) and one block's gradients in flight (on a
+    CPU-only machine the device is the process heap; offloaded parameters are used in their
+    staging slots)."""
+    import torch
     from offload.config import Config
     from offload.engine import memory_plan as mp
     from offload.planner import estimate as est
-    from offload.planner import plan
+    from offload.planner import plan, rss
     model = _llama(run["hf"], run["hf"]["num_hidden_layers"], run["lora"], run["rank"])
-    spec = est.spec_from_module(model, "bench_scale")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    spec = est.spec_from_module(model, "bench_scale", "bf16", frozen_in_place=run["lora"])
     config = Config.from_dict(engine_config(run))
     blocks = est.blocks_of_module(model, "bf16", frozen_in_place=run["lora"])
     mplan = mp.plan(blocks, config, compute_bytes=2)
+    x = torch.zeros(1, run["tokens"], dtype=torch.long, device="meta")
+    saved = rss.saved_activation_bytes(model, lambda m: m(input_ids=x, labels=x).loss)
+    mem = rss.predict_rss(mplan, baseline=base_rss, activations=saved, device_is_host=True,
+                          grad_in_flight=max(b.numel for b in blocks) * 2)
     prof = plan.Profile(**{k: v for k, v in profile.items() if k in plan.Profile.__dataclass_fields__})
     prof = dataclasses_replace(prof, matmul_tflops=profile.get("matmul_tflops_bf16", prof.matmul_tflops))
     pred = plan.predict(spec, "nvme", "nvme", prof, plan.Compute(compute["forward_s"], compute["backward_s"], True,
                                                                   True),
-                        "bf16", run["gas"], run["clip"] > 0, trainable=trainable,
-                        device_budget_bytes=run["budget"])
+                        "bf16", run["gas"], run["clip"] > 0, device_budget_bytes=run["budget"])
     return {"step_s": pred.step_s, "terms": pred.terms, "groups": pred.groups, "mode": pred.mode,
-            "host_pools_bytes": mplan.host, "activation_bytes": compute["saved_bytes"], "base_rss_bytes": base_rss,
-            "peak_rss_bytes": base_rss + mplan.host + compute["saved_bytes"], "nvme_bytes": mplan.nvme_total}
+            "host_pools_bytes": mplan.host, "activation_bytes": saved, "base_rss_bytes": base_rss,
+            "rss_terms": mem.as_dict()["terms"], "peak_rss_bytes": mem.total, "nvme_bytes": mplan.nvme_total}
 
 
 def dataclasses_replace(obj, **kw):
@@ -367,18 +409,47 @@ def dataclasses_replace(obj, **kw):
     return dataclasses.replace(obj, **kw)
 
 
+def measured_peak(r: dict) -> int:
+    """The child's own peak RSS: VmHWM where recorded (its ru_maxrss starts at the parent's
+    peak, carried over exec), else ru_maxrss."""
+    return r.get("vm_hwm_bytes") or r["peak_rss_bytes"]
+
+
 def compare(r: dict) -> dict:
     """Predicted against measured: step time and peak host memory, relative errors."""
-    p = r["predicted"]
+    p, peak = r["predicted"], measured_peak(r)
     return {"step_s": [p["step_s"], r["step_s"]], "step_error": abs(p["step_s"] - r["step_s"]) / r["step_s"],
-            "peak_rss_gib": [p["peak_rss_bytes"] / GIB, r["peak_rss_bytes"] / GIB],
-            "rss_error": abs(p["peak_rss_bytes"] - r["peak_rss_bytes"]) / r["peak_rss_bytes"]}
+            "peak_rss_gib": [p["peak_rss_bytes"] / GIB, peak / GIB],
+            "rss_error": abs(p["peak_rss_bytes"] - peak) / peak}
+
+
+def print_rss(name: str, r: dict) -> None:
+    """The predicted RSS terms of a run beside what was measured."""
+    p = r["predicted"]
+    print(f"{name}: peak host RSS, predicted term by term (GiB):", flush=True)
+    for k, v in p["rss_terms"].items():
+        extra = ""
+        if k == "baseline":
+            extra = f"   (the run's own, before initialize: {r['rss_base_bytes'] / GIB:.3f})"
+        elif k.startswith("pool ") and k[5:] in r.get("host_pools", {}):
+            extra = f"   (lent at most at once in the run: {r['host_pools'][k[5:]]['peak_bytes'] / GIB:.3f})"
+        print(f"  {k:<28}{v / GIB:8.3f}{extra}")
+    at = r.get("rss_at_peak") or {}
+    print(f"  {'predicted':<28}{p['peak_rss_bytes'] / GIB:8.3f}\n  {'measured (VmHWM)':<28}{measured_peak(r) / GIB:8.3f}"
+          + (f"   (at its peak, {at.get('phase')}: anonymous {at['RssAnon'] / GIB:.3f}, file-backed "
+             f"{at['RssFile'] / GIB:.3f})" if at.get("RssAnon") is not None else ""), flush=True)
 
 
 def predict_from(log: str) -> int:
-    """Predictions for the runs of an earlier output (its profile; the compute measured now)."""
+    """Predictions for the runs of an earlier output (this script's output, whose last line is
+    the JSON summary, or that JSON alone): its profile, the compute recorded with each run
+    (measured now where it was not), the baseline measured now."""
     with open(log) as f:
-        out = json.loads([ln for ln in f if ln.startswith("{")][-1])
+        text = f.read()
+    try:
+        out = json.loads(text)
+    except ValueError:
+        out = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
     prof = out["profile"]
     if not prof.get("crc32c_gbps"):
         from offload.planner.plan import measure_crc32c
@@ -386,9 +457,10 @@ def predict_from(log: str) -> int:
     runs = ([("lora", out["lora"])] if "lora" in out else []) + [(f"full {k}", v) for k, v in out.get("full", {}).items()]
     res = {}
     for name, r in runs:
-        compute = measure_compute(r["run"])
-        r["predicted"] = predict(r["run"], prof, compute, r["rss_base_bytes"])
+        compute = r.get("compute") or measure_compute(r["run"])
+        r["predicted"] = predict(r["run"], prof, compute, run_baseline(r["run"]))
         res[name] = {"compute": compute, "predicted": r["predicted"], "vs_predicted": compare(r)}
+        print_rss(name, r)
         print(f"{name}: {json.dumps(res[name])}", flush=True)
     print(json.dumps({"predictions": res, "claims": {f"{k}_{m}": v["vs_predicted"][m] for k, v in res.items()
                                                      for m in ("step_error", "rss_error")}}))
@@ -478,8 +550,9 @@ def main(argv=None) -> int:
             compute = measure_compute(run)
             r = child(run, timeout=3600)
             r["run"], r["compute"] = run, compute
-            r["predicted"] = predict(run, out["profile"], compute, r["rss_base_bytes"])
+            r["predicted"] = predict(run, out["profile"], compute, run_baseline(run))
             r["vs_predicted"] = compare(r)
+            print_rss("(a) LoRA", r)
             r.update({"checkpoint_bytes": nbytes, "raw_read_gbps": raw / 1e9,
                       "load_gbps": nbytes / r["load_s"] / 1e9, "read_rate": rate})
             out["lora"] = r
@@ -500,8 +573,9 @@ def main(argv=None) -> int:
                 compute = measure_compute(run)
                 r = child(run, timeout=7200)
                 r["run"], r["compute"] = run, compute
-                r["predicted"] = predict(run, out["profile"], compute, r["rss_base_bytes"])
+                r["predicted"] = predict(run, out["profile"], compute, run_baseline(run))
                 r["vs_predicted"] = compare(r)
+                print_rss(f"(b) {layers} layers", r)
                 out["full"][str(layers)] = r
                 print(f"(b) full fine-tune, {layers} layers: {json.dumps(r)}", flush=True)
                 shutil.rmtree(ck, ignore_errors=True)

@@ -146,3 +146,34 @@ def test_parse_lora():
     assert parse_lora("r=16,alpha=32,targets=q_proj,v_proj") == LoraSpec(16, 32.0, 0.0, ("q_proj", "v_proj"))
     with pytest.raises(ValueError, match="must be a number"):
         parse_lora("r=x")
+
+
+def test_finetune_optimizer_flag_selects_the_rule(base, capsys):
+    """--optimizer reaches the engine with its own hyper-parameters (--momentum, Adagrad's --eps
+    go to the engine's config; --lr to Trainer's arguments); the loss falls."""
+    out = base / "sgd"
+    code, text, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", out, "--steps", 6,
+                           "--batch-size", 4, "--seq-len", 32, "--optimizer", "SGD", "--momentum", "0.9",
+                           "--lr", "0.05", "--offload-optimizer", "cpu", "--log-steps", 2], capsys)
+    assert code == 0, err
+    opt = summary(out)["optimizer"]
+    assert (opt["type"], opt["momentum"], opt["lr"]) == ("SGD", 0.9, 0.05)
+    losses = [l for _, l in summary(out)["losses"]]
+    assert losses[-1] < losses[0]
+    out = base / "adagrad"
+    code, text, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", out, "--steps", 1,
+                           "--batch-size", 2, "--seq-len", 16, "--optimizer", "Adagrad", "--eps", "1e-6",
+                           "--offload-optimizer", "cpu"], capsys)
+    assert code == 0, err
+    assert (summary(out)["optimizer"]["type"], summary(out)["optimizer"]["eps"]) == ("Adagrad", 1e-6)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--optimizer", "SGD", "--betas", "0.9,0.95"], "SGD"),
+    (["--optimizer", "Lamb"], "Lamb"),
+])
+def test_finetune_optimizer_errors(base, capsys, argv, msg):
+    code, _, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", base / "err", "--steps", 1,
+                        "--offload-optimizer", "cpu", *argv], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("offload: error:")]
+    assert code == 2 and len(lines) == 1 and msg in lines[0], err

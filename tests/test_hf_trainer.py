@@ -199,8 +199,8 @@ def test_config_from_training_arguments_and_deepspeed_auto(tmp_path):
     with pytest.raises(ConfigError, match="'auto' is for DeepSpeed configs"):
         Trainer(model=tiny_llama(), args=args(), train_dataset=dataset(),
                 offload_config={"optimizer": {"lr": "auto"}})
-    with pytest.raises(ValueError, match="optim='adamw_torch'"):
-        Trainer(model=tiny_llama(), args=args(optim="sgd"), train_dataset=dataset())
+    with pytest.raises(ValueError, match="optim='rmsprop' has no update rule in the engine"):
+        Trainer(model=tiny_llama(), args=args(optim="rmsprop"), train_dataset=dataset())
     with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
         Trainer(model=tiny_llama(), args=args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=2,
                                               save_strategy="steps", save_steps=2), train_dataset=dataset(),
@@ -288,3 +288,51 @@ def test_weights_streamed_into_a_meta_model(tmp_path):
         t.close()
     (la, wa), (lb, wb) = runs
     assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wb)
+
+
+# ---- update rules through TrainingArguments.optim -------------------------------------------------
+def plain_run_cls(make, cls, **opt_kwargs):
+    """Plain Trainer with torch's optimizer class given directly (a second implementation of
+    the same rule, e.g. foreach, for the tolerance)."""
+    model = make()
+    a = args()
+    t = transformers.Trainer(model=model, args=a, train_dataset=dataset(), eval_dataset=dataset(4, seed=2),
+                             optimizer_cls_and_kwargs=(cls, dict(lr=a.learning_rate, **opt_kwargs)))
+    t.train()
+    return train_logs(t), snapshot(model), t.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("optim, optim_args, cls, kwargs", [
+    ("sgd", "momentum=0.9,nesterov=true", torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    ("adagrad", "lr_decay=0.01", torch.optim.Adagrad, {"lr_decay": 0.01}),
+    ("adafactor", None, torch.optim.Adafactor, {}),
+])
+def test_optim_selects_the_engines_rule(optim, optim_args, cls, kwargs, tmp_path):
+    """optim (and its optim_args) run the same rule as plain Trainer; the tolerance is the
+    distance between torch's single-tensor and foreach implementations on the same run."""
+    if optim == "adafactor":          # transformers' own Adafactor is another rule: torch's is the reference
+        ref = plain_run_cls(tiny_llama, cls, foreach=False, **kwargs)
+    else:
+        ref = plain_run(tiny_llama, optim, optim_args=optim_args)
+    other = plain_run_cls(tiny_llama, cls, foreach=True, **kwargs)
+    logs, weights, ev, t = engine_run(tiny_llama, _placement("host", tmp_path), optim=optim, optim_args=optim_args)
+    assert t.offload_config.optimizer.type == {"sgd": "SGD", "adagrad": "Adagrad", "adafactor": "Adafactor"}[optim]
+    check_same(ref, other, (logs, weights, ev))
+
+
+def test_optim_names_and_the_config_choose_together():
+    from offload.hf.config import engine_config
+    c = engine_config({"optimizer": {"type": "Lion"}}, args())            # default AdamW name: the config decides
+    assert (c.optimizer.type, c.optimizer.betas) == ("Lion", (0.9, 0.999))  # Lion's betas from adam_beta1/2
+    c = engine_config(None, args(optim="lion_8bit"))
+    assert (c.optimizer.type, c.optimizer.state_dtype) == ("Lion", "int8")
+    c = engine_config({"optimizer": {"type": "SGD", "momentum": 0.5}}, args(optim="sgd"))
+    assert (c.optimizer.type, c.optimizer.momentum) == ("SGD", 0.5)
+    with pytest.raises(ConfigError, match="optimizer.type='Lion' disagrees with TrainingArguments optim='sgd'"):
+        engine_config({"optimizer": {"type": "Lion"}}, args(optim="sgd"))
+    with pytest.raises(ConfigError, match="state_dtype='bf16' disagrees with TrainingArguments optim='adamw_8bit'"):
+        engine_config({"optimizer": {"state_dtype": "bf16"}}, args(optim="adamw_8bit"))
+    with pytest.raises(ConfigError, match="momentum=0.5 disagrees with TrainingArguments optim_args momentum"):
+        engine_config({"optimizer": {"momentum": 0.5}}, args(optim="sgd", optim_args="momentum=0.9"))
+    with pytest.raises(ConfigError, match="optim='galore_adamw' has no update rule in the engine"):
+        engine_config(None, args(optim="galore_adamw"))

@@ -63,21 +63,51 @@ def format_summary(stats: dict) -> List[str]:
 
 
 def model_spec(args, default_gpt: bool = False):
+    """The ModelSpec the model arguments describe (None: the built-in GPT, where allowed), with
+    the fine-tuning arguments applied: ``--lora-rank`` builds the model on the meta device and
+    adds PEFT adapters (the base frozen), ``--trainable-params`` trains that many parameters."""
     from offload.planner import estimate as est
     given = [x for x in ("params", "hf_config", "model") if getattr(args, x) is not None]
     if len(given) > 1:
         raise CLIError("give the model once: --params, --hf-config or --model")
-    if args.params is not None:
-        return est.spec_from_counts(args.params, args.largest_layer)
-    if args.largest_layer is not None:
+    lora, trainable = getattr(args, "lora_rank", None), getattr(args, "trainable_params", None)
+    if lora is not None and trainable is not None:
+        raise CLIError("give --lora-rank or --trainable-params, not both")
+    if getattr(args, "frozen_in_place", False) and lora is None and trainable is None:
+        raise CLIError("--frozen-in-place counts frozen parameters: give --lora-rank or --trainable-params too")
+    if args.largest_layer is not None and args.params is None:
         raise CLIError("--largest-layer needs --params")
-    if args.hf_config is not None:
-        return est.spec_from_hf_config(args.hf_config)
-    if args.model is not None:
-        return est.spec_from_callable(args.model)
-    if default_gpt:
+    if lora is not None:
+        if args.params is not None or not given:
+            raise CLIError("--lora-rank needs the model's modules: give --hf-config or --model "
+                           "(with --params, give --trainable-params N)")
+        model = lora_model(args)
+        return est.spec_from_module(model, args.hf_config or args.model, args.precision,
+                                    getattr(args, "frozen_in_place", False))
+    if args.params is not None:
+        spec = est.spec_from_counts(args.params, args.largest_layer)
+    elif args.hf_config is not None:
+        spec = est.spec_from_hf_config(args.hf_config)
+    elif args.model is not None:
+        spec = est.spec_from_callable(args.model)
+    elif default_gpt:
+        if trainable is not None:
+            raise CLIError("--trainable-params needs the model: give --params, --hf-config or --model")
         return None
-    raise CLIError("no model: give --params N [--largest-layer N], --hf-config PATH or --model pkg.mod:fn")
+    else:
+        raise CLIError("no model: give --params N [--largest-layer N], --hf-config PATH or --model pkg.mod:fn")
+    return spec if trainable is None else est.with_trainable(spec, trainable, args.precision)
+
+
+def lora_model(args):
+    """The model of --hf-config / --model on the meta device, with --lora-rank adapters on
+    --lora-targets (or None without --lora-rank: the model as described)."""
+    from offload.planner import estimate as est
+    model = est.hf_model_on_meta(args.hf_config) if args.hf_config else est.module_from_callable(args.model)
+    if args.lora_rank is None:
+        return model
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return est.apply_lora(model, args.lora_rank, targets, args.hf_config or args.model)
 
 
 def parse_size(text, flag):
@@ -91,6 +121,17 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     g.add_argument("--model", metavar="MOD:FN", help="module:callable building the model (run on the meta device)")
     g.add_argument("--precision", default="bf16" if not gpt_defaults else "fp32", choices=("fp32", "bf16", "fp16"))
+    f = p.add_argument_group("fine-tuning: frozen parameters have no gradient and no optimizer state")
+    f.add_argument("--lora-rank", type=int, metavar="R",
+                   help="PEFT LoRA adapters of rank R on --lora-targets, the base frozen (with --hf-config, "
+                        "needs transformers and peft; with --model, peft)")
+    f.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", metavar="NAMES",
+                   help="modules that get adapters, comma-separated (default: %(default)s)")
+    f.add_argument("--trainable-params", type=float, metavar="N",
+                   help="only N parameters train, spread over the blocks (the rest frozen), e.g. 8.4e6")
+    f.add_argument("--frozen-in-place", action="store_true",
+                   help="frozen weights are read in place from the checkpoint's safetensors files "
+                        "(offload_param nvme with weights=): no swap-file copy of them")
     o = p.add_argument_group("the optimizer (its state's bytes per parameter)")
     o.add_argument("--optimizer", default="AdamW", choices=("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor"),
                    help="update rule (SGD counts a momentum buffer)")
@@ -105,3 +146,65 @@ def add_gpt_args(p, steps_default: bool = True) -> None:
     g.add_argument("--n-embd", type=int, default=256)
     g.add_argument("--seq-len", type=int, default=128, help="context length")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step")
+
+
+# ---- peak host RSS (estimate --placement, plan) ---------------------------------------------------
+def add_rss_args(p, batch: bool) -> None:
+    g = p.add_argument_group("peak host RSS of one placement (offload/planner/rss.py)")
+    g.add_argument("--device-budget-bytes", metavar="SIZE", help="offload_param.device_budget_bytes")
+    g.add_argument("--host-lookahead-bytes", metavar="SIZE", help="prefetch.host_lookahead_bytes")
+    g.add_argument("--baseline-bytes", metavar="SIZE",
+                   help="RSS of the training process before initialize (default: measured in a fresh "
+                        "interpreter importing torch, offload, and transformers/peft when the model needs them)")
+    if batch:
+        g.add_argument("--batch-size", type=int, help="sequences per micro-step (activations are counted with "
+                                                       "--seq-len, for --hf-config models)")
+        g.add_argument("--seq-len", type=int, help="tokens per sequence")
+
+
+def activation_bytes(args, batch: int, seq: int):
+    """Bytes autograd saves in one micro-step of the described model at (batch, seq), counted
+    on the meta device; None where the model's inputs are unknown (only --hf-config causal
+    LMs and the built-in GPT are run)."""
+    import torch
+    from offload.planner import rss
+    if not batch or not seq:
+        return None
+    if getattr(args, "hf_config", None):
+        model = lora_model(args)
+        x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return rss.saved_activation_bytes(model, lambda m: m(input_ids=x, labels=x).loss)
+    if getattr(args, "n_layer", None) and not (args.params or getattr(args, "model", None)):
+        from offload.models.gpt import GPT, GPTConfig
+        with torch.device("meta"):
+            model = GPT(GPTConfig(block_size=seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+        x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return rss.saved_activation_bytes(model, lambda m: m(x, x))
+    return None
+
+
+def rss_prediction(args, spec, optimizer: str, param: str, device_is_host: bool, batch=None, seq=None, **config):
+    """The planner's peak host RSS of one placement, term by term (``rss.placement_rss``)."""
+    from offload.planner import rss
+    base = parse_size(getattr(args, "baseline_bytes", None), "--baseline-bytes")
+    note = "given"
+    if base is None:
+        mods = ["torch", "offload"] + (["transformers"] if getattr(args, "hf_config", None) else []) + \
+            (["peft"] if getattr(args, "lora_rank", None) is not None else [])
+        setup = ""
+        if getattr(args, "hf_config", None):     # building the model loads its library code
+            setup = (f"from offload.planner import estimate as est\nm = est.hf_model_on_meta({args.hf_config!r})\n"
+                     + (f"est.apply_lora(m, {args.lora_rank!r}, {args.lora_targets.split(',')!r})\n"
+                        if getattr(args, "lora_rank", None) is not None else ""))
+        base = rss.measure_baseline(mods, setup)
+        note = f"measured: python importing {', '.join(mods)}" + (", the model built on meta" if setup else "")
+    acts = activation_bytes(args, batch, seq)
+    prec = getattr(args, "precision", "bf16")
+    return rss.placement_rss(spec, optimizer, param, prec, baseline=base, saved_activations=acts,
+                             device_is_host=device_is_host, baseline_note=note,
+                             device_budget_bytes=parse_size(getattr(args, "device_budget_bytes", None),
+                                                            "--device-budget-bytes"),
+                             host_lookahead_bytes=parse_size(getattr(args, "host_lookahead_bytes", None),
+                                                             "--host-lookahead-bytes"),
+                             rule=getattr(args, "optimizer", None), state_dtype=getattr(args, "state_dtype", None),
+                             **config)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from offload.cli.common import add_model_args, fmt_bytes, model_spec, parse_size
+from offload.cli.common import (CLIError, add_model_args, add_rss_args, fmt_bytes, model_spec, parse_size,
+                               rss_prediction)
 
 
 def cmd_estimate(args) -> int:
@@ -15,11 +16,30 @@ def cmd_estimate(args) -> int:
                         rule=args.optimizer, state_dtype=args.state_dtype,
                         activations=args.offload_activations,
                         activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
-                        host_available=machine.host_available)
+                        host_available=machine.host_available,
+                        device_budget_bytes=parse_size(args.device_budget_bytes, "--device-budget-bytes"),
+                        host_lookahead_bytes=parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes"))
+    rss = None
+    if args.placement:
+        o, _, prm = args.placement.partition("/")
+        if o not in est.TIERS or prm not in est.TIERS:
+            raise CLIError(f"--placement {args.placement!r} must be OPTIMIZER/PARAM with none, cpu or nvme, "
+                           "e.g. nvme/nvme")
+        rss = rss_prediction(args, spec, o, prm, machine.device_bytes is None and not _cuda(),
+                             args.batch_size, args.seq_len, buffer_count=args.buffer_count,
+                             gradient_clipping=args.gradient_clipping,
+                             gradient_accumulation_steps=args.gradient_accumulation_steps,
+                             grad_host_bytes=parse_size(args.grad_host_bytes, "--grad-host-bytes"),
+                             world_size=args.world_size, activations=args.offload_activations,
+                             activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
+                             host_available=machine.host_available)
     if args.json:
-        print(json.dumps({"model": spec.__dict__, "machine": machine.__dict__, "placements": [
-            {**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
-            "deepspeed_reference": est.deepspeed_reference(spec, args.world_size)}, indent=2))
+        out = {"model": {k: v for k, v in spec.__dict__.items() if k != "plan_blocks"}, "machine": machine.__dict__,
+               "placements": [{**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
+               "deepspeed_reference": est.deepspeed_reference(spec, args.world_size)}
+        if rss is not None:
+            out["peak_rss"] = {"placement": args.placement, **rss.as_dict()}
+        print(json.dumps(out, indent=2))
         return 0
     print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}, "
           f"optimizer {args.optimizer} with {args.state_dtype} state"
@@ -30,19 +50,32 @@ def cmd_estimate(args) -> int:
           "\n device per rank, host and nvme per node):")
     hdr = f"  {'optimizer':<10}{'param':<7}{'device':>11}{'pinned':>11}{'host':>11}{'host total':>12}{'nvme':>11}  fits"
     print(hdr)
+    refusals = []
     for r in rows:
         fit = est.check_fit(r, machine)
         verdict = "yes" if est.fits(r, machine) else "no (" + ", ".join(k for k, v in fit.items() if v is False) + ")"
         if fit["device"] is None and est.fits(r, machine):
             verdict = "yes, if the device has room"
+        if r.refused:
+            if r.refused not in refusals:
+                refusals.append(r.refused)
+            verdict = f"refused by the engine [{refusals.index(r.refused) + 1}]"
         print(f"  {r.optimizer:<10}{r.param:<7}{fmt_bytes(r.device):>11}{fmt_bytes(r.pinned):>11}"
               f"{fmt_bytes(r.host):>11}{fmt_bytes(r.host_total):>12}{fmt_bytes(r.nvme):>11}  {verdict}")
+    for i, why in enumerate(refusals, 1):
+        print(f"  [{i}] {why}")
     dev = ("unknown (no accelerator; give --device-memory)" if machine.device_bytes is None
            else f"{fmt_bytes(machine.device_bytes)} ({machine.device_name})")
     print(f"this machine: device {dev}; host {fmt_bytes(machine.host_available)} available; "
           f"nvme {fmt_bytes(machine.nvme_free)} free at {machine.nvme_path}")
     print(f"  (fits: under {est.DEVICE_MARGIN:.0%} of the device, {est.HOST_MARGIN:.0%} of available host "
           f"memory, {est.NVME_MARGIN:.0%} of free disk)")
+    if rss is not None:
+        where = "the device is this process's heap" if machine.device_bytes is None and not _cuda() else \
+            "device memory not included"
+        print(f"peak host RSS of the training process at --placement {args.placement} ({where}):")
+        for line in rss.lines():
+            print(line)
     if args.deepspeed:
         print("DeepSpeed's estimators for comparison (buffer factor 1.5 on host):")
         for k, v in est.deepspeed_reference(spec, args.world_size).items():
@@ -69,4 +102,12 @@ def register(sub) -> None:
     e.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
     e.add_argument("--nvme-path", metavar="DIR", help="where the NVMe tier would live (free space is checked)")
     e.add_argument("--deepspeed", action="store_true", help="also print DeepSpeed's estimator figures")
+    e.add_argument("--placement", metavar="O/P",
+                   help="print the peak host RSS of this placement (optimizer/param, e.g. nvme/nvme), term by term")
+    add_rss_args(e, batch=True)
     e.add_argument("--json", action="store_true")
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()

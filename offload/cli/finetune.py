@@ -3,9 +3,13 @@ directory (config.json, safetensors, tokenizer files) on a local text or JSONL f
 ``offload.hf.Trainer``, full or LoRA, and write the result in Hugging Face layout.
 
 The placement flags are those of ``offload train``; with none (and no ``--config``) the
-planner measures this machine and chooses, and the choice is printed with its reason. The
-optimizer flags (``--lr``, ``--precision``, ``--gradient-accumulation-steps``,
-``--gradient-clipping``, ``--weight-decay``, ``--betas``, ``--eps``) set Trainer's arguments.
+planner measures this machine and chooses, and the choice is printed with its reason.
+``--optimizer`` selects the engine's update rule (AdamW by default; ``--state-dtype`` its
+state). The flags Trainer passes to its own optimizer (``--lr``, ``--weight-decay``, and
+``--betas`` for AdamW / Adam / Lion, ``--eps`` for AdamW / Adam) and ``--precision``,
+``--gradient-accumulation-steps``, ``--gradient-clipping`` set Trainer's arguments; the
+rule's other hyper-parameters (``--momentum``, Adagrad's ``--eps``, ``--set optimizer.KEY=V``)
+go to the engine's config, which checks them against the rule.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from offload import config as config_mod
 from offload.cli.common import CLIError, format_summary
 from offload.cli.progress import Progress
 
-# engine keys that TrainingArguments owns: (dotted key, FinetuneSpec field)
-_OWNED = (("optimizer.lr", "lr"), ("precision", "precision"),
-          ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-          ("gradient_clipping", "max_grad_norm"), ("optimizer.weight_decay", "weight_decay"),
-          ("optimizer.betas", "betas"), ("optimizer.eps", "eps"))
+# engine keys that TrainingArguments owns: (dotted key, FinetuneSpec field, rules it owns them for)
+_ALL = None
+_OWNED = (("optimizer.lr", "lr", _ALL), ("precision", "precision", _ALL),
+          ("gradient_accumulation_steps", "gradient_accumulation_steps", _ALL),
+          ("gradient_clipping", "max_grad_norm", _ALL), ("optimizer.weight_decay", "weight_decay", _ALL),
+          ("optimizer.betas", "betas", ("AdamW", "Adam", "Lion")), ("optimizer.eps", "eps", ("AdamW", "Adam")))
 _PLACEMENT = ("offload_optimizer", "offload_param")
 
 
@@ -83,7 +88,9 @@ def _placement(d: dict, args, spec_fields: dict, say) -> tuple:
         say("placement: none given, asking the planner (measures this machine, a few seconds) ...")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
+        opt = d.get("optimizer") or {}
         choice = choose(model, tokens=args.batch_size * args.seq_len, precision=spec_fields.get("precision", "fp32"),
+                        rule=opt.get("type", "AdamW"), state_dtype=opt.get("state_dtype", "fp32"),
                         gradient_accumulation_steps=spec_fields.get("gradient_accumulation_steps", 1),
                         clipping=spec_fields.get("max_grad_norm", 1.0) > 0, nvme_path=args.nvme_path_for_plan,
                         name=os.path.basename(os.path.normpath(args.model_dir)))
@@ -116,15 +123,16 @@ def cmd_finetune(args) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise CLIError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
     d = config_mod.flags_to_dict(args)
+    rule = (d.get("optimizer") or {}).get("type") or "AdamW"
     fields = {}
-    for key, field in _OWNED:
+    for key, field, rules in _OWNED:
+        if rules is not _ALL and rule not in rules:
+            continue                       # the rule's own key (or not one of its keys): the config checks it
         v = _pop(d, key)
         if v is not None:
             fields[field] = tuple(v) if field == "betas" else v
     if d.get("optimizer") == {}:
         d.pop("optimizer")
-    if "type" in (d.get("optimizer") or {}) and d["optimizer"]["type"] != "AdamW":
-        raise CLIError("offload finetune runs AdamW (Trainer's optimizer): leave --optimizer out")
     args.nvme_path_for_plan = (d.get("offload_optimizer") or {}).get("nvme_path") or args.plan_nvme_path
     try:
         lora = ft.parse_lora(args.lora) if args.lora is not None else None

@@ -6,7 +6,8 @@ import json
 import os
 import tempfile
 
-from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, fmt_bytes, model_spec, parse_size)
+from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, add_rss_args, fmt_bytes, model_spec,
+                               parse_size, rss_prediction)
 
 
 def _gpt_case(args):
@@ -89,8 +90,11 @@ def cmd_plan(args) -> int:
     else:
         compute = plan.flops_compute(spec, tokens, profile)
     machine = est.this_machine(nvme_path, parse_size(args.device_memory, "--device-memory"))
+    budget = parse_size(args.device_budget_bytes, "--device-budget-bytes")
+    lookahead = parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes")
     ranked = plan.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
-                       args.gradient_clipping > 0, rule=args.optimizer, state_dtype=args.state_dtype)
+                       args.gradient_clipping > 0, buffer_count=args.buffer_count, rule=args.optimizer,
+                       state_dtype=args.state_dtype, device_budget_bytes=budget, host_lookahead_bytes=lookahead)
     print(spec.describe() + f"; {tokens} tokens per micro-step, precision {args.precision}, optimizer "
           f"{args.optimizer} with {args.state_dtype} state")
     print(f"compute (forward+backward) {compute.total_s * 1e3:.1f} ms per micro-step, "
@@ -102,6 +106,8 @@ def cmd_plan(args) -> int:
         p, m = r.prediction, r.memory
         fit = "yes" if r.fits and r.fit["device"] else ("yes, if the device has room" if r.fits else
               "no (" + ", ".join(k for k, v in r.fit.items() if v is False) + ")")
+        if m.refused:
+            fit = "refused by the engine: " + m.refused.split(":")[0]
         tok_s = tokens * args.gradient_accumulation_steps / p.step_s
         print(f"  {i:<5}{m.optimizer:<10}{m.param:<7}{p.step_s * 1e3:>8.1f}ms{tok_s:>11,.0f}  {p.bottleneck:<11}"
               f"{fmt_bytes(m.device):>10}{fmt_bytes(m.host_total):>10}{fmt_bytes(m.nvme):>10}  {fit}")
@@ -121,9 +127,32 @@ def cmd_plan(args) -> int:
         else:
             print(f"best placement that fits: --offload-optimizer {best.memory.optimizer} "
                   f"--offload-param {best.memory.param} ({best.prediction.step_s * 1e3:.1f} ms per step)")
+    chosen = _rss_placement(args, ranked)
+    if chosen is not None:
+        device_is_host = machine.device_bytes is None and not torch.cuda.is_available()
+        mem = rss_prediction(args, spec, chosen[0], chosen[1], device_is_host, args.batch_size, args.seq_len,
+                             buffer_count=args.buffer_count, gradient_clipping=args.gradient_clipping,
+                             gradient_accumulation_steps=args.gradient_accumulation_steps,
+                             host_available=machine.host_available)
+        where = "the device is this process's heap" if device_is_host else "device memory not included"
+        print(f"peak host RSS of the training process at optimizer={chosen[0]} param={chosen[1]} ({where}):")
+        for line in mem.lines():
+            print(line)
     print("model: step = max over resources + the rest / blocks (exposed first fetch and last update); "
           "see `python -c 'import offload.planner.plan; help(offload.planner.plan)'`")
     return 0
+
+
+def _rss_placement(args, ranked):
+    """(optimizer, param) whose host RSS ``plan`` prints: --placement, else the best that fits."""
+    if args.placement:
+        o, _, prm = args.placement.partition("/")
+        if o not in est_tiers() or prm not in est_tiers():
+            raise CLIError(f"--placement {args.placement!r} must be OPTIMIZER/PARAM with none, cpu or nvme, "
+                           "e.g. nvme/nvme")
+        return o, prm
+    best = next((r for r in ranked if r.fits), None)
+    return None if best is None else (best.memory.optimizer, best.memory.param)
 
 
 def est_tiers():
@@ -189,4 +218,8 @@ def register(sub) -> None:
     p.add_argument("--check-models", default="gpt,bench_step", metavar="NAME,...",
                    help="models --check runs: gpt (offload train's model), bench_step (benchmarks/bench_step.py's)")
     p.add_argument("--tolerance", type=float, default=0.25, help="--check fails above this relative error")
+    p.add_argument("--buffer-count", type=int, default=4, help="offload_optimizer.buffer_count (swap slots)")
+    p.add_argument("--placement", metavar="O/P",
+                   help="print the peak host RSS of this placement (default: the best that fits)")
+    add_rss_args(p, batch=False)
     p.add_argument("--json", action="store_true")

@@ -152,6 +152,16 @@ def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequ
     return Engine(model, Config.from_any(config), param_groups, weights=weights, key_map=key_map, init_fn=init_fn)
 
 
+
+def placement_refusal(config) -> Optional[str]:
+    """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
+    ``offload estimate`` marks a placement with."""
+    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.device == "none":
+        return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
+                "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
+                "state_dtype bf16 with offload_optimizer.device none")
+    return None
+
 class Engine:
     def __init__(self, model: nn.Module, config: Config, param_groups=None, *, weights=None, key_map=None,
                  init_fn=None):
@@ -299,10 +309,9 @@ class Engine:
         rule (``UpdateRule.validate``) and must keep the same state rows as the config."""
         from offload.config import ConfigError
         o = self.config.optimizer
-        if o.state_dtype == "int8" and self.config.offload_optimizer.device == "none":
-            raise ConfigError("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
-                              "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
-                              "state_dtype bf16 with offload_optimizer.device none")
+        refused = placement_refusal(self.config)
+        if refused:
+            raise ConfigError(refused)
         defaults = o.hparams()
         rule = self.rule
         rows = [r.name for r in rule.rows(defaults)]
@@ -937,6 +946,9 @@ class Engine:
             "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
+        # each pool by its memory-plan name: capacity, and the most bytes lent at once (on a
+        # CPU-only machine untouched slots are not resident: what offload plan's RSS terms compare with)
+        snap["host_pools"] = {p.name: {k: p.stats()[k] for k in ("capacity_bytes", "peak_bytes")} for p in pools}
         if self.activations is not None:
             snap["activations"] = self.activations.stats()
         # NVMe links from the stores themselves: bytes that reached the disk over the time

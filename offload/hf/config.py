@@ -1,12 +1,21 @@
 """The engine's config for a Hugging Face ``Trainer`` run: the user's ``offload_config`` with
 what ``TrainingArguments`` decides filled in.
 
-``TrainingArguments`` owns the optimizer hyper-parameters (learning rate, Adam betas and
-epsilon, weight decay), ``gradient_accumulation_steps``, ``max_grad_norm`` and the precision
-(``bf16`` / ``fp16``). A config may leave them out, give them as ``"auto"`` (DeepSpeed's
-convention: filled from the arguments as transformers' DeepSpeed integration does) or give
-the same value; a different value is an error naming both. The rest (tiers, NVMe path,
-prefetch, ZeRO stage, ...) comes from the config.
+``TrainingArguments`` owns the optimizer hyper-parameters it passes to its own optimizer
+(learning rate and weight decay; Adam's betas and epsilon for AdamW / Adam, the betas for
+Lion; ``optim_args``' momentum / dampening / nesterov for SGD and lr_decay / eps for
+Adagrad, as transformers reads them), ``gradient_accumulation_steps``, ``max_grad_norm`` and
+the precision (``bf16`` / ``fp16``). A config may leave them out, give them as ``"auto"``
+(DeepSpeed's convention: filled from the arguments as transformers' DeepSpeed integration
+does) or give the same value; a different value is an error naming both. The rest (tiers,
+NVMe path, prefetch, ZeRO stage, ...) comes from the config.
+
+The update rule: ``TrainingArguments.optim`` names map to the engine's rules (``OPTIM_RULES``;
+the 8-bit names to ``optimizer.state_dtype: int8``), and the config's ``optimizer.type`` may
+choose one too. An AdamW name (transformers' default) leaves the choice to the config; any
+other name and a config type that differs are an error naming both. ``adafactor`` runs
+torch's Adafactor (``torch.optim.Adafactor``: its own relative step and update clipping, the
+learning rate from ``learning_rate``), not transformers' own Adafactor class.
 """
 from __future__ import annotations
 
@@ -24,21 +33,81 @@ def precision_of(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def _owned(args) -> dict:
-    """The engine keys TrainingArguments decides, dotted, with their values."""
-    return {
-        "optimizer.lr": float(args.learning_rate),
-        "optimizer.betas": (float(args.adam_beta1), float(args.adam_beta2)),
-        "optimizer.eps": float(args.adam_epsilon),
-        "optimizer.weight_decay": float(args.weight_decay),
+# TrainingArguments.optim -> (the engine's update rule, state dtype or None: the config's)
+OPTIM_RULES = {
+    "adamw_torch": ("AdamW", None), "adamw_torch_fused": ("AdamW", None), "paged_adamw_32bit": ("AdamW", None),
+    "adamw_8bit": ("AdamW", "int8"), "adamw_bnb_8bit": ("AdamW", "int8"), "adamw_torch_8bit": ("AdamW", "int8"),
+    "paged_adamw_8bit": ("AdamW", "int8"),
+    "lion_32bit": ("Lion", None), "paged_lion_32bit": ("Lion", None),
+    "lion_8bit": ("Lion", "int8"), "paged_lion_8bit": ("Lion", "int8"),
+    "sgd": ("SGD", None), "adagrad": ("Adagrad", None), "adafactor": ("Adafactor", None),
+}
+_DEFAULT_NAMES = ("adamw_torch", "adamw_torch_fused")     # transformers' defaults: the config may choose
+
+
+def optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def rule_of(args, config_type=None, config_state_dtype=None) -> tuple:
+    """(rule, state dtype or None) for ``args.optim`` and the config's optimizer type / state
+    dtype (``OPTIM_RULES``); a name without a rule, or a disagreement, is a ConfigError."""
+    name = optim_name(args)
+    if name not in OPTIM_RULES:
+        raise ConfigError(f"TrainingArguments optim={name!r} has no update rule in the engine: use one of "
+                          f"{', '.join(sorted(OPTIM_RULES))}, or choose the rule with offload_config "
+                          "optimizer.type (AdamW, Adam, Lion, SGD, Adagrad, Adafactor)")
+    rule, sd = OPTIM_RULES[name]
+    if config_type is not None and config_type != rule:
+        if name not in _DEFAULT_NAMES:
+            raise ConfigError(f"offload_config optimizer.type={config_type!r} disagrees with TrainingArguments "
+                              f"optim={name!r} ({rule}): remove one of them or make them agree")
+        rule = config_type
+    if sd is not None and config_state_dtype not in (None, sd):
+        raise ConfigError(f"offload_config optimizer.state_dtype={config_state_dtype!r} disagrees with "
+                          f"TrainingArguments optim={name!r} ({sd} state): remove one of them or make them agree")
+    return rule, sd
+
+
+def _optim_args(args) -> dict:
+    text = getattr(args, "optim_args", None) or ""
+    out = {}
+    for item in text.replace(" ", "").split(","):
+        if item:
+            k, sep, v = item.partition("=")
+            if not sep:
+                raise ConfigError(f"TrainingArguments optim_args item {item!r} must be key=value")
+            out[k] = v
+    return out
+
+
+def _owned(args, rule: str = "AdamW") -> dict:
+    """The engine keys TrainingArguments decides for ``rule``, dotted, with their values (only
+    hyper-parameters that transformers passes to that optimizer itself)."""
+    owned = {"optimizer.type": rule, "optimizer.lr": float(args.learning_rate),
+             "optimizer.weight_decay": float(args.weight_decay)}
+    if rule in ("AdamW", "Adam", "Lion"):
+        owned["optimizer.betas"] = (float(args.adam_beta1), float(args.adam_beta2))
+    if rule in ("AdamW", "Adam"):
+        owned["optimizer.eps"] = float(args.adam_epsilon)
+    extra = _optim_args(args)
+    keys = {"SGD": {"momentum": float, "dampening": float, "nesterov": lambda v: v.lower() in ("true", "1", "yes")},
+            "Adagrad": {"lr_decay": float, "eps": float}}.get(rule, {})
+    for k, conv in keys.items():
+        if k in extra:
+            owned[f"optimizer.{k}"] = conv(extra[k])
+    owned.update({
         "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
         "gradient_clipping": float(args.max_grad_norm or 0.0),
         "precision": precision_of(args),
-    }
+    })
+    return owned
 
 
-_WHERE = {"optimizer.lr": "learning_rate", "optimizer.betas": "adam_beta1/adam_beta2",
+_WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer.betas": "adam_beta1/adam_beta2",
           "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
+          "optimizer.momentum": "optim_args momentum", "optimizer.dampening": "optim_args dampening",
+          "optimizer.nesterov": "optim_args nesterov", "optimizer.lr_decay": "optim_args lr_decay",
           "gradient_accumulation_steps": "gradient_accumulation_steps",
           "gradient_clipping": "max_grad_norm", "precision": "bf16/fp16"}
 
@@ -81,12 +150,16 @@ def _leftover_auto(d, where=""):
 def engine_config(offload_config: Any, args) -> Config:
     """The engine's ``Config`` for ``offload_config`` (dict, JSON path, DeepSpeed dict or
     ``offload.Config``) and ``TrainingArguments`` ``args``."""
-    owned = _owned(args)
     if isinstance(offload_config, Config):
-        # A Config has every key set: the arguments decide the keys they own.
+        # A Config has every key set: the arguments decide the keys they own (its optimizer
+        # type counts as chosen where it is not the default AdamW).
         d = offload_config.to_dict()
-        for key, value in owned.items():
+        t = _get(d, "optimizer.type")
+        rule, sd = rule_of(args, None if t == "AdamW" else t)
+        for key, value in _owned(args, rule).items():
             _set(d, key, value)
+        if sd is not None:
+            _set(d, "optimizer.state_dtype", sd)
         return build_config(d)
     if offload_config is None:
         raw: Mapping = {}
@@ -111,7 +184,12 @@ def engine_config(offload_config: Any, args) -> Config:
         left = list(_leftover_auto(d))
         if left:
             raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
-    for key, value in owned.items():
+    rule, sd = rule_of(args, _get(d, "optimizer.type"), _get(d, "optimizer.state_dtype"))
+    if sd is not None:
+        _set(d, "optimizer.state_dtype", sd)
+    if _get(d, "optimizer.type") is not None:
+        _set(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
+    for key, value in _owned(args, rule).items():
         given = _get(d, key)
         if given is None:
             _set(d, key, value)

@@ -220,6 +220,9 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
                "stopped_early": bool(deadline and deadline.hit), "written": written,
                "placement": {"optimizer": trainer.offload_config.offload_optimizer.device,
                              "param": trainer.offload_config.offload_param.device},
+               "optimizer": {"type": trainer.offload_config.optimizer.type,
+                             "state_dtype": trainer.offload_config.optimizer.state_dtype,
+                             **trainer.offload_config.optimizer.hparams()},
                "stats": stats}
     with open(os.path.join(spec.out, "finetune_summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

@@ -42,7 +42,6 @@ from offload.hf.config import engine_config  # noqa: E402
 from offload.hf.weights import save_hf  # noqa: E402
 
 ENGINE_DIR = "offload"    # the engine's checkpoint inside a Trainer checkpoint folder
-_ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
 def _is_peft(model) -> bool:
@@ -118,8 +117,11 @@ class Trainer(transformers.Trainer):
     ``offload_config``: the engine's config (dict, JSON path, ``offload.Config`` or a DeepSpeed
     config whose ``"auto"`` values are filled from ``TrainingArguments``); the arguments decide
     the learning rate, Adam betas / epsilon, weight decay, ``gradient_accumulation_steps``,
-    ``max_grad_norm`` and bf16 / fp16 (see ``offload.hf.config``). ``args.optim`` must be an
-    AdamW (``adamw_torch`` or ``adamw_torch_fused``): the engine runs AdamW itself.
+    ``max_grad_norm`` and bf16 / fp16 (see ``offload.hf.config``). ``args.optim`` selects the
+    engine's update rule (``offload.hf.config.OPTIM_RULES``: the AdamW names, ``sgd``,
+    ``adagrad``, ``adafactor``, the Lion names, the 8-bit names with int8 state; an AdamW name
+    leaves the choice to ``offload_config`` ``optimizer.type``); another name is an error
+    naming it.
     ``weights``: a pretrained checkpoint (a Hugging Face model directory, safetensors, an index)
     streamed by the engine into the model block by block (``offload.initialize(weights=)``), so
     the model may be built on the meta device and never exist whole in host memory.
@@ -138,9 +140,6 @@ class Trainer(transformers.Trainer):
             raise ValueError("offload.hf.Trainer: the engine runs the optimizer and Trainer's scheduler drives it: "
                              "leave optimizers / optimizer_cls_and_kwargs unset (choose the schedule with "
                              "lr_scheduler_type / warmup_steps)")
-        if str(self.args.optim) not in _ADAMW and getattr(self.args.optim, "value", None) not in _ADAMW:
-            raise ValueError(f"offload.hf.Trainer: optim={self.args.optim!r} is not run by the engine: use "
-                             f"optim='adamw_torch' (the engine runs AdamW on its tiers)")
         if self.args.load_best_model_at_end:
             raise ValueError("offload.hf.Trainer: load_best_model_at_end is not supported (the best weights would "
                              "bypass the engine's master copy): pick the checkpoint from trainer_state.json and "

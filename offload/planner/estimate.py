@@ -37,7 +37,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import psutil
 
@@ -58,10 +58,19 @@ class ModelSpec:
     n_blocks: int = 1           # blocks the engine would build (pipeline depth of the step)
     exact: bool = True          # False when the counts are approximations
     blocks: tuple = ()          # parameters of each block, when known (built from a module)
+    trainable: Optional[int] = None     # parameters that train (None: all); the rest are frozen
+    plan_blocks: tuple = ()     # the memory plan's BlockSize of each block (trainable part and
+                                # frozen parts), when known from a module with frozen parameters
+    precision: Optional[str] = None     # the compute dtype ``plan_blocks``' frozen bytes assume
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
 
     def describe(self) -> str:
         approx = "" if self.exact else " (approximate)"
-        return (f"{self.name}: {human_count(self.params)} parameters{approx}, largest layer "
+        frozen = "" if self.trainable is None else f" ({human_count(self.trainable)} trainable, the rest frozen)"
+        return (f"{self.name}: {human_count(self.params)} parameters{approx}{frozen}, largest layer "
                 f"{human_count(self.largest_layer)}, largest block {human_count(self.largest_block)}, "
                 f"{self.n_blocks} blocks")
 
@@ -88,9 +97,12 @@ def spec_from_counts(params: float, largest_layer: Optional[float] = None,
     return ModelSpec(int(params), int(largest_layer), int(largest_layer), "model", blocks, exact)
 
 
-def spec_from_module(model, name: str = "model") -> ModelSpec:
+def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen_in_place: bool = False) -> ModelSpec:
     """From a built module (the meta device is fine), blocked the way the engine blocks it
-    (``offload.engine.blocks.auto_block_roots``); a tied parameter is counted once, in its first block."""
+    (``offload.engine.blocks.auto_block_roots``); a tied parameter is counted once, in its first block.
+    A module with frozen parameters (``requires_grad`` False: a LoRA model's base) gets its
+    trainable count and the memory plan's blocks as the engine groups them
+    (``blocks_of_module`` at ``precision``; ``frozen_in_place``: read in place from the checkpoint)."""
     from offload.engine.blocks import auto_block_roots
     modules = dict(model.named_modules())
     claimed = set()
@@ -109,11 +121,74 @@ def spec_from_module(model, name: str = "model") -> ModelSpec:
     if not blocks:
         raise EstimateError(f"{name} has no parameters")
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks))
+    trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    if trainable == sum(blocks):
+        return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks))
+    if not trainable:
+        raise EstimateError(f"{name} has no trainable parameters (every requires_grad is False)")
+    return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks),
+                     trainable, tuple(blocks_of_module(model, precision, frozen_in_place)), precision)
+
+
+def with_trainable(spec: ModelSpec, trainable: float, precision: str = "bf16") -> ModelSpec:
+    """``spec`` with only ``trainable`` of its parameters training (``--trainable-params``):
+    each block trains its share, the rest of it is a frozen part in the compute dtype."""
+    if trainable is None or not 0 < trainable <= spec.params:
+        raise EstimateError(f"--trainable-params={trainable!r} must be > 0 and <= the model's "
+                            f"{spec.params} parameters")
+    import dataclasses
+    return dataclasses.replace(spec, trainable=int(trainable), plan_blocks=(), precision=precision)
+
+
+def hf_model_on_meta(path: str):
+    """The Hugging Face causal LM of a config.json (or its directory), built on the meta
+    device (no memory, no weights): needs ``transformers``."""
+    import torch
+    try:
+        import transformers
+    except ImportError:
+        raise EstimateError("--lora-rank with --hf-config builds the model on the meta device, which needs "
+                            "transformers (pip install transformers), or give --trainable-params N") from None
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        conf = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise EstimateError(f"--hf-config {path!r}: transformers cannot read it ({exc})") from None
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(conf)
+
+
+def apply_lora(model, rank: int, targets: Sequence[str], name: str = "model"):
+    """``model`` with PEFT LoRA adapters of ``rank`` on the modules named ``targets`` (the
+    base frozen, as ``peft.get_peft_model`` leaves it): needs ``peft``."""
+    if rank is None or rank < 1:
+        raise EstimateError(f"--lora-rank={rank!r} must be >= 1, e.g. --lora-rank 8")
+    try:
+        import peft
+    except ImportError:
+        raise EstimateError("--lora-rank needs peft (pip install peft), or give --trainable-params N") from None
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise EstimateError(f"--lora-targets {','.join(missing)}: {name} has no module of that name; its "
+                            f"linear layers are named {', '.join(sorted(_linear_names(model)))}")
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                      target_modules=list(targets)))
+
+
+def _linear_names(model) -> set:
+    import torch
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 def spec_from_callable(target: str) -> ModelSpec:
     """``pkg.mod:fn`` -> fn() built on the meta device (no memory, no weights)."""
+    return spec_from_module(module_from_callable(target), target)
+
+
+def module_from_callable(target: str):
+    """``pkg.mod:fn`` -> the module fn() builds on the meta device."""
     import torch
     mod_name, sep, fn_name = target.partition(":")
     if not sep or not mod_name or not fn_name:
@@ -129,7 +204,7 @@ def spec_from_callable(target: str) -> ModelSpec:
         model = fn()
     if not isinstance(model, torch.nn.Module):
         raise EstimateError(f"--model {target!r} returned {type(model).__name__}, not an nn.Module")
-    return spec_from_module(model, target)
+    return model
 
 
 def spec_from_hf_config(path: str) -> ModelSpec:
@@ -193,6 +268,7 @@ class Placement:
     pinned: int                 # bytes per node (page-locked host memory)
     host: int                   # bytes per node (pageable host memory)
     nvme: int                   # bytes per node
+    refused: Optional[str] = None   # why initialize refuses this placement (None: the engine runs it)
 
     @property
     def host_total(self) -> int:
@@ -203,17 +279,30 @@ class Placement:
         return f"optimizer={self.optimizer} param={self.param}"
 
 
-def spec_blocks(spec: ModelSpec) -> list:
-    """The spec as the memory plan's blocks: its largest block, the rest spread evenly."""
+def spec_blocks(spec: ModelSpec, precision: str = "bf16") -> list:
+    """The spec as the memory plan's blocks: its own (``plan_blocks``) when known, else its
+    blocks' sizes (or its largest block, the rest spread evenly), each training its share of
+    ``spec.trainable`` with the rest as one frozen part in ``precision``."""
     from offload.engine.memory_plan import BlockSize
+    if spec.plan_blocks:
+        if spec.precision not in (None, precision):
+            raise EstimateError(f"{spec.name}'s frozen parts were counted at {spec.precision}, not {precision}")
+        return list(spec.plan_blocks)
     if spec.blocks:
-        return [BlockSize(f"block{i}", n) for i, n in enumerate(spec.blocks)]
-    n = max(spec.n_blocks, 1)
-    if n == 1:
-        return [BlockSize("block0", spec.params)]
-    rest = max(spec.params - spec.largest_block, n - 1)
-    return [BlockSize("block0", spec.largest_block)] + \
-        [BlockSize(f"block{i}", rest // (n - 1) + (1 if i <= rest % (n - 1) else 0)) for i in range(1, n)]
+        sizes = list(spec.blocks)
+    else:
+        n = max(spec.n_blocks, 1)
+        rest = max(spec.params - spec.largest_block, n - 1)
+        sizes = [spec.params] if n == 1 else [spec.largest_block] + \
+            [rest // (n - 1) + (1 if i <= rest % (n - 1) else 0) for i in range(1, n)]
+    if spec.trainable is None or spec.trainable >= spec.params:
+        return [BlockSize(f"block{i}", n) for i, n in enumerate(sizes)]
+    p, total = BYTES_PER_PARAM[precision], sum(sizes)
+    out = []
+    for i, n in enumerate(sizes):
+        t = max(1, n * spec.trainable // total)
+        out.append(BlockSize(f"block{i}", t, (-(-(n - t) * p // 4096) * 4096,) if n > t else ()))
+    return out
 
 
 def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False) -> list:
@@ -252,28 +341,37 @@ def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = Fal
 def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_count: int = 4,
                 gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
                 grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
-                world_size: int = 1, activations: str = "none", activation_host_bytes: Optional[int] = None):
+                world_size: int = 1, activations: str = "none", activation_host_bytes: Optional[int] = None,
+                host_lookahead_bytes: Optional[int] = None, rule: Optional[str] = None,
+                state_dtype: Optional[str] = None):
     """The engine config of one placement (NVMe paths point at the temp dir: the plan reads
-    no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2."""
-    from offload.config import Config
+    no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2.
+    A rule / state dtype the engine refuses for every placement raises EstimateError."""
+    from offload.config import Config, ConfigError
     tmp = tempfile.gettempdir()
     stage = 0 if world_size == 1 else (3 if param != "none" else 2)
-    return Config.from_dict({"zero_optimization": {"stage": stage},
-        "precision": precision, "gradient_clipping": gradient_clipping,
-        "gradient_accumulation_steps": gradient_accumulation_steps,
-        "offload_optimizer": {"device": optimizer, "nvme_path": tmp if optimizer == "nvme" else None,
-                              "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes},
-        "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
-                          "device_budget_bytes": device_budget_bytes},
-        "offload_activations": {"device": activations, "nvme_path": tmp if activations == "nvme" else None,
-                                "host_bytes": activation_host_bytes}})
+    d = {"zero_optimization": {"stage": stage}, "optimizer": {"type": rule or "AdamW", "state_dtype": state_dtype or "fp32"},
+         "precision": precision, "gradient_clipping": gradient_clipping,
+         "gradient_accumulation_steps": gradient_accumulation_steps,
+         "offload_optimizer": {"device": optimizer, "nvme_path": tmp if optimizer == "nvme" else None,
+                               "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes},
+         "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
+                           "device_budget_bytes": device_budget_bytes},
+         "offload_activations": {"device": activations, "nvme_path": tmp if activations == "nvme" else None,
+                                 "host_bytes": activation_host_bytes},
+         "prefetch": {"host_lookahead_bytes": host_lookahead_bytes}}
+    try:
+        return Config.from_dict(d)
+    except ConfigError as exc:
+        raise EstimateError(str(exc)) from None
 
 
 def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str = "bf16",
                     world_size: int = 1, buffer_count: int = 4, gradient_clipping: float = 0.0,
                     gradient_accumulation_steps: int = 1, grad_host_bytes: Optional[int] = None, *,
                     rule: Optional[str] = None, state_dtype: Optional[str] = None, activations: str = "none",
-                    activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None) -> Placement:
+                    activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None,
+                    device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None) -> Placement:
     """Bytes per tier for one placement (see the module docstring for the formulas): host
     pools and NVMe from the engine's own memory plan (engine/memory_plan.py), so the host
     budget keys (buffer_count, grad_host_bytes) and clipping / accumulation count as the
@@ -288,20 +386,22 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     if world_size < 1:
         raise EstimateError(f"--world-size={world_size!r} must be >= 1")
     p = BYTES_PER_PARAM[precision]
-    P, B, W = spec.params, spec.largest_block, world_size
+    P, B, W, Pt = spec.params, spec.largest_block, world_size, spec.trained
     cfg = plan_config(optimizer, param, precision, buffer_count, gradient_clipping, gradient_accumulation_steps,
-                      grad_host_bytes, world_size=W, activations=activations,
-                      activation_host_bytes=activation_host_bytes)
-    plan = mp.plan(spec_blocks(spec), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
+                      grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
+                      activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
+                      rule=rule, state_dtype=state_dtype)
+    from offload.engine.engine import placement_refusal
+    plan = mp.plan(spec_blocks(spec, precision), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
                    host_available=host_available)
-    shard = -(-P // W)                      # P' = ceil(P / W)
+    shard = -(-Pt // W)                     # P' = ceil(P / W), of the trainable parameters
     sbp = mp.state_bytes_per_param(cfg, rule, state_dtype)
     state = sbp if p < 4 else sbp - 4       # on-device optimizer: in fp32 the parameter is the master
     window = 2 * B * p                      # two blocks in flight on the device
 
     params_dev = P * p if param == "none" else window
     if optimizer == "none":
-        grads_dev = P * p if param == "none" else shard * p
+        grads_dev = Pt * p if param == "none" else shard * p
         state_dev = state * shard
     else:
         grads_dev, state_dev = window, 0
@@ -309,20 +409,23 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
 
     offloaded = optimizer != "none" or param != "none"
     pinned = (2 * window if offloaded else 0) + plan.host    # link staging + the engine's pools
-    return Placement(optimizer, param, int(device), int(pinned * W), 0, int(plan.nvme_total * W))
+    return Placement(optimizer, param, int(device), int(pinned * W), 0, int(plan.nvme_total * W),
+                     placement_refusal(cfg))
 
 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,
              gradient_clipping: float = 0.0, gradient_accumulation_steps: int = 1,
              grad_host_bytes: Optional[int] = None, *, rule: Optional[str] = None,
              state_dtype: Optional[str] = None, activations: str = "none",
-             activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None) -> List[Placement]:
+             activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None,
+             device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None) -> List[Placement]:
     """All nine placements, least offload first (the optimizer's bytes from ``rule`` /
     ``state_dtype``: default AdamW, fp32 state)."""
     return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
                             gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype,
                             activations=activations, activation_host_bytes=activation_host_bytes,
-                            host_available=host_available)
+                            host_available=host_available, device_budget_bytes=device_budget_bytes,
+                            host_lookahead_bytes=host_lookahead_bytes)
             for o in TIERS for p in TIERS]
 
 
@@ -368,7 +471,8 @@ DEVICE_MARGIN, HOST_MARGIN, NVME_MARGIN = 0.9, 0.8, 0.95
 
 
 def check_fit(pl: Placement, m: Machine) -> Dict[str, Optional[bool]]:
-    """Per tier: True / False, or None where the free amount is unknown (no accelerator)."""
+    """Per tier: True / False, or None where the free amount is unknown (no accelerator). A
+    placement the engine refuses (``Placement.refused``) fits nowhere: see ``fits``."""
     dev = None if m.device_bytes is None else pl.device <= DEVICE_MARGIN * m.device_bytes
     return {"device": dev,
             "host": pl.host_total <= HOST_MARGIN * m.host_available,
@@ -376,5 +480,5 @@ def check_fit(pl: Placement, m: Machine) -> Dict[str, Optional[bool]]:
 
 
 def fits(pl: Placement, m: Machine) -> bool:
-    """Fits on every tier whose capacity is known."""
-    return all(v is not False for v in check_fit(pl, m).values())
+    """The engine runs it, and it fits on every tier whose capacity is known."""
+    return pl.refused is None and all(v is not False for v in check_fit(pl, m).values())

@@ -395,12 +395,12 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
             trainable: Optional[int] = None, device_budget_bytes: Optional[int] = None) -> Prediction:
     """Predicted seconds per optimizer step for one placement (module docstring). The optimizer
     state's NVMe bytes per parameter come from the update rule (offload/optim).
-    ``trainable``: parameters that train (LoRA: the adapters; default all); the others are
-    frozen: fetched like the rest, with no gradient, state or write-back.
+    ``trainable``: parameters that train (LoRA: the adapters; default ``spec.trained``); the
+    others are frozen: fetched like the rest, with no gradient, state or write-back.
     ``device_budget_bytes``: offload_param's device budget (default the engine's)."""
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
-    Pt = P if trainable is None else trainable
+    Pt = spec.trained if trainable is None else trainable
     grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
     gb = 1e9
     t = {"forward": compute.forward_s * gas, "backward": compute.backward_s * gas}
@@ -487,21 +487,23 @@ class RankedPlacement:
 
     @property
     def fits(self) -> bool:
-        return all(v is not False for v in self.fit.values())
+        return self.memory.refused is None and all(v is not False for v in self.fit.values())
 
 
 def rank(spec: ModelSpec, profile: Profile, compute: Compute, machine: Machine, precision: str = "fp32",
          gradient_accumulation_steps: int = 1, clipping: bool = False, world_size: int = 1,
          buffer_count: int = 4, placements: Optional[Sequence[Tuple[str, str]]] = None, *,
-         rule: str = "AdamW", state_dtype: str = "fp32") -> List[RankedPlacement]:
+         rule: str = "AdamW", state_dtype: str = "fp32", device_budget_bytes: Optional[int] = None,
+         host_lookahead_bytes: Optional[int] = None) -> List[RankedPlacement]:
     """All placements, fitting ones first, each group fastest first (the optimizer state's
-    bytes from ``rule`` / ``state_dtype``)."""
+    bytes from ``rule`` / ``state_dtype``; a placement the engine refuses never fits)."""
     out = []
     for o, prm in placements or [(o, prm) for o in TIERS for prm in TIERS]:
         pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping,
-                       rule=rule, state_dtype=state_dtype)
+                       rule=rule, state_dtype=state_dtype, device_budget_bytes=device_budget_bytes)
         mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count, 1.0 if clipping else 0.0,
-                              gradient_accumulation_steps, rule=rule, state_dtype=state_dtype)
+                              gradient_accumulation_steps, rule=rule, state_dtype=state_dtype,
+                              device_budget_bytes=device_budget_bytes, host_lookahead_bytes=host_lookahead_bytes)
         out.append(RankedPlacement(pred, mem, check_fit(mem, machine)))
     out.sort(key=lambda r: (not r.fits, r.prediction.step_s))
     return out
