@@ -100,8 +100,17 @@ def main():
         real_step = eng.rule.cpu_step
         numel = eng.blocks[TARGET].state.numel
 
+        def in_target(master):
+            # the kernel may step a block in several ranges (gradients held per parameter on a
+            # CPU device, engine/grads.py): any range of the target block's master
+            st = eng.blocks[TARGET].state
+            if not st.in_memory:
+                return False
+            m = st.views(st.acquire(timeout=5))[0]
+            return m.data_ptr() <= master.data_ptr() < m.data_ptr() + m.numel() * m.element_size()
+
         def cpu_step(master, *a, **k):
-            if master.numel() == eng.blocks[TARGET].layout.numel or master.numel() == numel:
+            if master.numel() == eng.blocks[TARGET].layout.numel or master.numel() == numel or in_target(master):
                 fire()
                 raise RuntimeError("injected failure in the CPU kernel")
             return real_step(master, *a, **k)

@@ -87,7 +87,8 @@ class _UpdateAndGrads:
         seg = block.layout.segments[k]
         grad = param.grad
         buf = block.landing or block.grad    # full-size either way: land at the flat offset
-        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+        moved = 0 if buf.by_reference else grad.numel() * grad.element_size()   # held: nothing moves
+        with e.telemetry.span("offload::grad_d2h", "d2h", moved):
             buf.land(k, seg.offset, grad, e._d2h)
         param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
         if buf.complete:
