@@ -22,10 +22,12 @@ Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>=
                     pool started, and once the pool has started, run and gone idle
 Claim ``torch_small_op_with_pool_vs_without`` (<= 1.10): time per op with the pool over
 without (sequential, not interleaved: "without" exists only before the pool starts).
-The pool registers with torch's OpenMP runtime while it has work (and OFFLOAD_POOL_LINGER_MS,
-default 20, after), so that runtime cuts its idle spins next to the kernels; once idle the
-registration ends and torch spins as before (native/threadpool.c; native_info()["pool"]
-names the runtime, "pthread" with OFFLOAD_POOL=pthread: never registered).
+The pool registers with torch's OpenMP runtime while it has work (a kernel alone: for its own
+run; a phase under a hold, as the engine's optimizer step: from its first kernel to the end of
+the phase), so that runtime cuts its idle spins next to the kernels; then the registration
+ends and torch spins as before (native/threadpool.c; native_info()["pool"] names the runtime,
+"pthread" with OFFLOAD_POOL=pthread: never registered). The block-sized step here is one
+adam_step call on a worker thread, without a hold.
 
 Usage: python benchmarks/bench_adam.py [--size 64M] [--block 4M] [--threads N] [--rounds 12]
 The last line printed is one JSON object with a `claims` map.

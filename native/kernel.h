@@ -382,20 +382,19 @@ I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
         KERNEL_COMBOS_R(KERNEL_SCALAR_CASE, RULE)                                                        \
         }                                                                                        \
     }                                                                                            \
-    KERNEL_SIMD_RULE(RULE, HP)                                                                   \
-    static void RULE##_range(const struct kjob *j, int64_t begin, int64_t end) {                \
-        KERNEL_DISPATCH(RULE, j, begin, end);                                                    \
-    }
+    KERNEL_SIMD_RULE(RULE, HP)
 
 #define KERNEL_SCALAR_CASE(RULE, g, s, c) \
     case KERNEL_COMBO(g, s, c): for (int64_t i = begin; i < end; i++) RULE##_elem(j, &h, i, g, s, c); return;
 
 #ifdef HAVE_X86
-#define KERNEL_DISPATCH(RULE, j, begin, end)                                                     \
+/* NR: the row count, a literal (each SIMD loop is compiled for the row count it runs with:
+ * no per-vector tests of it, and only the counts a rule accepts are compiled). */
+#define KERNEL_DISPATCH(RULE, j, begin, end, NR)                                                 \
     switch ((j)->isa) {                                                                          \
-    case OFFLOAD_ISA_AVX512_BF16: RULE##_avx512(j, begin, end, 1); return;                       \
-    case OFFLOAD_ISA_AVX512: RULE##_avx512(j, begin, end, 0); return;                            \
-    case OFFLOAD_ISA_AVX2: RULE##_avx2(j, begin, end); return;                                   \
+    case OFFLOAD_ISA_AVX512_BF16: RULE##_avx512_r##NR(j, begin, end, 1); return;                 \
+    case OFFLOAD_ISA_AVX512: RULE##_avx512_r##NR(j, begin, end, 0); return;                      \
+    case OFFLOAD_ISA_AVX2: RULE##_avx2_r##NR(j, begin, end); return;                             \
     default: RULE##_scalar(j, begin, end); return;                                               \
     }
 
@@ -403,27 +402,27 @@ I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
     RULE##_MATH(f32x8)                                                                           \
     RULE##_MATH(f32x16)                                                                          \
     /* ---- AVX2: 8 lanes, scalar tail ---- */                                                   \
-    I256 void RULE##_v8(const struct kjob *j, const HP *h, int64_t i, int gdt, int sdt, int cdt, int stream) { \
+    I256 void RULE##_v8(const struct kjob *j, const HP *h, int64_t i, int gdt, int sdt, int cdt, int nr, int stream) { \
         f32x8 p = ld_8(j->param, OFFLOAD_F32, i), g = ld_8(j->grad, gdt, i), s0 = {0}, s1 = {0};   \
-        if (j->nrows > 0) s0 = ld_8(j->state[0], sdt, i);                                        \
-        if (j->nrows > 1) s1 = ld_8(j->state[1], sdt, i);                                        \
+        if (nr > 0) s0 = ld_8(j->state[0], sdt, i);                                              \
+        if (nr > 1) s1 = ld_8(j->state[1], sdt, i);                                              \
         RULE##_vec_f32x8(h, &p, g, &s0, &s1);                                                    \
         st_8(j->param, OFFLOAD_F32, i, p, 0);                                                    \
-        if (j->nrows > 0) st_8(j->state[0], sdt, i, s0, 0);                                      \
-        if (j->nrows > 1) st_8(j->state[1], sdt, i, s1, 0);                                      \
+        if (nr > 0) st_8(j->state[0], sdt, i, s0, 0);                                            \
+        if (nr > 1) st_8(j->state[1], sdt, i, s1, 0);                                            \
         if (cdt != OFFLOAD_DTYPE_NONE) st_8(j->param_copy, cdt, i, p, stream);                   \
     }                                                                                            \
-    I256 void RULE##_range8(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt) { \
+    I256 void RULE##_range8(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nr) { \
         int64_t i = begin;                                                                       \
         const int stream = kernel_stream_copy(j, begin, end);                                    \
         if (stream) /* a scalar head brings the copy to 16-byte alignment */                     \
             for (int64_t stop = i + (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 15) / 2; i < stop; i++) \
                 RULE##_elem(j, h, i, gdt, sdt, cdt);                                             \
-        for (; i + 8 <= end; i += 8) RULE##_v8(j, h, i, gdt, sdt, cdt, stream);                  \
+        for (; i + 8 <= end; i += 8) RULE##_v8(j, h, i, gdt, sdt, cdt, nr, stream);              \
         for (; i < end; i++) RULE##_elem(j, h, i, gdt, sdt, cdt);                                \
         if (stream) _mm_sfence(); /* the streamed copy lands before the chunk is reported done */ \
     }                                                                                            \
-    TARGET_f32x8 static void RULE##_avx2(const struct kjob *job, int64_t begin, int64_t end) {  \
+    I256 void RULE##_avx2(const struct kjob *job, int64_t begin, int64_t end, const int nr) {    \
         const struct kjob local = *job, *j = &local; /* no aliasing: pointers stay in registers */ \
         HP h; memcpy(&h, j->hp, sizeof h);                                                       \
         switch (KERNEL_COMBO(j->grad_dtype, j->state_dtype, j->copy_dtype)) {                   \
@@ -431,24 +430,24 @@ I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
         }                                                                                        \
     }                                                                                            \
     /* ---- AVX-512: 16 lanes, masked tail ---- */                                              \
-    I512 f32x16 RULE##_v16(const struct kjob *j, const HP *h, int64_t i, __mmask16 k, int full, int gdt, int sdt, int nb) { \
+    I512 f32x16 RULE##_v16(const struct kjob *j, const HP *h, int64_t i, __mmask16 k, int full, int gdt, int sdt, int nr, int nb) { \
         f32x16 p = ld_16(j->param, OFFLOAD_F32, i, k, full), g = ld_16(j->grad, gdt, i, k, full); \
         f32x16 s0 = {0}, s1 = {0};                                                               \
-        if (j->nrows > 0) s0 = ld_16(j->state[0], sdt, i, k, full);                              \
-        if (j->nrows > 1) s1 = ld_16(j->state[1], sdt, i, k, full);                              \
+        if (nr > 0) s0 = ld_16(j->state[0], sdt, i, k, full);                                    \
+        if (nr > 1) s1 = ld_16(j->state[1], sdt, i, k, full);                                    \
         RULE##_vec_f32x16(h, &p, g, &s0, &s1);                                                   \
         st_16(j->param, OFFLOAD_F32, i, p, k, full, 0);                                          \
-        if (j->nrows > 0) st_16(j->state[0], sdt, i, s0, k, full, nb);                           \
-        if (j->nrows > 1) st_16(j->state[1], sdt, i, s1, k, full, nb);                           \
+        if (nr > 0) st_16(j->state[0], sdt, i, s0, k, full, nb);                                 \
+        if (nr > 1) st_16(j->state[1], sdt, i, s1, k, full, nb);                                 \
         return p;                                                                                \
     }                                                                                            \
-    I512 void RULE##_step16(const struct kjob *j, const HP *h, int64_t i, int64_t count, int gdt, int sdt, int cdt, int nb) { \
+    I512 void RULE##_step16(const struct kjob *j, const HP *h, int64_t i, int64_t count, int gdt, int sdt, int cdt, int nr, int nb) { \
         const int full = count == 16;                                                            \
         const __mmask16 k = full ? 0xFFFF : (__mmask16)((1u << count) - 1u);                    \
-        f32x16 p = RULE##_v16(j, h, i, k, full, gdt, sdt, nb);                                   \
+        f32x16 p = RULE##_v16(j, h, i, k, full, gdt, sdt, nr, nb);                               \
         if (cdt != OFFLOAD_DTYPE_NONE) st_16(j->param_copy, cdt, i, p, k, full, nb);             \
     }                                                                                            \
-    I512 void RULE##_range16(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nb) { \
+    I512 void RULE##_range16(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nr, int nb) { \
         int64_t i = begin;                                                                       \
         if (kernel_stream_copy(j, begin, end)) {                                                 \
             /* Head: bring the copy to 64-byte alignment. Then 32 elements at a time, their     \
@@ -457,21 +456,20 @@ I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
             const int64_t aligned = i + (int64_t)((-(uintptr_t)(copy + i)) & 63) / 2;            \
             for (int64_t k; i < aligned; i += k) {                                               \
                 k = aligned - i < 16 ? aligned - i : 16;                                         \
-                RULE##_step16(j, h, i, k, gdt, sdt, cdt, nb);                                    \
+                RULE##_step16(j, h, i, k, gdt, sdt, cdt, nr, nb);                                \
             }                                                                                    \
             for (; i + 32 <= end; i += 32) {                                                     \
-                __m256i lo = narrow_16(RULE##_v16(j, h, i, 0xFFFF, 1, gdt, sdt, nb), cdt, nb);    \
-                __m256i hi = narrow_16(RULE##_v16(j, h, i + 16, 0xFFFF, 1, gdt, sdt, nb), cdt, nb); \
+                __m256i lo = narrow_16(RULE##_v16(j, h, i, 0xFFFF, 1, gdt, sdt, nr, nb), cdt, nb); \
+                __m256i hi = narrow_16(RULE##_v16(j, h, i + 16, 0xFFFF, 1, gdt, sdt, nr, nb), cdt, nb); \
                 _mm512_stream_si512((__m512i *)(copy + i), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)); \
             }                                                                                    \
             _mm_sfence(); /* the streamed copy lands before the chunk is reported done */       \
         }                                                                                        \
-        for (int64_t k; i < end; i += k) {                                                       \
-            k = end - i < 16 ? end - i : 16;                                                     \
-            RULE##_step16(j, h, i, k, gdt, sdt, cdt, nb);                                        \
-        }                                                                                        \
+        /* whole vectors, then one masked tail: no mask or count computed per vector */         \
+        for (; i + 16 <= end; i += 16) RULE##_step16(j, h, i, 16, gdt, sdt, cdt, nr, nb);        \
+        if (i < end) RULE##_step16(j, h, i, end - i, gdt, sdt, cdt, nr, nb);                     \
     }                                                                                            \
-    TARGET_f32x16 static void RULE##_avx512(const struct kjob *job, int64_t begin, int64_t end, int native_bf16) { \
+    I512 void RULE##_avx512(const struct kjob *job, int64_t begin, int64_t end, int native_bf16, const int nr) { \
         const struct kjob local = *job, *j = &local;                                             \
         HP h; memcpy(&h, j->hp, sizeof h);                                                       \
         /* native_bf16 is a constant in each instantiation: the one without BF16 instructions  \
@@ -485,15 +483,22 @@ I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
             KERNEL_COMBOS_R(KERNEL_AVX512_CASE, RULE)                                                    \
             }                                                                                    \
         }                                                                                        \
-    }
+    }                                                                                            \
+    /* one compiled loop set per row count (only those KERNEL_ENTRY_POINT's range names) */     \
+    TARGET_f32x8 static void RULE##_avx2_r0(const struct kjob *j, int64_t b, int64_t e) { RULE##_avx2(j, b, e, 0); } \
+    TARGET_f32x8 static void RULE##_avx2_r1(const struct kjob *j, int64_t b, int64_t e) { RULE##_avx2(j, b, e, 1); } \
+    TARGET_f32x8 static void RULE##_avx2_r2(const struct kjob *j, int64_t b, int64_t e) { RULE##_avx2(j, b, e, 2); } \
+    TARGET_f32x16 static void RULE##_avx512_r0(const struct kjob *j, int64_t b, int64_t e, int bf) { RULE##_avx512(j, b, e, bf, 0); } \
+    TARGET_f32x16 static void RULE##_avx512_r1(const struct kjob *j, int64_t b, int64_t e, int bf) { RULE##_avx512(j, b, e, bf, 1); } \
+    TARGET_f32x16 static void RULE##_avx512_r2(const struct kjob *j, int64_t b, int64_t e, int bf) { RULE##_avx512(j, b, e, bf, 2); }
 
-#define KERNEL_AVX2_CASE(RULE, g, s, c) case KERNEL_COMBO(g, s, c): RULE##_range8(j, &h, begin, end, g, s, c); return;
+#define KERNEL_AVX2_CASE(RULE, g, s, c) case KERNEL_COMBO(g, s, c): RULE##_range8(j, &h, begin, end, g, s, c, nr); return;
 #define KERNEL_AVX512_CASE(RULE, g, s, c) \
-    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, 0); return;
+    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, nr, 0); return;
 #define KERNEL_AVX512_CASE_BF16(RULE, g, s, c) \
-    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, 1); return;
+    case KERNEL_COMBO(g, s, c): RULE##_range16(j, &h, begin, end, g, s, c, nr, 1); return;
 #else
-#define KERNEL_DISPATCH(RULE, j, begin, end) RULE##_scalar(j, begin, end)
+#define KERNEL_DISPATCH(RULE, j, begin, end, NR) { RULE##_scalar(j, begin, end); return; }
 #define KERNEL_SIMD_RULE(RULE, HP)
 #endif
 
@@ -503,6 +508,13 @@ void kernel_q8_range(const struct kjob *j, int64_t begin, int64_t end,
                      void (*range)(const struct kjob *, int64_t, int64_t));
 
 #define KERNEL_ENTRY_POINT(RULE, HP, ROWS_MIN, ROWS_MAX)                                         \
+    static void RULE##_range(const struct kjob *j, int64_t begin, int64_t end) {                \
+        /* kernel_job_init checked ROWS_MIN <= nrows <= ROWS_MAX; the other counts fold away */ \
+        if ((ROWS_MIN) <= 0 && j->nrows == 0) { KERNEL_DISPATCH(RULE, j, begin, end, 0) }       \
+        if ((ROWS_MIN) <= 1 && (ROWS_MAX) >= 1 && j->nrows == 1) { KERNEL_DISPATCH(RULE, j, begin, end, 1) } \
+        if ((ROWS_MAX) >= 2 && j->nrows == 2) { KERNEL_DISPATCH(RULE, j, begin, end, 2) }       \
+        RULE##_scalar(j, begin, end);                                                            \
+    }                                                                                            \
     static void RULE##_chunk_range(const struct kjob *j, int64_t begin, int64_t end) {          \
         if (j->state_dtype == OFFLOAD_Q8) kernel_q8_range(j, begin, end, RULE##_range);          \
         else RULE##_range(j, begin, end);                                                        \

@@ -64,8 +64,8 @@ OFFLOAD_API int offload_kernel_set_num_threads(int n); /* caller included, >= 1 
 OFFLOAD_API int offload_kernel_get_num_threads(void);
 /* The OpenMP runtime (torch's) the pool registers with while it has work, so that runtime
  * shortens its idle spins next to the kernels: its soname, or "pthread" (never registers;
- * threadpool.c). offload_pool_registered: registrations alive now (0 once the pool idled
- * offload_pool_linger_ns and the runtime stopped counting them). */
+ * threadpool.c). offload_pool_registered: registrations alive now (0 once no kernel runs, no
+ * hold is taken, offload_pool_linger_ns has passed and the runtime stopped counting them). */
 OFFLOAD_API const char *offload_pool_runtime(void);
 OFFLOAD_API int offload_pool_registered(void);
 OFFLOAD_API int64_t offload_pool_registrations(void); /* started since the library loaded */

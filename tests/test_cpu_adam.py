@@ -679,6 +679,34 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     assert out["idle"] > 0.3 * out["default"], f"torch's default spin did not come back once the pool idled: {out}"
 
 
+def test_engine_commit_registers_the_pool_once(native):
+    """The engine's optimizer step runs one kernel per block on the pipeline's thread while
+    the main thread goes on; the commit holds the pool (pipeline.submitting, and each job
+    until it ends), so the whole step registers with torch's OpenMP runtime once, not once
+    per block, and the registration has ended once the step is synchronised."""
+    if offload.native_info()["pool"] == "pthread" or get_num_threads() < 2:
+        pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread), or one thread")
+    torch.manual_seed(0)
+    # blocks of 256K parameters: several chunks each, so every kernel runs on the pool
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
+    eng = offload.initialize(model, {"optimizer": {"type": "AdamW", "lr": 1e-3},
+                                     "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}})
+    try:
+        x = torch.randn(8, 512)
+        for _ in range(3):
+            made = _native.pool_registrations(native)
+            eng.backward(eng(x).square().mean())
+            assert eng.step() is True
+            eng.synchronize()
+            assert _native.pool_registrations(native) - made == 1
+            deadline = time.monotonic() + 10
+            while _native.pool_registered(native) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert _native.pool_registered(native) == 0
+    finally:
+        eng.close()
+
+
 def test_pool_runtime_can_be_plain_pthreads():
     """OFFLOAD_POOL=pthread: the workers are plain pthreads (the kernel gives the same bits)."""
     code = ("import torch, offload; from offload.optim import adam_step; "

@@ -207,8 +207,9 @@ class StepControl:
             order = [b.index for b in self.blocks]   # the next forward's order
             if self._read_ahead:
                 self.pipeline.set_order(order)
-            for b in self.blocks:
-                self._submit(b, coef)
+            with self.pipeline.submitting():  # one registration of the native pool per commit
+                for b in self.blocks:
+                    self._submit(b, coef)
             self.global_step += 1
             return True
         finally:

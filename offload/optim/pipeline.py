@@ -27,6 +27,7 @@ first one from the user's next call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -180,6 +181,15 @@ class StepPipeline:
     def run(self, fn, *args) -> Future:
         """Run other per-block work (gradient norms) on the optimizer workers, in order."""
         return self._pool.submit(fn, *args)
+
+    @contextlib.contextmanager
+    def submitting(self):
+        """Around a loop of ``submit`` calls (one commit's blocks): the native pool's
+        registration with torch's OpenMP runtime, once a job's kernel starts it, lasts until
+        the last of them ends even if a job ends before the next one is submitted (a main
+        thread preempted mid-loop): one registration per commit."""
+        with _native.pool_held():
+            yield
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
