@@ -173,3 +173,27 @@ def test_baseline_is_a_fresh_interpreters_rss():
     assert 50 << 20 < n < psutil.Process().memory_info().rss + (200 << 20)
     with pytest.raises(RuntimeError, match="no_such_module"):
         rss.measure_baseline(("no_such_module",))
+
+
+def test_plan_with_lora_prints_the_rss_of_a_placement(hf_dir, tmp_path, capsys):
+    from offload.planner.plan import Profile
+    prof = Profile(device="cpu", cpu_threads=2, adam_params_per_s=1e9, adam_backend="t", device_adam_params_per_s=1e9,
+                   h2d_gbps=8, d2h_gbps=8, host_memcpy_gbps=8, nvme_read_gbps=2, nvme_write_gbps=1,
+                   nvme_read_latency_s=0, nvme_write_latency_s=0, nvme_duplex=0.5, io_backend="t",
+                   nvme_path=str(tmp_path), matmul_tflops=0.05).save(str(tmp_path / "profile.json"))
+    argv = ["plan", "--profile", prof, "--hf-config", hf_dir, "--lora-rank", "4", "--nvme-path", str(tmp_path),
+            "--placement", "nvme/nvme", "--baseline-bytes", "100MiB", "--batch-size", "2", "--seq-len", "16",
+            "--precision", "bf16"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    trainable = sum(p.numel() for p in peft.get_peft_model(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in LLAMA.items()
+                                                                  if k not in ("architectures", "model_type")})),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).parameters() if p.requires_grad)
+    assert f"{est.human_count(trainable)} trainable" in out
+    assert "peak host RSS of the training process at optimizer=nvme param=nvme" in out
+    rows = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[0] == "pool" else ""): ln for ln in out.splitlines()
+            if ln.startswith("  ") and "GiB" in ln}
+    assert {"baseline", "pool offload-param-stage", "pool offload-swap", "activations",
+            "predicted"} <= set(rows), rows
+    assert "0.098 GiB" in rows["baseline"]          # 100 MiB

@@ -73,7 +73,8 @@ def model_spec(args, default_gpt: bool = False):
     lora, trainable = getattr(args, "lora_rank", None), getattr(args, "trainable_params", None)
     if lora is not None and trainable is not None:
         raise CLIError("give --lora-rank or --trainable-params, not both")
-    if getattr(args, "frozen_in_place", False) and lora is None and trainable is None:
+    in_place = getattr(args, "frozen_in_place", False)
+    if in_place and lora is None and trainable is None and args.model is None:
         raise CLIError("--frozen-in-place counts frozen parameters: give --lora-rank or --trainable-params too")
     if args.largest_layer is not None and args.params is None:
         raise CLIError("--largest-layer needs --params")
@@ -82,14 +83,13 @@ def model_spec(args, default_gpt: bool = False):
             raise CLIError("--lora-rank needs the model's modules: give --hf-config or --model "
                            "(with --params, give --trainable-params N)")
         model = lora_model(args)
-        return est.spec_from_module(model, args.hf_config or args.model, args.precision,
-                                    getattr(args, "frozen_in_place", False))
+        return est.spec_from_module(model, args.hf_config or args.model, args.precision, in_place)
     if args.params is not None:
         spec = est.spec_from_counts(args.params, args.largest_layer)
     elif args.hf_config is not None:
         spec = est.spec_from_hf_config(args.hf_config)
     elif args.model is not None:
-        spec = est.spec_from_callable(args.model)
+        spec = est.spec_from_callable(args.model, args.precision, in_place)
     elif default_gpt:
         if trainable is not None:
             raise CLIError("--trainable-params needs the model: give --params, --hf-config or --model")

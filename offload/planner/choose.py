@@ -32,7 +32,7 @@ def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_st
     no offload when the model's states fit on the device, else the fastest placement that fits
     the device, host memory and disk. Every parameter is counted as trained (a LoRA model's
     frozen base is over-counted for optimizer state, so the choice errs towards offloading)."""
-    spec = est.spec_from_module(model, name)
+    spec = est.spec_from_module(model, name, precision)
     profile = profile or plan.measure_profile(nvme_path)
     compute = plan.flops_compute(spec, tokens, profile)
     machine = est.this_machine(nvme_path, device_memory)

@@ -182,9 +182,10 @@ def _linear_names(model) -> set:
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def spec_from_callable(target: str) -> ModelSpec:
-    """``pkg.mod:fn`` -> fn() built on the meta device (no memory, no weights)."""
-    return spec_from_module(module_from_callable(target), target)
+def spec_from_callable(target: str, precision: str = "bf16", frozen_in_place: bool = False) -> ModelSpec:
+    """``pkg.mod:fn`` -> fn() built on the meta device (no memory, no weights); frozen
+    parameters as in ``spec_from_module``."""
+    return spec_from_module(module_from_callable(target), target, precision, frozen_in_place)
 
 
 def module_from_callable(target: str):
