@@ -506,6 +506,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--only", choices=["lora", "full"], help="run one part only")
+    p.add_argument("--depths", metavar="N,N", help="full fine-tune: the layer counts to run (default: a quarter "
+                   "and all of the shape's layers); rss_deep_vs_shallow needs both")
     p.add_argument("--predict-from", metavar="LOG", help="print the planner's prediction against the runs recorded "
                    "in LOG (this script's output: its last line), measuring the compute term here; runs nothing else")
     args = p.parse_args(argv)
@@ -517,6 +519,7 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="bench_scale-", dir=args.path)
     free = shutil.disk_usage(root).free
     deep, shallow = ft_shape["layers"], ft_shape["layers"] // 4
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else [shallow, deep]
     runs_lora = args.size != "2b" and args.only in (None, "lora")
     runs_ft = args.size != "7b" and args.only in (None, "full")
     need = disk_need(args.size)
@@ -562,7 +565,7 @@ def main(argv=None) -> int:
             shutil.rmtree(nv, ignore_errors=True)
         if runs_ft:
             out["full"] = {}
-            for layers in (shallow, deep):
+            for layers in depths:
                 ck = os.path.join(root, f"ft-ckpt-{layers}")
                 write_checkpoint(ck, ft_shape, layers)
                 nv = os.path.join(root, f"nvme-ft-{layers}")
@@ -593,6 +596,8 @@ def main(argv=None) -> int:
         # interleaved measure); the full load above also converts and writes every part to NVMe
         claims["load_vs_raw_read"] = r["read_rate"]["load_vs_raw_read"] if r.get("read_rate") else None
     if "full" in out:
+        claims["rss_full_gib"] = {k: r["peak_rss_bytes"] / GIB for k, r in out["full"].items()}
+    if str(shallow) in out.get("full", {}) and str(deep) in out["full"]:
         a, b = out["full"][str(shallow)], out["full"][str(deep)]
         claims["rss_deep_vs_shallow"] = b["peak_rss_bytes"] / a["peak_rss_bytes"]
         claims["rss_deep_gib"] = b["peak_rss_bytes"] / GIB

@@ -131,8 +131,10 @@ def return_freed_host_memory() -> None:
     mmap threshold after such a block is freed and then serves the next ones from the heap,
     which keeps freed memory resident, so peak RSS grows with model size. Fixing the
     threshold (``OFFLOAD_MMAP_THRESHOLD`` bytes, default 4 MiB; 0 leaves malloc alone) keeps
-    large allocations mmapped and returned on free. Process-wide, once, glibc only."""
+    large allocations mmapped and returned on free. Process-wide, once, glibc only. Every
+    call also gives the heap's free pages back (``trim_host_heap``)."""
     global _heap_tuned
+    trim_host_heap()
     if _heap_tuned or torch.cuda.is_available():
         return
     _heap_tuned = True
@@ -147,3 +149,25 @@ def return_freed_host_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, threshold)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
+
+
+def trim_host_heap() -> None:
+    """Give the pages of freed heap memory back to the system (glibc ``malloc_trim``; a no-op
+    elsewhere). glibc returns only the free top of the heap by itself: memory freed below a
+    live allocation stays resident. Loading a model block by block leaves such holes (at 40
+    layers of a 2B model, 2.3 GB of free heap stayed resident after ``initialize``), and so do
+    the activations and gradients of a step on a CPU device. Called at the end of
+    ``initialize`` and, on a CPU device, after each committed step; cheap (no allocation)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim
+        except (OSError, AttributeError):
+            _libc = False            # not glibc: nothing to trim
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None

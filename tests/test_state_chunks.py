@@ -168,45 +168,73 @@ def test_int8_state_in_chunks_matches_same_rule_in_torch(rule, tmp_path):
     assert d <= cost / 100, f"{rule} int8 in chunks: {d} from the plain-torch loop (its cost {cost})"
 
 
+def bf16_reference(data, fused, gas):
+    """Plain torch in bf16 with fp32 master weights: torch's AdamW on fp32 copies of the
+    parameters, the bf16 model's gradients summed in fp32 over ``gas`` micro-steps, clipped to
+    1.0, the result rounded to bf16. Returns the masters by state_dict key."""
+    model = make_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    master = [p.detach().clone() for p in make_model().parameters()]     # from the fp32 values
+    opt = torch.optim.AdamW(master, **HP["AdamW"], **({"fused": True} if fused else {"foreach": False}))
+    for s in range(len(data) // gas):
+        grads = [torch.zeros_like(m) for m in master]
+        for x, y in data[gas * s:gas * s + gas]:
+            model(x, y).backward()
+            for g, p in zip(grads, params):
+                g += p.grad.float()
+                p.grad = None
+        for m, g in zip(master, grads):
+            m.grad = g
+        torch.nn.utils.clip_grad_norm_(master, 1.0)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+    return {k: m.detach().clone() for k, m in zip(model.state_dict(), master)}
+
+
+def check_bf16(got, data, gas):
+    single, fused = bf16_reference(data, False, gas), bf16_reference(data, True, gas)
+    bound = 2 * max_diff(single, fused) + 1e-6
+    d = max_diff(got, single)
+    assert d <= bound, f"bf16: fp32 masters differ from torch by {d} (bound {bound})"
+    assert max_diff(single, make_model().state_dict()) > 1e-3
+
+
+def bf16_config(tmp_path, **kw):
+    (tmp_path / "p").mkdir(parents=True, exist_ok=True)
+    return cfg("AdamW", tmp_path / "o", precision="bf16", gradient_clipping=1.0,
+               offload_param={"device": "nvme", "nvme_path": str(tmp_path / "p")}, **kw)
+
+
 def test_bf16_offloaded_params_with_clipping_and_accumulation(tmp_path):
     """The bench_scale placement: bf16 compute, parameters on NVMe (the new bf16 copy written
     per chunk into the write-back buffer), clipping and accumulation 2, state in chunks.
-    Against plain torch in bf16 with fp32 master weights: torch's AdamW on fp32 copies of the
-    parameters, gradients of the bf16 model summed in fp32, clipped, the result rounded to
-    bf16; the fp32 masters (full_state_dict) compared, the bound twice the distance between
-    torch's single-tensor and fused AdamW there plus 1e-6."""
+    Against plain torch in bf16 with fp32 master weights (``bf16_reference``), the fp32
+    masters (full_state_dict) compared, the bound twice the distance between torch's
+    single-tensor and fused AdamW there plus 1e-6."""
     data = batches(2 * STEPS)
+    got = engine_run(bf16_config(tmp_path, gradient_accumulation_steps=2), data=data, check=chunked_as_planned)
+    check_bf16(got, data, 2)
 
-    def reference(fused):
-        model = make_model().to(torch.bfloat16)
-        params = list(model.parameters())
-        master = [p.detach().clone() for p in make_model().parameters()]     # from the fp32 values
-        opt = torch.optim.AdamW(master, **HP["AdamW"], **({"fused": True} if fused else {"foreach": False}))
-        for s in range(STEPS):
-            grads = [torch.zeros_like(m) for m in master]
-            for x, y in data[2 * s:2 * s + 2]:
-                model(x, y).backward()
-                for g, p in zip(grads, params):
-                    g += p.grad.float()
-                    p.grad = None
-            for m, g in zip(master, grads):
-                m.grad = g
-            torch.nn.utils.clip_grad_norm_(master, 1.0)
-            opt.step()
-            with torch.no_grad():
-                for p, m in zip(params, master):
-                    p.copy_(m)
-        return {k: m.detach().clone() for k, m in zip(model.state_dict(), master)}   # fp32 masters
-    (tmp_path / "p").mkdir()
-    got = engine_run(cfg("AdamW", tmp_path / "o", precision="bf16", gradient_clipping=1.0,
-                         gradient_accumulation_steps=2,
-                         offload_param={"device": "nvme", "nvme_path": str(tmp_path / "p")}),
-                     data=data, check=chunked_as_planned)
-    single, fused = reference(False), reference(True)
-    bound = 2 * max_diff(single, fused) + 1e-6
-    d = max_diff(got, single)
-    assert d <= bound, f"bf16 in chunks: fp32 masters differ from torch by {d} (bound {bound})"
-    assert max_diff(single, make_model().state_dict()) > 1e-3
+
+def test_write_back_target_is_decided_once_per_update(tmp_path, monkeypatch):
+    """Where an update's new parameters go (a write buffer, or a staging buffer written
+    through and kept staged) is decided once: the kernel fills that buffer, and the commit
+    writes the same one home, even when the answer to "keep it staged?" changes in between
+    (here it alternates on every question; a second question at the commit once wrote a
+    fresh, unfilled staging buffer home instead)."""
+    from offload.params.offload import ParamOffload
+    asked = {}
+
+    def keeps_staged(self, i):
+        asked[i] = asked.get(i, 0) + 1
+        return asked[i] % 2 == 0
+    monkeypatch.setattr(ParamOffload, "keeps_staged", keeps_staged)
+    data = batches(2 * STEPS)
+    got = engine_run(bf16_config(tmp_path, gradient_accumulation_steps=2), data=data)
+    check_bf16(got, data, 2)
+    assert set(asked) == {0, 1, 2, 3} and all(n == STEPS for n in asked.values()), asked   # once per update
 
 
 def test_checkpoint_of_chunked_state_resumes_bit_exact(tmp_path):

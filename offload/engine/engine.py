@@ -239,6 +239,7 @@ class Engine:
             raise
         finally:
             self.weights.close()
+        dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
@@ -873,6 +874,8 @@ class Engine:
         self.optimizer.step()
         if self.param_offload is not None:
             self.param_offload.after_step()
+        if self.device.type == "cpu":
+            dev.trim_host_heap()      # the step's freed activations and gradients ("device" memory)
         if not self.config.overlap_step:
             self.synchronize()
         return True
