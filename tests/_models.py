@@ -1,4 +1,5 @@
-"""Small models for engine tests: a GPT-style stack with tied embeddings and a frozen layer."""
+"""Small models for engine tests: a GPT-style stack with tied embeddings and a frozen layer;
+a plain residual stack (``RuleNet``) whose blocks hold 2-D weights, for the update-rule tests."""
 import copy
 
 import torch
@@ -58,6 +59,41 @@ def batches(n, batch=4, ctx=16, vocab=64, seed=1):
         x = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
+
+
+class RuleLayer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.ln(x)))
+
+
+class RuleNet(nn.Module):
+    """Blocks tok, layers.0, layers.1, head: 2-D weights (Adafactor's factored rows), sizes
+    set by ``vocab`` and ``d`` (large enough, state chunks)."""
+
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(RuleLayer(d) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def rule_batches(n, vocab, seed=1):
+    """``n`` (x, y) batches of 4 sequences of 8 tokens for a RuleNet."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, 4, 9), generator=g)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
 
 
 def clone(model):

@@ -13,23 +13,10 @@ import torch
 from offload import cli
 from offload.models.gpt import GPT, GPTConfig
 from offload.cli.progress import Progress
+from _cli import error_line, run
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
         "--sample", "0", "--log-every", "0"]
-
-
-def run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def error_line(argv, capsys) -> str:
-    code, out, err = run(argv, capsys)
-    assert code == 2, (out, err)
-    lines = [ln for ln in err.splitlines() if ln.startswith("offload: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # ---- train ----------------------------------------------------------------------------------------

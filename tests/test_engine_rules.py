@@ -20,10 +20,9 @@ CPU), the optimizer state on the cpu and nvme tiers.
 """
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import offload
+from _models import RuleNet, rule_batches
 from offload.config import ConfigError
 from offload.optim import get_rule, quant
 from offload.optim.rule import load_row, store_row
@@ -39,41 +38,13 @@ HP = {
 }
 
 
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(D)
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(self.ln(x)))
-
-
-class Net(nn.Module):
-    """Blocks tok, layers.0, layers.1, head (2-D weights for Adafactor's factored rows)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer() for _ in range(2))
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
-
-
 def make_model():
     torch.manual_seed(0)
-    return Net()
+    return RuleNet(VOCAB, D)
 
 
 def batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, VOCAB, (n, 4, 9), generator=g)
-    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
+    return rule_batches(n, VOCAB, seed)
 
 
 def cfg(rule, tier, tmp_path, state_dtype="fp32", **kw):

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from offload import cli
 from offload.planner import estimate as est
 from offload.planner import rss
+from _cli import error_line, run
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -17,20 +17,6 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
          "max_position_embeddings": 64, "tie_word_embeddings": False}
 TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def error_line(argv, capsys) -> str:
-    code, out, err = run(argv, capsys)
-    assert code == 2, (out, err)
-    lines = [ln for ln in err.splitlines() if ln.startswith("offload: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import offload
+from _models import RuleNet, rule_batches
 from offload.engine import memory_plan as mp
 from offload.optim import get_rule
 from offload.optim.rule import load_row, store_row
@@ -28,41 +27,13 @@ HP = {"AdamW": dict(lr=1e-2, weight_decay=0.01), "SGD": dict(lr=0.1, momentum=0.
       "Lion": dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)}
 
 
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(D)
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(self.ln(x)))
-
-
-class Net(nn.Module):
-    """Blocks tok (32768 elements), layers.0, layers.1 (4288 each), head (33280)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer() for _ in range(2))
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
-
-
 def make_model():
     torch.manual_seed(0)
-    return Net()
+    return RuleNet(VOCAB, D)
 
 
 def batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, VOCAB, (n, 4, 9), generator=g)
-    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
+    return rule_batches(n, VOCAB, seed)
 
 
 def cfg(rule, tmp_path, state_dtype="fp32", **kw):
