@@ -22,6 +22,10 @@ def main(out: str, stage: int) -> None:
         torch.save({"logs": train_logs(t), "weights": weights, "world": t.engine.comm.world},
                    os.path.join(out, f"stage{stage}.pt"))
     t.close()
+    # as torch asks of every script that initialized a process group: without it, gloo's
+    # threads are torn down at interpreter exit while the other rank may still be in its last
+    # collectives (a rank aborted with "terminate called without an active exception" once)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
