@@ -9,9 +9,11 @@ hook and calls the verbs below. Uses are found three ways, all ending in ``mater
     materializes the block again;
   * ``param_read(p)``: a parameter read outside its module's forward
     (``F.linear(x, self.embed.weight)`` in a parent's forward).
-In backward a block is released once all its gradients have landed (``post_backward``),
-and activation-checkpoint recomputation (a forward inside backward) keeps its blocks until
-then. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
+In backward a block is released once all its gradients have landed (``post_backward``)
+and every parameter handle its forward saved has been unpacked (a LoRA layer's frozen base
+weights are unpacked for the input gradient after its adapters' gradients landed: released
+at the gradients, the whole block would be read again for them), and activation-checkpoint
+recomputation (a forward inside backward) keeps its blocks until then. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
 move together.
 
 The device budget is a contract on the bytes of offloaded parameters on the device,
@@ -92,11 +94,15 @@ class ParamOffload:
         self.overruns = 0
         self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
         self._keep: frozenset = frozenset()           # blocks written through (plan_write_through)
+        # block -> parameter handles packed since the last root forward began and not yet
+        # unpacked: post_backward keeps a block until its backward has unpacked them all
+        self._saved_left: Dict[int, int] = {}
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
     # ---- lifecycle verbs (called by engine/hooks.py) ---------------------------------------
     def begin_forward(self, recompute: bool) -> None:
         if not recompute:
+            self._saved_left.clear()       # handles of an earlier graph are not waited for
             self.rewind()
 
     def pre_forward(self, i: int) -> None:
@@ -132,9 +138,10 @@ class ParamOffload:
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
-        # kept when the trace uses it again soon (a saved frozen weight its backward has not
-        # unpacked yet, e.g. a norm after the last adapter's gradient landed)
-        if bp is not None and bp.users == 0 and \
+        # kept while its backward has saved handles left to unpack (frozen weights used for
+        # the input gradient after the last adapter's gradient landed), or when the trace
+        # uses it again soon; a kept block is evicted like any other once nothing uses it
+        if bp is not None and bp.users == 0 and not self._saved_left.get(i) and \
                 not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
             self._release(i)
 
@@ -168,11 +175,14 @@ class ParamOffload:
                 if buf is not None and buf.untyped_storage().data_ptr() == ptr and buf.dtype == t.dtype:
                     rel = t.storage_offset() - buf.storage_offset()
                     if 0 <= rel < part.numel:
+                        self._saved_left[i] = self._saved_left.get(i, 0) + 1
                         return (i, k, rel, tuple(t.shape), tuple(t.stride()))
         return NOT_MINE
 
     def unpack(self, packed):
         i, k, rel, shape, stride = packed
+        if self._saved_left.get(i):
+            self._saved_left[i] -= 1
         self.materialize(i)
         buf = self.params[i].parts[k].device_buf
         return buf.as_strided(shape, stride, buf.storage_offset() + rel)
