@@ -45,6 +45,9 @@ def test_nvme_terms_and_bottleneck():
     read = 12e9 + (2e9 + 1.6e9) + 2e9
     write = 12e9 + 2e9 + 2e9
     assert p.terms["nvme"] == pytest.approx(read / 4e9 + write / 2e9)
+    # the bytes and requests behind the term (bench_scale compares them with the engine's stats)
+    assert p.io == pytest.approx({"nvme_read": read, "nvme_write": write, "param_read": 3.6e9, "reads": 38,
+                                  "writes": 30})
     # one request per block and direction: 10 blocks x (1 state + 1 parked gradient), 10 + 8
     # parameter reads (forward, backward but two); writes 10 x (state, param, gradient)
     lat = plan.predict(SPEC, "nvme", "nvme", profile(nvme_read_latency_s=0.01, nvme_write_latency_s=0.02), GPU, "bf16")

@@ -383,6 +383,9 @@ class Prediction:
     groups: Dict[str, float]          # seconds per resource
     bottleneck: str
     mode: str                         # overlapped | global | serial
+    # bytes and requests per optimizer step behind the nvme term: nvme_read / nvme_write (all),
+    # param_read (offloaded parameters read by forward and backward), reads / writes (requests)
+    io: Dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -476,7 +479,9 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
         # (On a CPU-only machine a global step changes nothing: the cores do all the work anyway.)
         mode = "overlapped"
         step = groups[top] + (total - groups[top]) / n
-    return Prediction(optimizer, param, step, t, groups, top, mode)
+    io = {"nvme_read": nvme_read, "nvme_write": nvme_write, "param_read": fetch * gas if prm_nvme else 0,
+          "reads": reads, "writes": writes}
+    return Prediction(optimizer, param, step, t, groups, top, mode, io)
 
 
 @dataclass(frozen=True)
