@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from offload.params.residency import BlockParams, ParamState
+from offload.engine.hooks import in_backward
 from offload.engine.telemetry import Telemetry
 
 
@@ -82,10 +83,11 @@ class Prefetcher:
     def upcoming(self) -> List[int]:
         if not self.enabled or self.trace is None or self._diverged:
             return []
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not in_backward():
             # Inference passes repeat and no update runs between them: the next pass's
             # first blocks follow this pass's last ones. (Training prefetches the next
-            # forward only after step(), once updates are queued, so reads are not wasted.)
+            # forward only after step(), once updates are queued, so reads are not wasted;
+            # backward runs with grad mode off too, and is not an inference pass.)
             return self.trace[self._cursor:] + self.trace[:self._cursor]
         return self.trace[self._cursor:]
 
