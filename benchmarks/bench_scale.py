@@ -32,6 +32,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,8 +239,9 @@ eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.init
 load_s = time.perf_counter() - t0
 rss_load = _status()["VmHWM"]
 x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
-losses, times = [], []
+losses, times, step_reads = [], [], []
 for step in range(a["steps"]):
+    read0 = eng.stats()["bytes"].get("nvme_read", 0)
     t0 = time.perf_counter()
     for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
         phase[0] = f"step {step} forward"
@@ -250,6 +252,7 @@ for step in range(a["steps"]):
         eng.step()
     eng.synchronize()
     times.append(time.perf_counter() - t0)
+    step_reads.append(eng.stats()["bytes"].get("nvme_read", 0) - read0)   # swap files and checkpoint
     losses.append(loss.item())
 st = eng.stats()
 out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
@@ -258,7 +261,7 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
        "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
-       "step_times": times,
+       "step_times": times, "step_nvme_read_bytes": step_reads,
        "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {}),
        "host_pools": st.get("host_pools", {})}
 phase[0] = "close"
@@ -399,7 +402,7 @@ def predict(run: dict, profile: dict, compute: dict, base_rss: int) -> dict:
     pred = plan.predict(spec, "nvme", "nvme", prof, plan.Compute(compute["forward_s"], compute["backward_s"], True,
                                                                   True),
                         "bf16", run["gas"], run["clip"] > 0, device_budget_bytes=run["budget"])
-    return {"step_s": pred.step_s, "terms": pred.terms, "groups": pred.groups, "mode": pred.mode,
+    return {"step_s": pred.step_s, "terms": pred.terms, "groups": pred.groups, "mode": pred.mode, "io": pred.io,
             "host_pools_bytes": mplan.host, "activation_bytes": saved, "base_rss_bytes": base_rss,
             "rss_terms": mem.as_dict()["terms"], "peak_rss_bytes": mem.total, "nvme_bytes": mplan.nvme_total}
 
@@ -418,7 +421,11 @@ def measured_peak(r: dict) -> int:
 def compare(r: dict) -> dict:
     """Predicted against measured: step time and peak host memory, relative errors."""
     p, peak = r["predicted"], measured_peak(r)
-    return {"step_s": [p["step_s"], r["step_s"]], "step_error": abs(p["step_s"] - r["step_s"]) / r["step_s"],
+    out = {}
+    if p.get("io") and r.get("step_nvme_read_bytes"):      # the bytes behind the nvme term, steady steps
+        reads = r["step_nvme_read_bytes"][1:] or r["step_nvme_read_bytes"]
+        out["nvme_read_gb_per_step"] = [p["io"]["nvme_read"] / 1e9, statistics.median(reads) / 1e9]
+    return {**out, "step_s": [p["step_s"], r["step_s"]], "step_error": abs(p["step_s"] - r["step_s"]) / r["step_s"],
             "peak_rss_gib": [p["peak_rss_bytes"] / GIB, peak / GIB],
             "rss_error": abs(p["peak_rss_bytes"] - peak) / peak}
 
