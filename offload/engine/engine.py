@@ -996,7 +996,8 @@ class Engine:
 
     def close(self, restore: Optional[bool] = None) -> None:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
-        files. Afterwards every engine method (the forward included) raises "this engine is
+        files, and destroy the process groups the engine made (the user's default group stays
+        theirs to destroy). Afterwards every engine method (the forward included) raises "this engine is
         closed"; the model itself stays usable, with its buffers untouched:
 
         * parameters that were not offloaded (``offload_param.device: none``, ZeRO stages
@@ -1039,6 +1040,7 @@ class Engine:
                 self.activations.close()
             self._own_master_params()
             self._release_storage()
+            self.comm.close()
         for seg, t in restored or ():
             seg.param.data = t
 
