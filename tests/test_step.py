@@ -242,6 +242,8 @@ def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
         master = b.state.views(b.state.acquire())[0]
         for s in b.layout.segments:
             assert s.param.data_ptr() == master[s.offset:].data_ptr(), s.name
+    # the parameters are the host pool's bytes: the tiers count them once, under host
+    assert eng.stats()["tier_bytes"]["device"] == 0
     losses = train(eng, batches(6), backwards=2)
     check(torch.stack(losses), eng.full_state_dict(), 0.5, 3, backwards=2)
     final = eng.full_state_dict()

@@ -923,7 +923,11 @@ class Engine:
         resident = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks
                        if b.param_flat is not None)
         po = self.param_offload
-        dev_bytes = resident + (po.prefetcher.device_bytes() if po is not None else 0)
+        # parameters that are views of the fp32 master (CPU device) are the host pool's bytes:
+        # counted there, not twice
+        views = sum(self.blocks[i].param_flat.numel() * self.blocks[i].param_flat.element_size()
+                    for i in self._master_params)
+        dev_bytes = resident - views + (po.prefetcher.device_bytes() if po is not None else 0)
         if self.tier is Tier.DEVICE:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
