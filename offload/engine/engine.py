@@ -36,6 +36,7 @@ so clipping and fp16 overflow decisions agree on every rank.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -105,17 +106,22 @@ def _fill_flat(flat: torch.Tensor, part: blk.BlockLayout) -> None:
 
 class _ParamGroups(torch.optim.Optimizer):
     """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
-    torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping."""
+    torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping;
+    ``zero_grad()`` is the engine's (it discards the open window's gradients, which the
+    engine holds in its own buffers)."""
 
-    def __init__(self, groups, defaults):
+    def __init__(self, groups, defaults, engine: "Engine"):
         super().__init__(groups, defaults)
+        self._engine = weakref.ref(engine)     # the engine owns this object, not the reverse
 
     @torch.no_grad()
     def step(self, closure=None):  # called by Engine.step(); the scheduler tracks the call
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        return None  # the engine owns gradient buffers
+        engine = self._engine()
+        if engine is not None:
+            engine.zero_grad(set_to_none)
 
 
 def _check_group(where: str, group: dict, rule, defaults: dict) -> None:
@@ -333,7 +339,7 @@ class Engine:
                 raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
                                   f"section): every group keeps the same rows; set it in the optimizer section")
             groups.append(g)
-        return _ParamGroups(groups, defaults)
+        return _ParamGroups(groups, defaults, self)
 
     def _block_sizes(self) -> list:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
