@@ -90,11 +90,11 @@ def main():
     elif stage == "parameter write-back":
         real = BlockParams.write_home
 
-        def write_home(self, src):
+        def write_home(self, src, **kw):
             if self.layout.index == TARGET:
                 fire()
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", "/injected/home")
-            return real(self, src)
+            return real(self, src, **kw)
         BlockParams.write_home = write_home
     elif stage == "adam":              # the update rule's CPU step (the engine's rule object)
         real_step = eng.rule.cpu_step
