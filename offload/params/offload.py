@@ -302,12 +302,20 @@ class ParamOffload:
     def plan_write_through(self) -> None:
         """Before a commit queues the updates: the blocks whose new parameters stay staged in
         host memory after their write-back (``keeps_staged``), so the next forward reads
-        them without an NVMe read. Those the next forward uses first, within the host
-        lookahead (the same bytes the prefetcher would stage ahead), when prefetch is on
-        and the trace known; none across ranks (decisions there must not depend on free
-        buffers)."""
+        them without an NVMe read. Those the next forward uses first, within the device
+        budget plus the host lookahead (what the staging pool holds beside its spare slot:
+        the blocks the forward would have on the device and staged ahead), when prefetch
+        is on and the trace known; none across ranks (decisions there must not depend on
+        free buffers). A block kept finds its staging buffer at its update or is written
+        through a write buffer instead; a kept block not yet used is evicted like any
+        staged block when another needs its buffer."""
         pf = self.prefetcher
         keep = set()
+        # device copies the commit makes stale go now, not after the updates are queued: an
+        # update that finds its block on the device cannot keep the new copy staged
+        for i, bp in enumerate(self.params):
+            if bp is not None and bp.users == 0 and bp.device_bytes and bp.trainable is not None:
+                self._release(i)
         if pf.enabled and pf.trace is not None and not self.engine.comm.active:
             seen = 0
             for i in pf.trace:
@@ -315,7 +323,7 @@ class ParamOffload:
                     continue
                 bp = self.params[i]
                 seen += bp.nbytes
-                if seen > pf.host_lookahead:
+                if seen > self.budget + pf.host_lookahead:
                     break
                 if bp.on_nvme:
                     keep.add(i)
