@@ -1,10 +1,11 @@
 """One failure-injection run, in its own process (tests/test_failures.py runs it under a timeout,
 so a hang fails the test instead of hanging CI).
 
-    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked]
+    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked | noprefetch]
 
 ``chunked``: the optimizer state moves in chunks (offload_optimizer.state_chunk_bytes below
-block TARGET's state); the failure hits its second chunk.
+block TARGET's state); the failure hits its second chunk. ``noprefetch``: prefetch off (NVMe
+parameter homes are then written back through write buffers, none kept staged).
 
 Trains a small GPT with a failure injected into one stage of block TARGET's work, as a user
 loop would (forward, backward, step; no synchronize between steps), and prints one JSON line:
@@ -33,18 +34,22 @@ def fire():
         fired.append(time.monotonic())
 
 
-def break_io(store, key, op, stall=False):
+def break_io(store, key, op, stall=False, after=0):
     """Requests of ``op`` on ``key`` get a bad descriptor: the backend fails them with EBADF,
-    asynchronously, as a failing disk would. ``stall``: they never complete instead."""
+    asynchronously, as a failing disk would. ``stall``: they never complete instead.
+    ``after``: the first ``after`` requests go through."""
     from offload._native import IO_READ, IO_WRITE
     want = {"read": IO_READ, "write": IO_WRITE}[op]
     k = store._keys[key]
     backend = store._backend
     real_submit, real_done, real_wait = backend.submit, backend.done, backend.wait
     stalled = set()
+    seen = [0]
 
     def submit(req):
         if req.offset == k.offset and req.op == want:
+            seen[0] += 1
+        if req.offset == k.offset and req.op == want and seen[0] > after:
             fire()
             if stall:
                 stalled.add(id(req))
@@ -66,11 +71,12 @@ def break_io(store, key, op, stall=False):
 def main():
     stage, opt, prm, clip, nvme = sys.argv[1:6]
     chunked = sys.argv[6:7] == ["chunked"]
+    noprefetch = sys.argv[6:7] == ["noprefetch"]
     cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2,
                                  "state_chunk_bytes": 100_000 if chunked else None},
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
            "gradient_clipping": float(clip), "aio": {"backend": "native", "block_size": 1 << 16},
-           "wait_timeout_s": 5.0 if stage == "stall" else 60.0}
+           "wait_timeout_s": 5.0 if stage == "stall" else 60.0, "prefetch": {"enabled": not noprefetch}}
     eng = offload.initialize(make_model(layers=2), cfg)
     dirs = list(eng.swap_dirs().values())
     key = f"b{TARGET}.state"
@@ -86,15 +92,16 @@ def main():
     elif stage == "parameter read":
         break_io(eng._param_store, f"b{TARGET}.param", "read")
     elif stage == "parameter write-back" and prm == "nvme":
-        break_io(eng._param_store, f"b{TARGET}.param", "write")
+        # with prefetch the third step's update keeps the block staged (the trace is known)
+        break_io(eng._param_store, f"b{TARGET}.param", "write", after=0 if noprefetch else 2)
     elif stage == "parameter write-back":
         real = BlockParams.write_home
 
-        def write_home(self, src):
+        def write_home(self, src, **kw):
             if self.layout.index == TARGET:
                 fire()
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", "/injected/home")
-            return real(self, src)
+            return real(self, src, **kw)
         BlockParams.write_home = write_home
     elif stage == "adam":              # the update rule's CPU step (the engine's rule object)
         real_step = eng.rule.cpu_step
@@ -153,7 +160,11 @@ def main():
         eng.pipeline.wait_all()
     except Exception:   # noqa: BLE001 - the same failure again
         pass
-    out["in_use"] = {p.name: p.stats()["in_use_bytes"] for p in (eng._swap_pool,) if p is not None}
+    if eng.param_offload is not None:
+        eng.param_offload.wait_writes()     # parameter write-backs in flight: their buffers come back
+        out["kept"] = eng.param_offload.keeps_staged(TARGET)
+    out["in_use"] = {p.name: p.stats()["in_use_bytes"] for p in (eng._swap_pool, eng._param_write_pool)
+                     if p is not None}
     t0 = time.monotonic()
     try:
         eng.close()

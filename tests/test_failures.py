@@ -31,7 +31,7 @@ CASES = [
     ("gradient park", "nvme", "none", 1.0, 9),       # the window's gradient sum parked on NVMe
     ("adam", "cpu", "none", 0.0, None),
     ("adam", "nvme", "nvme", 1.0, None),              # clipping: submitted by step()
-    ("parameter write-back", "cpu", "nvme", 0.0, 9),  # the parameter home's NVMe write
+    # the parameter home's NVMe write (asynchronous): test_failed_asynchronous_parameter_write_back
     ("parameter write-back", "nvme", "cpu", 0.0, 28),
     ("parameter read", "cpu", "nvme", 0.0, 9),        # the forward's fetch of the block (prefetched or not)
     ("gradient collective", "cpu", "none", 0.0, None),
@@ -60,6 +60,25 @@ def test_failure_names_block_and_stage(stage, opt, prm, clip, code, tmp_path):
         assert r["close"] == "returned", r
     assert r["close_s"] < 10.0, r
     assert r["dirs_left"] == [], r
+
+
+@pytest.mark.parametrize("path", ["kept_staged", "write_buffer"])
+def test_failed_asynchronous_parameter_write_back(path, tmp_path):
+    """NVMe parameter homes: the update job submits the parameter write and returns; the write
+    fails afterwards (EBADF from the backend). Kept staged for the next forward (prefetch on)
+    or written through a write buffer (prefetch off), the failure is raised from the user's
+    next call naming block 2 and "parameter write-back", with the errno and the file, and
+    again by every later call; the write buffer is back and close() returns."""
+    r = run_worker("parameter write-back", "cpu", "nvme", 0.0, tmp_path,
+                   *(["noprefetch"] if path == "write_buffer" else []))
+    assert r["fired"] and r["kept"] is (path == "kept_staged"), r
+    assert r["raised_by"] in ("forward", "backward", "step", "synchronize"), r
+    assert r["stage"] == "parameter write-back" and r["block"] == "2 (layers.0)", r
+    assert "parameter write-back of block 2 (layers.0) failed" in r["text"] and ".swap" in r["text"], r
+    assert r["is_oserror"] and r["errno"] == 9 and r["latency"] < 10.0, r
+    assert r["after"] == r["text"], r
+    assert all(v == 0 for v in r["in_use"].values()), r
+    assert r["close"] == "returned" and r["close_s"] < 10.0 and r["dirs_left"] == [], r
 
 
 def test_stalled_read_times_out_naming_block(tmp_path):

@@ -139,25 +139,41 @@ def test_failed_write_gives_the_buffer_back_and_the_next_read_says_why(store, po
     assert pool.stats()["in_use_bytes"] == 0
 
 
-def test_write_through_keeps_the_buffer_and_fails_like_a_write(store, pool):
-    """write_through: the bytes are durable when it returns and stay lent (READY); a failed
-    write gives the buffer back and names the owner."""
+def test_kept_write_serves_the_bytes_and_fails_like_a_write(store, pool):
+    """commit(keep=True): the write goes on while acquire() returns the bytes at once; once
+    settled (finish_write / poll) they stay lent (READY) and are durable. unkeep() lets the
+    buffer go once written. A failed write gives the buffer back and names the owner."""
     from offload._native import IO_WRITE
     tier = NvmeTier(store, pool)
     tier.reserve({"k": 8192})
     loan = tier.loan("k", 8192, "parameters of block 3 (l.1)")
     data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
     loan.fill().copy_(data)
-    loan.write_through()
+    loan.commit(keep=True)
+    assert loan.state is LoanState.WRITING_KEPT and torch.equal(loan.acquire(), data)
+    with pytest.raises(AssertionError, match="write is in flight"):
+        loan.fill()                           # nobody modifies bytes a write is reading
+    loan.finish_write()
     assert loan.state is LoanState.READY and torch.equal(loan.acquire(), data)
     assert pool.stats()["in_use_bytes"] > 0
     loan.release()                            # READY: no second write
     assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
     assert torch.equal(loan.acquire(), data)  # read back from the tier: it was durable
     loan.acquire().fill_(7)
+    loan.commit(keep=True)
+    loan.unkeep()                             # WRITING: the buffer goes back once written
+    assert loan.state is LoanState.WRITING
+    deadline = time.monotonic() + 30
+    while not loan.poll():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    assert torch.equal(loan.acquire(), torch.full((8192,), 7, dtype=torch.uint8))
+    loan.acquire().fill_(9)
     break_next(store, IO_WRITE)
+    loan.commit(keep=True)                    # submitted; fails in the backend
     with pytest.raises(TierIOError, match="write of parameters of block 3 .l.1. failed") as exc:
-        loan.write_through()
+        loan.finish_write()
     assert exc.value.errno == errno.EBADF
     assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
 

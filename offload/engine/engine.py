@@ -595,7 +595,13 @@ class Engine:
             return BlockParams(lay, self.dtype, self.device, home_buf=home, **kw)
         return BlockParams(lay, self.dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
                            write_pool=self._param_write_pool, key=f"b{lay.index}.param",
-                           wait_timeout_s=self.config.wait_timeout_s, **kw)
+                           wait_timeout_s=self.config.wait_timeout_s, on_failure=self._param_write_failed, **kw)
+
+    def _param_write_failed(self, index: int, err: BaseException) -> None:
+        """A parameter write-back failed (found after its job returned, by whoever settled
+        it): recorded against its own block; raised from the user's next call."""
+        block = next(b for b in self.blocks if b.index == index)
+        self.pipeline.record_failure(block, "parameter write-back", err)
 
     def _start_param_offload(self) -> None:
         from offload.params.offload import ParamOffload
@@ -897,6 +903,9 @@ class Engine:
         """Wait until every queued update is applied and every state write has completed."""
         self._check_open()
         self.pipeline.wait_all()
+        if self.param_offload is not None:
+            self.param_offload.wait_writes()    # every parameter write-back durable (or failed)
+            self.pipeline.raise_failure()
         dev.synchronize(self.device)
 
     # ---- state ----------------------------------------------------------------------------
@@ -1033,6 +1042,9 @@ class Engine:
         try:
             try:
                 self.pipeline.close()
+                if self.param_offload is not None:
+                    self.param_offload.wait_writes()
+                    self.pipeline.raise_failure()
             except Exception as exc:
                 if not (told and exc is prior):
                     raise

@@ -35,6 +35,7 @@ from torch import nn
 
 from offload import device as dev
 from offload.engine.hooks import NOT_MINE, in_backward
+from offload.errors import BlockError
 from offload.params.parts import BlockParts
 from offload.params.residency import ParamState
 from offload.params.prefetch import Prefetcher
@@ -207,7 +208,9 @@ class ParamOffload:
 
     def materialize(self, i: int) -> None:
         """Block ``i`` (every part) on the device, current (waits for its update and its copies). An
-        earlier failure of any block's update is raised here first, naming that block."""
+        earlier failure of any block's update or write-back is raised here first, naming that
+        block."""
+        self.poll_writes()
         self.engine.pipeline.raise_failure()
         self.busy = True
         try:
@@ -219,6 +222,10 @@ class ParamOffload:
                     block.wait_update()
             if bp.stale:
                 self._release(i)             # the optimizer wrote the home copy since
+            for part in bp.parts:
+                if part.state is ParamState.WRITING:
+                    with self.telemetry.span("offload::param_write_wait"):
+                        part.finish_write()  # read back once written (bounded)
             if bp.state is not ParamState.ON_DEVICE:
                 self._make_room(i, bp.nbytes - bp.device_bytes)
                 with self.telemetry.span("offload::param_fetch", "h2d", bp.nbytes):
@@ -237,19 +244,26 @@ class ParamOffload:
         budget and (NVMe home) a host staging buffer is free for it."""
         bp_want = self.params[want]
         while True:
+            self.poll_writes()
             over = self.resident_bytes + self.prefetcher.device_bytes() + nbytes > self.budget
             no_slot = bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.slot_free()
             if not over and not no_slot:
                 return
             upcoming = self.prefetcher.upcoming()
             # a block whose update is in flight may be filling its staging buffer (write-through)
-            held = [j for j, bp in enumerate(self.params)
-                    if bp is not None and j != want and bp.users == 0 and bp.state is not ParamState.HOME]
+            held = [j for j, bp in enumerate(self.params) if bp is not None and j != want and bp.users == 0
+                    and bp.state not in (ParamState.HOME, ParamState.WRITING)]
             waiting = [j for j in held if self._update_in_flight(j)]
             victims = [j for j in held if j not in waiting and (self.params[j].device_bytes > 0 or not over)]
             if not victims and waiting:
                 with self.telemetry.span("offload::wait_update"):
                     self._block(waiting[0]).wait_update()    # bounded: the job's waits are
+                continue
+            # released, their staging buffers come back once their write-backs complete
+            writing = [j for j, bp in enumerate(self.params) if bp is not None and bp.state is ParamState.WRITING]
+            if not victims and no_slot and writing:
+                with self.telemetry.span("offload::param_write_wait"):
+                    self.params[writing[0]].finish_write()   # bounded
                 continue
             if not victims:
                 if no_slot:
@@ -298,12 +312,20 @@ class ParamOffload:
     def plan_write_through(self) -> None:
         """Before a commit queues the updates: the blocks whose new parameters stay staged in
         host memory after their write-back (``keeps_staged``), so the next forward reads
-        them without an NVMe read. Those the next forward uses first, within the host
-        lookahead (the same bytes the prefetcher would stage ahead), when prefetch is on
-        and the trace known; none across ranks (decisions there must not depend on free
-        buffers)."""
+        them without an NVMe read. Those the next forward uses first, within the device
+        budget plus the host lookahead (what the staging pool holds beside its spare slot:
+        the blocks the forward would have on the device and staged ahead), when prefetch
+        is on and the trace known; none across ranks (decisions there must not depend on
+        free buffers). A block kept finds its staging buffer at its update or is written
+        through a write buffer instead; a kept block not yet used is evicted like any
+        staged block when another needs its buffer."""
         pf = self.prefetcher
         keep = set()
+        # device copies the commit makes stale go now, not after the updates are queued: an
+        # update that finds its block on the device cannot keep the new copy staged
+        for i, bp in enumerate(self.params):
+            if bp is not None and bp.users == 0 and bp.device_bytes and bp.trainable is not None:
+                self._release(i)
         if pf.enabled and pf.trace is not None and not self.engine.comm.active:
             seen = 0
             for i in pf.trace:
@@ -311,7 +333,7 @@ class ParamOffload:
                     continue
                 bp = self.params[i]
                 seen += bp.nbytes
-                if seen > pf.host_lookahead:
+                if seen > self.budget + pf.host_lookahead:
                     break
                 if bp.on_nvme:
                     keep.add(i)
@@ -368,12 +390,35 @@ class ParamOffload:
         return {id(s.param) for bp in self.params if bp is not None for part in bp.frozen
                 for s in part.layout.segments}
 
+    def poll_writes(self) -> None:
+        """Settle the parameter write-backs that completed (their buffers go back); never
+        waits. A failure is recorded by its block's home (raised from the next engine call)."""
+        for bp in self.params:
+            if bp is not None and bp.writing:
+                try:
+                    bp.poll_write()
+                except BlockError:
+                    pass
+
+    def wait_writes(self) -> None:
+        """Wait (bounded) until every parameter write-back has completed or failed (a failure
+        is recorded by its block's home; the caller raises the first one)."""
+        for bp in self.params:
+            if bp is not None and bp.writing:
+                try:
+                    bp.finish_write()
+                except BlockError:
+                    pass
+
     def release_all(self) -> None:
         for i, bp in enumerate(self.params):
             if bp is not None:
                 self._release(i)
 
     def close(self) -> None:
+        """Every block released and every buffer back: write-backs in flight are waited for
+        (bounded; their failures were recorded or are moot now), never raised from here."""
+        self.wait_writes()
         for bp in self.params:
             if bp is not None:
                 bp.release()

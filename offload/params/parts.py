@@ -7,8 +7,10 @@ extent) and its own device copy; ``BlockParts`` drives them through the same tra
 once, so parameter offload and prefetch handle a block as one unit of device bytes.
 
 The state of the whole is the least advanced state of its parts
-(HOME < STAGING < STAGED < FETCHING < ON_DEVICE); parts share one home tier, so they move
-in lockstep except that NVMe reads finish at different times. A block whose trainable part
+(WRITING, HOME < STAGING < STAGED, STAGED_WRITING < FETCHING < ON_DEVICE); parts share one
+home tier, so they move in lockstep except that NVMe reads finish at different times, and
+only the trainable part is written back (asynchronously: WRITING and STAGED_WRITING are
+its). A block whose trainable part
 was rewritten by the optimizer is stale as a whole and is refetched whole (frozen parts
 never change, but one release keeps one state per block).
 """
@@ -20,8 +22,8 @@ import torch
 
 from offload.params.residency import BlockParams, ParamState
 
-_ORDER = {ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2, ParamState.FETCHING: 3,
-          ParamState.ON_DEVICE: 4}
+_ORDER = {ParamState.WRITING: 0, ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2,
+          ParamState.STAGED_WRITING: 2, ParamState.FETCHING: 3, ParamState.ON_DEVICE: 4}
 
 
 class BlockParts:
@@ -96,9 +98,22 @@ class BlockParts:
         for p in self.parts:
             p.poll()
 
+    @property
+    def writing(self) -> bool:
+        """Whether a write-back of a part's home is in flight."""
+        return any(p.writing for p in self.parts)
+
+    def poll_write(self) -> None:
+        for p in self.parts:
+            p.poll_write()
+
+    def finish_write(self, timeout=None) -> None:
+        for p in self.parts:
+            p.finish_write(timeout)
+
     def to_device(self, h2d_stream) -> None:
         for p in self.parts:
-            if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED):
+            if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING):
                 p.to_device(h2d_stream)
 
     def ensure(self, h2d_stream) -> None:

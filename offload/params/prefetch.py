@@ -18,7 +18,11 @@ When a request does not match the trace (control flow, a module used a different
 times, eval instead of train) the step counts a miss, the block is served on demand, and the
 new order is recorded and replaces the trace at the end of the step. A block is never read
 ahead while its optimizer update is in flight (``blocked``), so a prefetch never serves
-stale data, and nothing here waits on anything but I/O already issued: it cannot hang.
+stale data, and nothing here waits on anything but I/O already issued: it cannot hang. Once
+the update has returned its write-back may still be in flight: a block kept staged
+(STAGED_WRITING) is served from its held buffer at once; one written through a write
+buffer (WRITING) is read back once the write has completed (polled here; never waited for,
+except when ``deterministic``).
 
 ``deterministic`` (ZeRO-3 across ranks, where a fetch is an all-gather that every rank must
 issue in the same order): decisions depend only on the trace, the budgets and state changed
@@ -122,12 +126,18 @@ class Prefetcher:
                 break
             if self.blocked(i):
                 continue                        # its update is in flight: read it later
+            if self.deterministic:
+                if bp.state is ParamState.WRITING:
+                    bp.finish_write()           # bounded; read back after the write, as every rank does
+            else:
+                bp.poll()                       # a completed write-back: WRITING -> HOME
             if bp.state is ParamState.HOME and bp.on_nvme and ahead_host <= self.host_lookahead:
                 with self.telemetry.span("offload::prefetch_nvme"):
                     bp.stage()
             if not self.deterministic:
                 bp.poll()
-            ready = (ParamState.STAGED, ParamState.STAGING) if self.deterministic else (ParamState.STAGED,)
+            ready = (ParamState.STAGED, ParamState.STAGED_WRITING) + \
+                ((ParamState.STAGING,) if self.deterministic else ())
             if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
                 if ahead_dev <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
                     with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):

@@ -10,13 +10,29 @@ Transitions (guarded by assertions)::
 
     NVME home:  HOME --stage()--> STAGING --(read done)--> STAGED --to_device()--> FETCHING
     HOST home:  HOME --to_device()--> FETCHING
-    FETCHING --ensure()--> ON_DEVICE --release()--> HOME
+    FETCHING --ensure()--> ON_DEVICE --release()--> HOME (or WRITING, see below)
 
-The host side of an NVMe home (HOME / STAGING / STAGED) is the key's
-``offload.storage.tier.Loan`` (ON_TIER / READING / READY), the same loaned-buffer state
-machine the optimizer state uses; this object adds only the device side (FETCHING,
-ON_DEVICE), and ``state`` is derived from the two, so there is one source of truth. Every
-wait on the host side is bounded; a failed read gives its buffer back before it raises.
+    write-back of an update (NVMe home, ``write_home``; asynchronous, the job moves on):
+      kept staged (``begin_write_through``):  STAGED_WRITING --(write done)--> STAGED
+      through a write buffer:                 WRITING --(write done)--> HOME (buffer back)
+    STAGED_WRITING is readable: ``to_device()`` serves the held bytes while the write goes
+    on; ``release()`` turns it into WRITING (the buffer goes back once written). A WRITING
+    block is read only after its write: ``ensure()`` waits for it (bounded).
+
+The host side of an NVMe home (HOME / STAGING / STAGED / STAGED_WRITING / WRITING) is the
+key's ``offload.storage.tier.Loan`` (ON_TIER / READING / READY / WRITING_KEPT / WRITING), the
+same loaned-buffer state machine the optimizer state uses; this object adds only the device
+side (FETCHING, ON_DEVICE), and ``state`` is derived from the two, so there is one source of
+truth. Every wait on the host side is bounded; a failed read or write gives its buffer back
+before it raises.
+
+Write-backs in flight are settled by whoever meets them first: ``poll_write()`` (the
+prefetcher, parameter offload at every use, a worker that needs a write buffer), or
+``finish_write()`` (a read of a WRITING block, the next write of the same home, synchronize,
+close). One write of a home is in flight at a time, so NVMe sees them in order. A failed
+write gives its buffer back, is recorded through ``on_failure`` (the engine raises it from
+the user's next call) and raised as a ``BlockError`` naming the block and the stage
+"parameter write-back".
 
 ``ensure()`` walks the whole chain on demand. Lifetimes: the host staging buffer of an NVMe
 block is returned to the pool once the H2D copy has completed (CUDA), or, on a CPU device,
@@ -42,18 +58,23 @@ class ParamState(enum.Enum):
     HOME = "home"
     STAGING = "staging"
     STAGED = "staged"
+    STAGED_WRITING = "staged_writing"   # staged and current; its write-back to NVMe in flight
+    WRITING = "writing"                 # write-back in flight from a buffer that goes back after it
     FETCHING = "fetching"
     ON_DEVICE = "on_device"
 
 
 _HOST_SIDE = {LoanState.ON_TIER: ParamState.HOME, LoanState.READING: ParamState.STAGING,
-              LoanState.READY: ParamState.STAGED}
+              LoanState.READY: ParamState.STAGED, LoanState.WRITING_KEPT: ParamState.STAGED_WRITING,
+              LoanState.WRITING: ParamState.WRITING}
+_READABLE = (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING)
+WRITE_BACK = "parameter write-back"     # the stage named in the errors of a home's write
 
 
 class BlockParams:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
                  store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None,
-                 wait_timeout_s: Optional[float] = None):
+                 wait_timeout_s: Optional[float] = None, on_failure=None):
         self.layout = layout
         self.dtype = dtype
         self.device = device
@@ -82,6 +103,7 @@ class BlockParams:
         self._event = None                # H2D copy in flight
         self._through = False             # the staged buffer is being filled by a write-through
         self._lock = threading.RLock()
+        self._on_failure = on_failure     # a failed write-back's BlockError goes here (the engine's record)
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
 
     @property
@@ -108,6 +130,13 @@ class BlockParams:
 
     def _error(self, stage: str, exc: BaseException) -> BaseException:
         return block_error(f"{self.layout.index} ({self.layout.name or '<root>'})", stage, exc)
+
+    def _write_error(self, exc: BaseException) -> BaseException:
+        """A failed write-back as a BlockError naming the block, recorded (``on_failure``)."""
+        err = self._error(WRITE_BACK, exc)
+        if self._on_failure is not None and err is not exc:
+            self._on_failure(self.layout.index, err)
+        return err
 
     @property
     def device_bytes(self) -> int:
@@ -145,21 +174,52 @@ class BlockParams:
             return True
 
     def poll(self) -> None:
-        """STAGING -> STAGED if the read has completed (never waits; a failed read raises)."""
+        """STAGING -> STAGED if the read has completed, and a completed write-back settled
+        (``poll_write``); never waits. A failed read or write raises."""
         with self._lock:
             if self.state is ParamState.STAGING:
                 try:
                     self._loan.poll()
                 except Exception as exc:
                     raise self._error("parameter read", exc) from exc
+            self.poll_write()
+
+    @property
+    def writing(self) -> bool:
+        """Whether a write-back of the home copy is in flight (whatever the device side)."""
+        return self._loan is not None and self._loan.state in (LoanState.WRITING, LoanState.WRITING_KEPT)
+
+    def poll_write(self) -> bool:
+        """Settle a completed write-back without waiting (STAGED_WRITING -> STAGED, WRITING ->
+        HOME with its buffer back); True when none is in flight afterwards. A failed write
+        raises its BlockError (recorded, its buffer back)."""
+        with self._lock:
+            if not self.writing:
+                return True
+            try:
+                return self._loan.poll()
+            except Exception as exc:
+                raise self._write_error(exc) from exc
+
+    def finish_write(self, timeout: Optional[float] = None) -> None:
+        """Wait (bounded) for the write-back in flight: STAGED_WRITING -> STAGED, WRITING ->
+        HOME. A failed or timed-out write raises its BlockError (recorded)."""
+        with self._lock:
+            if not self.writing:
+                return
+            try:
+                self._loan.finish_write(timeout)
+            except Exception as exc:
+                raise self._write_error(exc) from exc
 
     def to_device(self, h2d_stream) -> None:
         """Start the host -> device copy (-> FETCHING)."""
         with self._lock:
             if self.state is ParamState.HOME:
                 self._copy_version = self.home_version
-            assert self.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED), self.state
-            # NVMe: waits (bounded) for a staging buffer and for the read
+            assert self.state in _READABLE, self.state
+            # NVMe: waits (bounded) for a staging buffer and for the read; STAGED_WRITING: the
+            # held bytes at once, their write goes on (both only read them)
             src = self._staged() if self.on_nvme else self.home_buf
             if self._gather is not None:       # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -176,7 +236,9 @@ class BlockParams:
         with self._lock:
             if self.stale:
                 self.release()                 # stale: the optimizer wrote the home copy since
-            if self.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED):
+            if self.state is ParamState.WRITING:
+                self.finish_write()            # read back only once written: -> HOME
+            if self.state in _READABLE:
                 self.to_device(h2d_stream)
             if self.state is ParamState.FETCHING:
                 self._wait_gather()
@@ -194,7 +256,9 @@ class BlockParams:
             return self.device_buf
 
     def release(self) -> None:
-        """Drop the device copy (any state -> HOME); parameters become empty placeholders."""
+        """Drop the device copy (any state -> HOME, or WRITING while a write-back is in
+        flight: its buffer goes back once written); parameters become empty placeholders.
+        Never waits for a write."""
         with self._lock:
             if self.state is ParamState.HOME:
                 return
@@ -216,7 +280,13 @@ class BlockParams:
                 self._drop_host()
 
     def _drop_host(self) -> None:
-        if self._loan is not None:
+        """The host side lets its bytes go: a read in flight is waited for and discarded; a
+        write in flight keeps its buffer until it completes (STAGED_WRITING -> WRITING)."""
+        if self._loan is None:
+            return
+        if self.writing:
+            self._loan.unkeep()
+        else:
             self._loan.release()
 
     def release_initial(self) -> None:
@@ -241,7 +311,8 @@ class BlockParams:
         with self._lock:
             if not self.on_nvme or self._gather is not None or self._device_state is not None:
                 return None
-            self._drop_host()              # an old staged copy (a read in flight is waited for)
+            self.finish_write()            # the last write-back (raises its own failure)
+            self._loan.release()           # an old staged copy (a read in flight is waited for)
             try:
                 data = self._loan.fill(timeout=0.0)    # never waits for a buffer
             except TimeoutError:
@@ -256,25 +327,55 @@ class BlockParams:
                 self._through = False
                 self._loan.release()
 
-    def write_home(self, src: torch.Tensor) -> None:
-        """Replace the home copy with ``src`` (1-D, compute dtype, host) and wait for it to be
-        durable on its tier; device copies made before this are stale from now on. A source
-        that is not 4 KiB-aligned (NVMe) goes through a write buffer, so I/O stays O_DIRECT."""
+    def write_home(self, src: torch.Tensor, buffer=None) -> None:
+        """Replace the home copy with ``src`` (1-D, compute dtype, host); device copies made
+        before this are stale from now on.
+
+        NVMe, asynchronously (the update's write-back; returns once the write is submitted):
+        ``src`` is the staging buffer of ``begin_write_through`` (-> STAGED_WRITING, readable
+        at once), or lies in ``buffer`` (a HostBuffer of the write pool) and the block is not
+        on the device (-> WRITING; the buffer goes back to its pool once written).
+        Otherwise the write is waited for (durable on return), a source that is not 4 KiB-
+        aligned going through a write buffer, so I/O stays O_DIRECT. ``buffer`` is this
+        object's from the call on, whatever happens (released here when not lent to the
+        home). Any earlier write-back of this home completes first: writes reach NVMe in order."""
         with self._lock:
             if self._through:            # src is the staged buffer (begin_write_through): it stays
+                assert buffer is None
                 self._through = False
                 try:
-                    self._loan.write_through()
+                    self._loan.commit(keep=True)
+                except Exception as exc:  # the buffer is back (HOME)
+                    raise self._write_error(exc) from exc
                 finally:
                     self.home_version += 1
                 self._copy_version = self.home_version    # the staged copy is the new home copy
                 return
-            if self.on_nvme:             # a failure is the caller's stage (the optimizer's write-back)
-                # (frozen parts have no write pool: they are written rarely, through a staging buffer)
-                self._tier.put(self.key, src, self.what, write_pool=self._write_pool or self._tier.pool)
-            elif src.data_ptr() != self.home_buf.data_ptr():
-                self.home_buf.copy_(src)
-            self.home_version += 1
+            lent = False
+            try:
+                if self.on_nvme:
+                    self.finish_write()
+                    if buffer is not None and self._device_state is None:
+                        self._loan.release()   # an old staged copy (a read in flight is waited for)
+                        self._loan.lend(buffer, read=False)
+                        lent = True
+                        try:
+                            self._loan.commit()
+                        except Exception as exc:  # the buffer is back in its pool
+                            raise self._write_error(exc) from exc
+                        finally:
+                            self.home_version += 1
+                        return
+                    # the block is on the device (its staged buffer is in use): written and waited
+                    # for; a failure is the caller's stage (the optimizer's write-back). (Frozen
+                    # parts have no write pool: written rarely, through a staging buffer.)
+                    self._tier.put(self.key, src, self.what, write_pool=self._write_pool or self._tier.pool)
+                elif src.data_ptr() != self.home_buf.data_ptr():
+                    self.home_buf.copy_(src)
+                self.home_version += 1
+            finally:
+                if buffer is not None and not lent:
+                    buffer.release()
 
     def read_home(self) -> torch.Tensor:
         """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
@@ -283,6 +384,7 @@ class BlockParams:
         with self._lock:
             if not self.on_nvme:
                 return self.home_buf.clone()
+            self.finish_write()            # WRITING: read back once written
             if self._loan.in_memory:
                 return self._staged().clone()
             try:

@@ -8,11 +8,15 @@ The optimizer pipeline calls two verbs per block update, on its worker thread:
 
 Where the copy goes depends only on the parameters' residency:
   * offloaded parameters (``block.params``, a BlockParams): the new home copy is assembled in
-    the HOST home itself, or (NVMe home) in a write buffer held by this worker until the write
-    is durable; ``BlockParams.write_home`` then bumps the home version, so device copies made
-    before are stale and refetched. An NVMe block the next forward uses soon
-    (``keep_staged(index)``, decided by parameter offload at the commit) is assembled in a
-    staging buffer instead and written through: it stays staged, current, for that use;
+    the HOST home itself, or (NVMe home) in a buffer of the write pool; ``BlockParams.write_home``
+    then bumps the home version, so device copies made before are stale and refetched. An
+    NVMe block the next forward uses soon (``keep_staged(index)``, decided by parameter
+    offload at the commit) is assembled in a staging buffer instead and written through: it
+    stays staged, current, for that use. NVMe writes are asynchronous: the job submits the
+    write and moves on; the buffer belongs to the block's home until the write completes
+    (params/residency.py settles it). A worker that finds no write buffer free settles the
+    oldest write it submitted (bounded); a failure found so is the written block's, recorded
+    by its home, never raised inside the job that found it;
   * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel
     writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
     the device on a side stream after the block's backward kernels (``compute_done``); the
@@ -23,12 +27,16 @@ Where the copy goes depends only on the parameters' residency:
 """
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from typing import Optional
 
 import torch
 
 from offload import device as dev
+from offload.errors import BlockError
+from offload.storage.tier import DEFAULT_WAIT_S
 
 
 class ParamWriteBack:
@@ -43,6 +51,8 @@ class ParamWriteBack:
         self.telemetry = telemetry
         self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
         self._keep_staged = keep_staged           # block index -> write through a staging buffer
+        self._lock = threading.Lock()
+        self._pool_writes = collections.deque()   # BlockParams whose write may hold a write buffer
 
     def target(self, block, whole_master: bool = True) -> Optional[torch.Tensor]:
         """Where the kernel writes this rank's shard of the new low-precision parameters
@@ -84,9 +94,28 @@ class ParamWriteBack:
                 return through
         loan = getattr(self._staging, "loan", None)
         if loan is None:
-            loan = self._staging.loan = self._write_pool.acquire(bp.home_nbytes, timeout=self.wait_timeout_s)
+            loan = self._staging.loan = self._write_buffer(bp.home_nbytes)
         self._staging.current = loan.view(bp.dtype, bp.home_numel)
         return self._staging.current
+
+    def _write_buffer(self, nbytes: int):
+        """A write-pool buffer: a free one, else the oldest write-back in flight is waited
+        for until one comes back (bounded by ``wait_timeout_s`` overall)."""
+        timeout = self.wait_timeout_s if self.wait_timeout_s is not None else DEFAULT_WAIT_S
+        deadline = time.monotonic() + timeout
+        while True:
+            buf = self._write_pool.try_acquire(nbytes)
+            if buf is not None:
+                return buf
+            with self._lock:
+                older = self._pool_writes.popleft() if self._pool_writes else None
+            if older is None:           # every buffer is with another worker's job: it ends soon
+                return self._write_pool.acquire(nbytes, timeout=max(0.0, deadline - time.monotonic()))
+            with self.telemetry.span("offload::param_write_wait"):
+                try:
+                    older.finish_write(max(0.0, deadline - time.monotonic()))
+                except BlockError:      # the written block's failure, recorded by its home
+                    pass
 
     def abort(self, block=None) -> None:
         """After a failed update on this worker: give back the write buffer it held (and
@@ -114,11 +143,12 @@ class ParamWriteBack:
                     block.home_shard(target).copy_(master)
                 self._staging.through = None          # write_home settles it, or gives it back on failure
                 self._staging.current = None
-                bp.write_home(target)
-            loan = getattr(self._staging, "loan", None)
-            if loan is not None:
-                self._staging.loan = None
-                loan.release()
+                loan, self._staging.loan = getattr(self._staging, "loan", None), None
+                if loan is not None:
+                    with self._lock:           # (settled ones dropped: the deque stays short)
+                        self._pool_writes = collections.deque(
+                            [b for b in self._pool_writes if b.writing and b is not bp] + [bp])
+                bp.write_home(target, buffer=loan)    # submitted; the buffer is the home's now
             return
         dst = block.param_flat[s0:s1]
         src = master if out is None else out

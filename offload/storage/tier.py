@@ -14,14 +14,22 @@ the lot), ``tier.loan(key, nbytes, what)`` returns a key's ``Loan``, whose verbs
 
     ON_TIER --fetch()--> READING --acquire()--> READY --commit()--> WRITING --release()--> ON_TIER
         \\--fill()------------------------------> READY --release()--------------------> ON_TIER
+    READY --commit(keep=True)--> WRITING_KEPT --finish_write() / poll()--> READY
+                                 WRITING_KEPT --unkeep()--> WRITING (the bytes are no longer needed)
     ``try_fill()`` is ``fill()`` without waiting for a pool buffer; ``lend(buf, read)`` is
     ``fetch()`` / ``fill()`` with a buffer the caller supplies (one from another source when
     the tier's pool cannot be waited for).
     RESIDENT (device and host tiers): every verb is a no-op, acquire() returns the bytes.
 
 ``release()`` from READY returns the buffer without writing it (the bytes were only read);
-from READING it waits for the read and discards it; from WRITING it waits for the write.
-``poll()`` settles a finished read (-> READY) or write (-> ON_TIER) without waiting.
+from READING it waits for the read and discards it; from WRITING (or WRITING_KEPT) it waits
+for the write. ``poll()`` settles a finished read (-> READY) or write (WRITING -> ON_TIER,
+WRITING_KEPT -> READY) without waiting; ``finish_write()`` waits for a write (bounded).
+
+WRITING_KEPT (an asynchronous write-through, e.g. a parameter home the next forward reads):
+the write is in flight and the bytes stay in memory after it; ``acquire()`` returns them
+at once, without waiting for the write (the write and the readers only read them). Nobody
+modifies them until the write is settled: ``fill()`` and ``commit()`` refuse that state.
 
 Lifetimes: the lent buffer belongs to the loan from ``fetch()``/``fill()`` until it is back
 ON_TIER; another key may use it only after that. The loan is agnostic of what the bytes mean
@@ -57,7 +65,8 @@ class LoanState(enum.Enum):
     ON_TIER = "on_tier"     # only on the tier, no buffer held
     READING = "reading"     # read into the lent buffer in flight
     READY = "ready"         # in the lent buffer
-    WRITING = "writing"     # write from the lent buffer in flight
+    WRITING = "writing"     # write from the lent buffer in flight; the buffer goes back after it
+    WRITING_KEPT = "writing_kept"   # write in flight; the bytes stay in memory (READY) after it
 
 
 class TierTimeout(TimeoutError):
@@ -206,12 +215,14 @@ class Loan:
                     self._settle_failed(io, t)
                     raise
                 self.state = LoanState.READY
-            assert self.state in (LoanState.READY, LoanState.RESIDENT), f"{self.what}: {self.state}"
+            assert self.state in (LoanState.READY, LoanState.RESIDENT, LoanState.WRITING_KEPT), \
+                f"{self.what}: acquire from {self.state}"
             return self._bytes
 
     def fill(self, timeout: Optional[float] = None) -> torch.Tensor:
         """A buffer for bytes that will be overwritten whole: ON_TIER -> READY without a read."""
         with self._lock:
+            assert self.state is not LoanState.WRITING_KEPT, f"{self.what}: fill while its write is in flight"
             if self.state is LoanState.ON_TIER:
                 self._take(self._lend(self._timeout(timeout), "buffer for"))
                 self.state = LoanState.READY
@@ -220,6 +231,7 @@ class Loan:
     def try_fill(self) -> Optional[torch.Tensor]:
         """``fill()`` if the pool has a buffer free now, else None (nothing changed)."""
         with self._lock:
+            assert self.state is not LoanState.WRITING_KEPT, f"{self.what}: fill while its write is in flight"
             if self.state is LoanState.ON_TIER:
                 buf = self.tier.pool.try_acquire(self.nbytes)
                 if buf is None:
@@ -240,8 +252,10 @@ class Loan:
                 self._take(buf)
                 self.state = LoanState.READY
 
-    def commit(self) -> None:
-        """The bytes were modified: start writing them back (READY -> WRITING)."""
+    def commit(self, keep: bool = False) -> None:
+        """The bytes were modified: start writing them back (READY -> WRITING; with ``keep``,
+        READY -> WRITING_KEPT: they stay in memory and readable, READY once written). Never
+        waits; a write that cannot be submitted gives the buffer back and raises."""
         with self._lock:
             if self.state is LoanState.RESIDENT:
                 return
@@ -251,43 +265,47 @@ class Loan:
             except BaseException as exc:
                 self._give_back()
                 raise io_error("write", self.what, exc) from exc
-            self.state = LoanState.WRITING
+            self.state = LoanState.WRITING_KEPT if keep else LoanState.WRITING
 
-    def write_through(self, timeout: Optional[float] = None) -> None:
-        """The bytes were modified and stay in use: write them back and wait until they are
-        durable, keeping the buffer (READY -> READY; the write-through of a parameter home
-        whose next use is near). A failed write gives the buffer back (ON_TIER) and raises."""
+    def unkeep(self) -> None:
+        """The kept bytes are no longer needed: WRITING_KEPT -> WRITING (the buffer goes back
+        once the write completes), READY -> ON_TIER; no-op otherwise. Never waits."""
         with self._lock:
-            if self.state is LoanState.RESIDENT:
-                return
-            assert self.state is LoanState.READY, f"{self.what}: write_through from {self.state}"
-            try:
-                io = self.tier.store.write(self.key, self._bytes)
-            except BaseException as exc:
+            if self.state is LoanState.WRITING_KEPT:
+                self.state = LoanState.WRITING
+            elif self.state is LoanState.READY:
                 self._give_back()
-                raise io_error("write", self.what, exc) from exc
-            # READY throughout: the lock is held until the write is durable, so no other verb
-            # runs in between, and the bytes are only read by the write
-            t = self._timeout(timeout)
-            try:
-                _wait(io, "write", self.what, t)
-            except BaseException:
-                self._settle_failed(io, t)
-                raise
+
+    def finish_write(self, timeout: Optional[float] = None) -> None:
+        """Wait (bounded) for the write in flight: WRITING -> ON_TIER (buffer back),
+        WRITING_KEPT -> READY (bytes kept); no-op in any other state. A failed write gives
+        the buffer back (ON_TIER) and raises."""
+        with self._lock:
+            if self.state is LoanState.WRITING:
+                self.release(timeout)
+            elif self.state is LoanState.WRITING_KEPT:
+                t = self._timeout(timeout)
+                io, self._io = self._io, None
+                try:
+                    _wait(io, "write", self.what, t)
+                except BaseException:
+                    self._settle_failed(io, t)
+                    raise
+                self.state = LoanState.READY
 
     def poll(self) -> bool:
-        """Settle a finished read (-> READY) or write (-> ON_TIER, buffer back) without
-        waiting; True when nothing is in flight afterwards. A failed I/O raises (its buffer
+        """Settle a finished read (-> READY) or write (WRITING -> ON_TIER, buffer back;
+        WRITING_KEPT -> READY) without waiting; True when nothing is in flight afterwards. A failed I/O raises (its buffer
         is back first)."""
         with self._lock:
-            if self.state not in (LoanState.READING, LoanState.WRITING):
+            if self.state not in (LoanState.READING, LoanState.WRITING, LoanState.WRITING_KEPT):
                 return True
             if not self._io.done():
                 return False
             if self.state is LoanState.READING:
                 self.acquire()
             else:
-                self.release()
+                self.finish_write()
             return True
 
     def release(self, timeout: Optional[float] = None) -> None:
@@ -298,7 +316,7 @@ class Loan:
                 return
             t = self._timeout(timeout)
             io, self._io = self._io, None
-            op = "write" if self.state is LoanState.WRITING else "read"
+            op = "write" if self.state in (LoanState.WRITING, LoanState.WRITING_KEPT) else "read"
             try:
                 if io is not None:
                     _wait(io, op, self.what, t)
