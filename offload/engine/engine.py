@@ -875,7 +875,8 @@ class Engine:
         if self.param_offload is not None:
             self.param_offload.after_step()
         if self.device.type == "cpu":
-            dev.trim_host_heap()      # the step's freed activations and gradients ("device" memory)
+            # the step's freed activations and gradients ("device" memory), once they add up
+            dev.trim_host_heap(dev.step_trim_bytes())
         if not self.config.overlap_step:
             self.synchronize()
         return True
