@@ -66,13 +66,18 @@ class _CountingLibc:
 @pytest.mark.parametrize("setting, trims_per_step", [(None, 0), ("0", 1)])
 def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, trims_per_step):
     """A small model's step frees far less than the default threshold: no trim per step
-    (the next step reuses those pages); with the threshold at 0, one per committed step."""
+    (the next step reuses those pages), the free heap read at most once a second; with the
+    threshold at 0, one trim per committed step."""
     if setting is None:
         monkeypatch.delenv("OFFLOAD_STEP_TRIM_BYTES", raising=False)
     else:
         monkeypatch.setenv("OFFLOAD_STEP_TRIM_BYTES", setting)
     libc = _CountingLibc()
     monkeypatch.setattr(dev, "_libc", libc)
+    reads = []
+    free_heap = dev.free_heap_bytes
+    monkeypatch.setattr(dev, "free_heap_bytes", lambda: reads.append(1) or free_heap())
+    monkeypatch.setattr(dev, "_step_trim_checked", float("-inf"))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
     eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
@@ -83,3 +88,7 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, trim
         assert eng.step() is True
     eng.close()
     assert libc.trims - start == 3 * trims_per_step
+    if setting is None:       # three quick steps: the heap read once (twice if a second passed)
+        assert 1 <= len(reads) < 3, reads
+    else:
+        assert not reads      # a threshold of 0 trims without reading

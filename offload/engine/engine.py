@@ -876,7 +876,7 @@ class Engine:
             self.param_offload.after_step()
         if self.device.type == "cpu":
             # the step's freed activations and gradients ("device" memory), once they add up
-            dev.trim_host_heap(dev.step_trim_bytes())
+            dev.trim_after_step()
         if not self.config.overlap_step:
             self.synchronize()
         return True
