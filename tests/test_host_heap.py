@@ -47,6 +47,9 @@ def test_step_trim_bytes_setting(monkeypatch):
     monkeypatch.setenv("OFFLOAD_STEP_TRIM_BYTES", "64MiB")
     with pytest.raises(ValueError, match="OFFLOAD_STEP_TRIM_BYTES='64MiB'.*number of bytes"):
         dev.step_trim_bytes()
+    if not torch.cuda.is_available():     # refused at initialize, not at the first step()
+        with pytest.raises(ValueError, match="OFFLOAD_STEP_TRIM_BYTES"):
+            offload.initialize(nn.Linear(4, 4), {"offload_optimizer": {"device": "cpu"}})
 
 
 class _CountingLibc:

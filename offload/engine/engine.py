@@ -181,6 +181,8 @@ class Engine:
         self.module = model
         self.device = dev.compute_device()
         dev.return_freed_host_memory()
+        if self.device.type == "cpu":
+            dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = _DTYPES[config.precision]
         self.telemetry = Telemetry()
         from offload.optim import get_rule, quant
