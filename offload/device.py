@@ -6,6 +6,7 @@ Callers never test ``torch.cuda.is_available()`` themselves.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -139,7 +140,6 @@ def return_freed_host_memory() -> None:
         return
     _heap_tuned = True
     import ctypes
-    import os
     threshold = int(os.environ.get("OFFLOAD_MMAP_THRESHOLD", 4 << 20))
     if threshold <= 0:
         return
@@ -151,13 +151,16 @@ def return_freed_host_memory() -> None:
         pass  # not glibc: nothing to tune
 
 
-def trim_host_heap() -> None:
+def trim_host_heap(min_free_bytes: int = 0) -> bool:
     """Give the pages of freed heap memory back to the system (glibc ``malloc_trim``; a no-op
-    elsewhere). glibc returns only the free top of the heap by itself: memory freed below a
-    live allocation stays resident. Loading a model block by block leaves such holes (at 40
-    layers of a 2B model, 2.3 GB of free heap stayed resident after ``initialize``), and so do
-    the activations and gradients of a step on a CPU device. Called at the end of
-    ``initialize`` and, on a CPU device, after each committed step; cheap (no allocation)."""
+    elsewhere) when the heap holds at least ``min_free_bytes`` of freed memory (0: always).
+    Returns whether it trimmed. glibc returns only the free top of the heap by itself: memory
+    freed below a live allocation stays resident. Loading a model block by block leaves such
+    holes (at 40 layers of a 2B model, 2.3 GB of free heap stayed resident after
+    ``initialize``), and so do the activations and gradients of a step on a CPU device. A trim
+    is not free: it walks every arena and unmaps each free page (about 2-7 ms with 46 MiB
+    free), and the next step faults every page it reuses back in; so after a step the engine
+    trims only past ``step_trim_bytes()`` of free heap (``trim_after_step``)."""
     global _libc
     if _libc is None:
         import ctypes
@@ -166,8 +169,71 @@ def trim_host_heap() -> None:
             _libc.malloc_trim
         except (OSError, AttributeError):
             _libc = False            # not glibc: nothing to trim
-    if _libc:
-        _libc.malloc_trim(0)
+    if not _libc:
+        return False
+    if min_free_bytes > 0:
+        free = free_heap_bytes()
+        if free is not None and free < min_free_bytes:
+            return False
+    _libc.malloc_trim(0)
+    return True
+
+
+def free_heap_bytes() -> Optional[int]:
+    """Bytes of freed memory glibc's heap keeps (``mallinfo2().fordblks``, every arena,
+    the free top included; about 50 us); None where unknown (not glibc, glibc < 2.33)."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        import ctypes
+
+        class _Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                        "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        try:
+            fn = ctypes.CDLL("libc.so.6").mallinfo2
+            fn.argtypes, fn.restype = [], _Info
+            _mallinfo2 = fn
+        except (OSError, AttributeError):
+            _mallinfo2 = False
+    return int(_mallinfo2().fordblks) if _mallinfo2 else None
+
+
+DEFAULT_STEP_TRIM_BYTES = 256 << 20
+STEP_TRIM_CHECK_S = 1.0       # the free heap is read at most this often after steps
+_step_trim_checked = float("-inf")
+
+
+def trim_after_step() -> bool:
+    """After a committed step on a CPU device: ``trim_host_heap`` once the heap holds more
+    than ``step_trim_bytes()`` of freed memory. With a threshold, the free heap is read at
+    most every ``STEP_TRIM_CHECK_S`` (process-wide, as the heap is): ``mallinfo2`` locks every
+    arena and took up to 0.5 ms inside ``step()`` beside the optimizer's threads, while the
+    heap grows by at most a step's freed memory between two reads. Returns whether it trimmed."""
+    global _step_trim_checked
+    limit = step_trim_bytes()
+    if limit > 0:
+        import time
+        now = time.monotonic()
+        if now - _step_trim_checked < STEP_TRIM_CHECK_S:
+            return False
+        _step_trim_checked = now
+    return trim_host_heap(limit)
+
+
+def step_trim_bytes() -> int:
+    """The free heap past which the engine trims after a committed step on a CPU device
+    (``OFFLOAD_STEP_TRIM_BYTES``, default 256 MiB; 0 trims after every step). Below it the
+    freed activations and gradients stay resident for the next step, which reuses them:
+    the peak RSS (inside a step, where they are live) is the same either way, and RSS
+    between steps is at most this much higher."""
+    raw = os.environ.get("OFFLOAD_STEP_TRIM_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_STEP_TRIM_BYTES
+    if not raw.isdigit():
+        raise ValueError(f"OFFLOAD_STEP_TRIM_BYTES={raw!r} is not valid: use a number of bytes "
+                         f"(0 trims the heap after every step; default {DEFAULT_STEP_TRIM_BYTES})")
+    return int(raw)
 
 
 _libc = None
+_mallinfo2 = None

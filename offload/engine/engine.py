@@ -181,6 +181,8 @@ class Engine:
         self.module = model
         self.device = dev.compute_device()
         dev.return_freed_host_memory()
+        if self.device.type == "cpu":
+            dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = _DTYPES[config.precision]
         self.telemetry = Telemetry()
         from offload.optim import get_rule, quant
@@ -887,7 +889,8 @@ class Engine:
         if self.param_offload is not None:
             self.param_offload.after_step()
         if self.device.type == "cpu":
-            dev.trim_host_heap()      # the step's freed activations and gradients ("device" memory)
+            # the step's freed activations and gradients ("device" memory), once they add up
+            dev.trim_after_step()
         if not self.config.overlap_step:
             self.synchronize()
         return True

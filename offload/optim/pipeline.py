@@ -76,6 +76,8 @@ class StepPipeline:
         self._params = params                     # params/writeback.py: the new parameters' way home
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
+        self._hold_lock = threading.Lock()
+        self._held_jobs = 0                       # jobs in flight under the native pool's hold
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -196,7 +198,7 @@ class StepPipeline:
         # From submission to the job's end (run, failed or cancelled), the native pool's
         # registration with torch's OpenMP runtime lasts through the gaps between the blocks'
         # kernels: one registration per optimizer phase, ended as the last job ends
-        # (_native.pool_hold; native/threadpool.c).
+        # (_native.pool_hold; native/threadpool.c). One hold covers every job in flight.
         try:
             L = _native.lib()
         except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
@@ -204,15 +206,32 @@ class StepPipeline:
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
-            _native.pool_hold(L)
+            self._job_held(L)
             try:
                 fut = self._pool.submit(self._job, block, args)
             except BaseException:
-                _native.pool_release(L)
+                self._job_unheld(L)
                 raise
-            fut.add_done_callback(lambda _: _native.pool_release(L))
+            fut.add_done_callback(lambda _: self._job_unheld(L))
         block.pending = fut
         return fut
+
+    def _job_held(self, L) -> None:
+        """A job is submitted: the first of the jobs in flight takes the pool hold (one
+        ctypes call per phase, not per block: each call hands the GIL over to the worker,
+        and the submitting thread waits to get it back)."""
+        with self._hold_lock:
+            self._held_jobs += 1
+            if self._held_jobs == 1:
+                _native.pool_hold(L)
+
+    def _job_unheld(self, L) -> None:
+        """A job has ended (run, failed or cancelled): the last of those in flight releases
+        the hold."""
+        with self._hold_lock:
+            self._held_jobs -= 1
+            if self._held_jobs == 0:
+                _native.pool_release(L)
 
     def _job(self, block: BlockShard, args: StepArgs) -> None:
         """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
