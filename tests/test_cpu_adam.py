@@ -282,6 +282,34 @@ def test_isa_variants_bit_identical(native):
     _native.adam_set_isa(native, None)
 
 
+def test_isa_variants_bit_identical_over_the_whole_float_range(native):
+    """The SIMD variants divide by the bias correction without the divider (kernel.h:
+    vdivc, a double-precision product): their bits equal the scalar fp32 division over
+    second moments drawn from every finite exponent, zeros, infinities and NaNs, at steps
+    where the bias correction is far from 1 and at the awkward constants later steps give."""
+    isas = [name for code, name in sorted(_native.ISA_NAMES.items()) if code <= native.offload_kernel_best_isa()]
+    gen = torch.Generator().manual_seed(5)
+    n = 1 << 18
+    v0 = torch.randint(0, 0x7F800000, (n,), generator=gen, dtype=torch.int32).view(F32)  # finite, >= +0
+    v0[::97], v0[1::97], v0[2::97] = 0.0, float("inf"), float("nan")
+    m0 = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float())
+    g = torch.randn(n, generator=gen) * 1e-3
+    try:
+        for step, betas, eps in [(1, (0.9, 0.999), 1e-8), (7, (0.9, 0.9999), 1e-8), (123, (0.8, 0.98), 0.0),
+                                 (5000, (0.9, 0.999), 1e-6)]:
+            results = []
+            for isa in isas:
+                _native.adam_set_isa(native, isa)
+                p, m, v = _param0(n), m0.clone(), v0.clone()
+                adam_step(p, g, m, v, step=step, lr=1e-3, betas=betas, eps=eps, weight_decay=0.01)
+                results.append((p, m, v))
+            for isa, r in zip(isas[1:], results[1:]):
+                for a, b in zip(r, results[0]):  # NaN lanes: the same bits too
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (isa, step, betas, eps)
+    finally:
+        _native.adam_set_isa(native, None)
+
+
 @pytest.mark.parametrize("copy_dtype", [BF16, F16])
 def test_param_copy_at_every_alignment(backend, copy_dtype):
     """The copy is streamed after an aligning head: every start offset within a cache line."""
