@@ -195,8 +195,10 @@ class StepPipeline:
         assert block.pending is None, f"block {block.name} already has an update in flight"
         # From submission to the job's end (run, failed or cancelled), the native pool's
         # registration with torch's OpenMP runtime lasts through the gaps between the blocks'
-        # kernels: one registration per optimizer phase, ended as the last job ends
-        # (_native.pool_hold; native/threadpool.c).
+        # kernels: one registration per optimizer phase, ended as the last job ends. Taken as
+        # a handoff: submitted from the main thread right after its torch work, the phase's
+        # first hold also ends the idle spin of torch's workers, which the worker's kernel
+        # would otherwise share the cores with (_native.pool_hold; native/threadpool.c).
         try:
             L = _native.lib()
         except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
@@ -204,7 +206,7 @@ class StepPipeline:
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
-            _native.pool_hold(L)
+            _native.pool_hold(L, handoff=True)
             try:
                 fut = self._pool.submit(self._job, block, args)
             except BaseException:
