@@ -132,8 +132,18 @@ def train(job, rank, world, outdir, held):
     out = {"snaps": snaps, "stats": stats[-1], "stats_all": stats,
            "groups": {"backend": eng.comm.backend, "host_backend": eng.comm.host_backend,
                       "host_is_separate": eng.comm.host_main is not eng.comm.main}}
+    made = [g for g in (eng.comm.main, eng.comm.side, eng.comm.host_main, eng.comm.host_side) if g is not None]
     eng.close()
+    out["groups"]["left_after_close"] = sum(_group_alive(g) for g in made)
     return out
+
+
+def _group_alive(group) -> bool:
+    try:
+        dist.get_rank(group)
+        return True
+    except ValueError:   # "not registered": destroyed
+        return False
 
 
 def main():

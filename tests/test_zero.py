@@ -168,6 +168,8 @@ def test_two_ranks_on_half_batches_match_one_on_full_batch(two_ranks, ref, stage
         d = max_diff(r, g)
         assert d <= TOL, f"step {step}: 2 ranks differ from 1 by {d}"
     assert max_diff(ref[-1], make_model().state_dict()) > 1e-3   # the weights really moved
+    for rank in (0, 1):    # close() destroyed the groups the engine made, as torch asks before exit
+        assert two_ranks["res"][rank][name(stage, tier, param)]["groups"]["left_after_close"] == 0
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -316,7 +318,8 @@ def check_nccl_jobs(out, res, ref, backend):
     for job in NCCL_JOBS:
         for rank in (0, 1):
             groups = res[rank][job["name"]]["groups"]
-            assert groups == {"backend": backend, "host_backend": "gloo", "host_is_separate": True}, groups
+            assert groups == {"backend": backend, "host_backend": "gloo", "host_is_separate": True,
+                              "left_after_close": 0}, groups   # close() destroyed the engine's groups
         got = res[0][job["name"]]["snaps"]
         assert len(got) == STEPS
         for step, (r, g) in enumerate(zip(ref, got)):

@@ -101,6 +101,21 @@ class Comm:
     def active(self) -> bool:
         return self.world > 1
 
+    def close(self) -> None:
+        """Destroy the groups made here (never the user's default group), once, on every rank
+        as each closes its engine: torch asks that every group be destroyed before the
+        process exits, and gloo's threads left running at exit can abort a rank. Local: no
+        collective. Groups the user already tore down with the default group are skipped."""
+        made = {id(g): g for g in (self.main, self.side, self.host_main, self.host_side) if g is not None}
+        self.main = self.side = self.host_main = self.host_side = None
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for g in made.values():
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):   # already gone with the default group
+                pass
+
     def group_for(self, t: torch.Tensor, role: str = "main"):
         """The group of ``role`` ("main" or "side") that takes tensors on ``t``'s device."""
         if role not in ("main", "side"):

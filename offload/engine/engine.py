@@ -36,6 +36,7 @@ so clipping and fp16 overflow decisions agree on every rank.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -105,17 +106,22 @@ def _fill_flat(flat: torch.Tensor, part: blk.BlockLayout) -> None:
 
 class _ParamGroups(torch.optim.Optimizer):
     """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
-    torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping."""
+    torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping;
+    ``zero_grad()`` is the engine's (it discards the open window's gradients, which the
+    engine holds in its own buffers)."""
 
-    def __init__(self, groups, defaults):
+    def __init__(self, groups, defaults, engine: "Engine"):
         super().__init__(groups, defaults)
+        self._engine = weakref.ref(engine)     # the engine owns this object, not the reverse
 
     @torch.no_grad()
     def step(self, closure=None):  # called by Engine.step(); the scheduler tracks the call
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        return None  # the engine owns gradient buffers
+        engine = self._engine()
+        if engine is not None:
+            engine.zero_grad(set_to_none)
 
 
 def _check_group(where: str, group: dict, rule, defaults: dict) -> None:
@@ -333,7 +339,7 @@ class Engine:
                 raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
                                   f"section): every group keeps the same rows; set it in the optimizer section")
             groups.append(g)
-        return _ParamGroups(groups, defaults)
+        return _ParamGroups(groups, defaults, self)
 
     def _block_sizes(self) -> list:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
@@ -923,7 +929,11 @@ class Engine:
         resident = sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.blocks
                        if b.param_flat is not None)
         po = self.param_offload
-        dev_bytes = resident + (po.prefetcher.device_bytes() if po is not None else 0)
+        # parameters that are views of the fp32 master (CPU device) are the host pool's bytes:
+        # counted there, not twice
+        views = sum(self.blocks[i].param_flat.numel() * self.blocks[i].param_flat.element_size()
+                    for i in self._master_params)
+        dev_bytes = resident - views + (po.prefetcher.device_bytes() if po is not None else 0)
         if self.tier is Tier.DEVICE:
             dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size()
                              for b in self.blocks)
@@ -996,7 +1006,8 @@ class Engine:
 
     def close(self, restore: Optional[bool] = None) -> None:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
-        files. Afterwards every engine method (the forward included) raises "this engine is
+        files, and destroy the process groups the engine made (the user's default group stays
+        theirs to destroy). Afterwards every engine method (the forward included) raises "this engine is
         closed"; the model itself stays usable, with its buffers untouched:
 
         * parameters that were not offloaded (``offload_param.device: none``, ZeRO stages
@@ -1039,6 +1050,7 @@ class Engine:
                 self.activations.close()
             self._own_master_params()
             self._release_storage()
+            self.comm.close()
         for seg, t in restored or ():
             seg.param.data = t
 
