@@ -11,23 +11,35 @@ each timed call, see main), medians reported.
 Bytes per param count each array read or written once (what a perfect kernel moves).
 Claims are speed ratios paired within each round (median over rounds).
 
-Sharing the cores with torch (one block-sized step, --block, as the engine runs it: on a
-worker thread while the main thread runs torch):
+Sharing the cores with torch (one block-sized step, --block, right after torch work), in the
+two places a step runs:
+  main       adam_step called on the main thread (CPUAdam.step, a user's call): its chunks run
+             on the main thread's own OpenMP team, torch's intra-op workers
+  pipeline   as the engine's optimizer pipeline runs it: the main thread takes the pool's
+             handoff hold (optim/pipeline.py: submit) and a worker thread runs the step; the
+             hold is released when the job ends
+and, reported only, `unheld_worker`: a worker thread's step with no hold taken by the main
+thread. Nothing that thread can do ends the idle spin torch's workers started after the main
+thread's last op (only their master's next region does), so it shares the cores with that
+spin (~2-4 ms); the engine therefore takes its hold on the main thread (native/threadpool.c).
+Per placement, interleaved round by round:
   adam_isolated     the step after an idle pause (torch's OpenMP workers asleep)
   adam_after_torch  the step right after torch work (its OpenMP workers just went idle)
   torch_isolated    torch work (512x512 matmuls and 64K-element elementwise ops) after a pause
   torch_after_adam  the same torch work right after the step
-Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>= 0.95).
+The step's time is the kernel's own (adam_step's call, on the thread that runs it); the main
+thread's cost of the handoff hold is reported beside it (`handoff_us`).
+Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>= 0.95): the
+lower of the two placements (each the median of per-round ratios).
   small ops         torch's small elementwise op (64K floats, back to back) before the native
                     pool started, and once the pool has started, run and gone idle
 Claim ``torch_small_op_with_pool_vs_without`` (<= 1.10): time per op with the pool over
 without (sequential, not interleaved: "without" exists only before the pool starts).
-The pool registers with torch's OpenMP runtime while it has work (a kernel alone: for its own
-run; a phase under a hold, as the engine's optimizer step: from its first kernel to the end of
-the phase), so that runtime cuts its idle spins next to the kernels; then the registration
-ends and torch spins as before (native/threadpool.c; native_info()["pool"] names the runtime,
-"pthread" with OFFLOAD_POOL=pthread: never registered). The block-sized step here is one
-adam_step call on a worker thread, without a hold.
+The pool registers with torch's OpenMP runtime while it has work on its own threads (a kernel
+alone: for its own run; a phase under a hold: from its first kernel, or from a handoff hold,
+to the end of the phase), so that runtime cuts its idle spins next to the kernels; then the
+registration ends and torch spins as before (native/threadpool.c; native_info()["pool"] names
+the runtime, "pthread" with OFFLOAD_POOL=pthread: never registered, never on torch's team).
 
 Usage: python benchmarks/bench_adam.py [--size 64M] [--block 4M] [--threads N] [--rounds 12]
 The last line printed is one JSON object with a `claims` map.
@@ -90,16 +102,40 @@ def build(n: int):
             "torch_foreach": foreach.step, "two_pass": two_pass, "probe": probe}
 
 
+PLACEMENTS = ("main", "pipeline", "unheld_worker")
+SCENARIOS = ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")
+
+
 def sharing(block: int, rounds: int) -> dict:
-    """Times of the four sharing scenarios (see the docstring), interleaved per round."""
+    """Times of the sharing scenarios (see the docstring) per placement, interleaved per round."""
     n = block
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     small = torch.randn(1 << 16)
     worker = ThreadPoolExecutor(1, thread_name_prefix="bench-step")   # the engine's optimizer thread
+    L = _native.lib()
+    kernel_s = [0.0]
+    handoff_s = []
 
-    def adam():
-        worker.submit(adam_step, p, g, m, v, step=10, **KW).result()
+    def kernel():
+        t0 = time.perf_counter()
+        adam_step(p, g, m, v, step=10, **KW)
+        kernel_s[0] = time.perf_counter() - t0
+
+    def adam(placement: str) -> float:
+        """One step in `placement`; returns the kernel's own seconds."""
+        if placement == "main":
+            kernel()
+        elif placement == "pipeline":                  # optim/pipeline.py's submit
+            t0 = time.perf_counter()
+            _native.pool_hold(L, handoff=True)
+            fut = worker.submit(kernel)
+            fut.add_done_callback(lambda _: _native.pool_release(L))
+            handoff_s.append(time.perf_counter() - t0)
+            fut.result()
+        else:
+            worker.submit(kernel).result()
+        return kernel_s[0]
 
     def torch_work():
         for _ in range(4):
@@ -126,25 +162,29 @@ def sharing(block: int, rounds: int) -> dict:
     # (its registration with torch's OpenMP runtime ended: waited for, bounded)
     torch_work()
     small_default = small_ops_us()
-    adam(), torch_work()                                  # warm-up: threads exist, pages touched
-    L = _native.lib()
+    for placement in PLACEMENTS:                         # warm-up: threads exist, pages touched
+        adam(placement), torch_work()
     deadline = time.monotonic() + 10
     while _native.pool_registered(L) and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.02)
     small_pool = small_ops_us()
-    times = {k: [] for k in ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")}
+    handoff_s.clear()
+    times = {pl: {k: [] for k in SCENARIOS} for pl in PLACEMENTS}
     for r in range(rounds):
-        time.sleep(PAUSE_S)
-        times["adam_isolated"].append(timed(adam))
-        torch_work()
-        times["adam_after_torch"].append(timed(adam))
-        time.sleep(PAUSE_S)
-        times["torch_isolated"].append(timed(torch_work))
-        adam()
-        times["torch_after_adam"].append(timed(torch_work))
+        for placement in PLACEMENTS:
+            t = times[placement]
+            time.sleep(PAUSE_S)
+            t["adam_isolated"].append(adam(placement))
+            torch_work()
+            t["adam_after_torch"].append(adam(placement))
+            time.sleep(PAUSE_S)
+            t["torch_isolated"].append(timed(torch_work))
+            adam(placement)
+            t["torch_after_adam"].append(timed(torch_work))
     worker.shutdown()
     times["small_op_us"] = {"default_spin": round(small_default, 2), "with_pool": round(small_pool, 2)}
+    times["handoff_us"] = round(statistics.median(handoff_s) * 1e6, 1)
     return times
 
 
@@ -165,10 +205,21 @@ def main() -> None:
 
     share = sharing(parse_size(args.block), args.sharing_rounds)
     small_op_us = share.pop("small_op_us")
+    handoff_us = share.pop("handoff_us")
     print(f"torch small op (64K floats): {small_op_us['default_spin']:.1f} us before the native pool started, "
           f"{small_op_us['with_pool']:.1f} us with the pool started and idle (pool: {_native.native_info().get('pool')})")
-    for name, ts in share.items():
-        print(f"{name:18s} median {statistics.median(ts) * 1e3:8.2f} ms  min {min(ts) * 1e3:8.2f} ms")
+    print(f"pipeline handoff hold on the main thread: median {handoff_us:.1f} us")
+
+    def ratio(placement: str, base: str, after: str) -> float:
+        ts = share[placement]
+        return round(statistics.median(i / x for i, x in zip(ts[base], ts[after])), 3)
+    sharing_ratios = {pl: {"adam_after_torch_vs_isolated": ratio(pl, "adam_isolated", "adam_after_torch"),
+                           "torch_after_adam_vs_isolated": ratio(pl, "torch_isolated", "torch_after_adam")}
+                      for pl in PLACEMENTS}
+    for pl, ts in share.items():
+        for name, t in ts.items():
+            print(f"{pl:14s} {name:18s} median {statistics.median(t) * 1e3:8.2f} ms  min {min(t) * 1e3:8.2f} ms")
+        print(f"{pl:14s} {sharing_ratios[pl]}")
     methods = build(n)
     for fn in methods.values():  # warm-up round
         fn()
@@ -203,10 +254,10 @@ def main() -> None:
         "fp32_vs_torch_fused": paired("ours_fp32", "torch_fused"),
         "mixed_vs_two_pass": paired("ours_mixed", "two_pass"),
         "fp32_vs_inplace_roofline": paired("ours_fp32", "probe"),
-        "adam_after_torch_vs_isolated": round(statistics.median(
-            i / a for i, a in zip(share["adam_isolated"], share["adam_after_torch"])), 3),
-        "torch_after_adam_vs_isolated": round(statistics.median(
-            i / a for i, a in zip(share["torch_isolated"], share["torch_after_adam"])), 3),
+        "adam_after_torch_vs_isolated": min(sharing_ratios[pl]["adam_after_torch_vs_isolated"]
+                                            for pl in ("main", "pipeline")),
+        "torch_after_adam_vs_isolated": min(sharing_ratios[pl]["torch_after_adam_vs_isolated"]
+                                            for pl in ("main", "pipeline")),
         "torch_small_op_with_pool_vs_without": round(small_op_us["with_pool"] / small_op_us["default_spin"], 3),
     }
     targets = {"fp32_vs_torch_fused": 1.0, "mixed_vs_two_pass": 1.3, "fp32_vs_inplace_roofline": 0.9,
@@ -217,7 +268,9 @@ def main() -> None:
                       "native": _native.native_info(), "torch": torch.__version__,
                       "loadavg_1m": round(os.getloadavg()[0], 2), "wall_s": round(wall, 1),
                       "results": results, "block": parse_size(args.block),
-                      "sharing_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in share.items()},
+                      "sharing_ms": {pl: {k: round(statistics.median(v) * 1e3, 3) for k, v in ts.items()}
+                                     for pl, ts in share.items()},
+                      "sharing_ratios": sharing_ratios, "handoff_us": handoff_us,
                       "small_op_us": small_op_us,
                       "claims": claims, "targets": targets,
                       "missed": [k for k, t in targets.items()

@@ -52,7 +52,7 @@ KINLINE void adam_ref(const offload_adam_hparams *h, float *param, float grad, f
         const float w = h->lerp_weight;                                                           \
         *m = fabsf(w) < 0.5f ? vfma(vset1(T, w), g - *m, *m) : vfma(vset1(T, w - 1.0f), g - *m, g); \
         *v = vfma(g * h->one_minus_beta2, g, *v * h->beta2);                                      \
-        const T d = vsqrt(*v) / h->bias_correction2_sqrt + h->eps;                                \
+        const T d = vdivc(vsqrt(*v), vdivc_recip(h->bias_correction2_sqrt)) + h->eps;            \
         *param = p + (*m * h->neg_step_size) / d;                                                 \
     }
 

@@ -70,12 +70,20 @@ OFFLOAD_API const char *offload_pool_runtime(void);
 OFFLOAD_API int offload_pool_registered(void);
 OFFLOAD_API int64_t offload_pool_registrations(void); /* started since the library loaded */
 OFFLOAD_API int64_t offload_pool_linger_ns(void);
+/* Kernels run on the calling thread's own OpenMP team (the main thread, torch's team size
+ * equal to the pool's; threadpool.c) since the library loaded. */
+OFFLOAD_API int64_t offload_pool_team_runs(void);
 /* A phase of kernels under way (an optimizer step over many blocks or tensors): while any
  * hold is taken, a registration started by a kernel lasts through the gaps between kernels.
  * Every hold is released exactly once (from any thread); release returns -EINVAL if none is
  * taken. */
 OFFLOAD_API void offload_pool_hold(void);
 OFFLOAD_API int offload_pool_release(void);
+/* offload_pool_hold, taken by the main thread for kernels another thread will run (the
+ * engine's pipeline): also starts the registration now and ends the idle spin of torch's
+ * workers (threadpool.c). offload_pool_handoffs_quieted: how often it did the latter. */
+OFFLOAD_API void offload_pool_hold_handoff(void);
+OFFLOAD_API int64_t offload_pool_handoffs_quieted(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

@@ -48,9 +48,20 @@
  * standalone optimizers: one step() over all their parameters). A hold starts no registration
  * by itself; the first kernel under it does, and the registration then lasts until the last
  * hold is released and no kernel runs: one per phase, ended as the phase ends.
- * The workers themselves are always plain pthreads; nothing of the runtime runs a chunk.
- * OFFLOAD_POOL=pthread never registers. offload_pool_runtime() names the runtime (or
- * "pthread"); offload_pool_registered() says whether a registration is alive.
+ * Two things only the main thread can do, since it is the master of torch's team (the idle
+ * spin of torch's workers ends only when their master starts its next region):
+ *  - A kernel called on the main thread (CPUAdam.step, a user's adam_step) runs its chunks
+ *    on that team (team_run below): torch's workers, spinning after the main thread's last
+ *    torch op, claim the kernel's chunks instead of competing with it, and spin after it as
+ *    after any torch op. No registration is made for it.
+ *  - A handoff hold (offload_pool_hold_handoff: the engine's pipeline, submitting a block's
+ *    job to its worker thread) starts the registration at once and opens an empty region of
+ *    the main thread's team, so torch's workers leave their long spin for the short one
+ *    before the worker's kernel starts.
+ * Any other thread's kernel runs on the pthread workers, beside whatever spin torch's
+ * workers are in. OFFLOAD_POOL=pthread never registers and never uses torch's team.
+ * offload_pool_runtime() names the runtime (or "pthread"); offload_pool_registered() says
+ * whether a registration is alive; offload_pool_team_runs() counts kernels run on the team.
  */
 #define _GNU_SOURCE
 #include "threadpool.h"
@@ -63,6 +74,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -99,6 +111,7 @@ static struct {
        PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void);
 
 static long now_ns(void) {
     struct timespec t;
@@ -162,8 +175,11 @@ static struct {
     pthread_once_t once;
     gomp_parallel_fn parallel;
     omp_thread_num_fn thread_num;
-    const char *name; /* the runtime's soname, or NULL: never register */
-} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL};
+    omp_thread_num_fn level;       /* omp_get_level: 0 outside every parallel region */
+    omp_thread_num_fn max_threads; /* omp_get_max_threads: the calling thread's team size (torch's) */
+    const char *name; /* the runtime's soname, or NULL: never register, never run on a team */
+    int team_off;     /* a forked child: the parent's team threads do not exist here */
+} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, NULL, NULL, 0};
 
 #define DEFAULT_LINGER_MS 0L /* holds bridge the gaps a phase of kernels has (see the header) */
 static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
@@ -183,9 +199,13 @@ static void find_openmp(void) {
         if (h == NULL) continue;
         gomp_parallel_fn par = (gomp_parallel_fn)dlsym(h, "GOMP_parallel"); /* LLVM, Intel: compat entry */
         omp_thread_num_fn num = (omp_thread_num_fn)dlsym(h, "omp_get_thread_num");
-        if (par != NULL && num != NULL) {
+        omp_thread_num_fn level = (omp_thread_num_fn)dlsym(h, "omp_get_level");
+        omp_thread_num_fn max = (omp_thread_num_fn)dlsym(h, "omp_get_max_threads");
+        if (par != NULL && num != NULL && level != NULL && max != NULL) {
             OMP.parallel = par;
             OMP.thread_num = num;
+            OMP.level = level;
+            OMP.max_threads = max;
             OMP.name = names[i];
             return; /* the handle stays open: the runtime outlives the pool */
         }
@@ -202,6 +222,7 @@ enum reg_state { REG_JOINING, REG_HELD, REG_LEAVING };
 struct reg {
     enum reg_state state;
     unsigned size; /* threads in the region, master included */
+    int quieted;   /* the main thread's team was sent to its short spin under this registration */
 };
 
 static struct {
@@ -224,6 +245,7 @@ static void reg_team(void *arg) {
     pthread_mutex_lock(&REG.lock);
     if (OMP.thread_num() == 0) {
         r->state = REG_HELD;
+        pthread_cond_broadcast(&REG.cond); /* a handoff hold waits for this (offload_pool_hold_handoff) */
         for (;;) {
             long now = now_ns(), due = REG.last_end + LINGER_NS;
             if (REG.busy == 0 && REG.held == 0 && now >= due) break;
@@ -262,30 +284,35 @@ static void *reg_host(void *arg) {
 
 static int cpu_count(void);
 
-/* A kernel starts: registered from now on (asynchronously: the host starts the region). */
+/* Starts a registration if none is current (asynchronously: the host starts the region);
+ * called with REG.lock held. */
+static void reg_start_locked(void) {
+    if (REG.current != NULL) return;
+    struct reg *r = malloc(sizeof *r);
+    pthread_t tid;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* the host and the runtime's threads block signals */
+    /* one thread per CPU besides the master: more threads than CPUs whatever torch's own count */
+    if (r != NULL) *r = (struct reg){REG_JOINING, (unsigned)cpu_count() + 1, 0};
+    if (r != NULL && pthread_create(&tid, NULL, reg_host, r) == 0) {
+        pthread_detach(tid);
+        REG.current = r;
+        REG.alive++;
+        REG.made++;
+    } else {
+        free(r); /* not registered: the kernel runs all the same */
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* A kernel starts: registered from now on. */
 static void reg_enter(void) {
     pthread_once(&OMP.once, find_openmp);
     if (OMP.parallel == NULL) return;
     pthread_mutex_lock(&REG.lock);
     REG.busy++;
-    if (REG.current == NULL) {
-        struct reg *r = malloc(sizeof *r);
-        pthread_t tid;
-        sigset_t all, old;
-        sigfillset(&all);
-        pthread_sigmask(SIG_BLOCK, &all, &old); /* the host and the runtime's threads block signals */
-        /* one thread per CPU besides the master: more threads than CPUs whatever torch's own count */
-        if (r != NULL) *r = (struct reg){REG_JOINING, (unsigned)cpu_count() + 1};
-        if (r != NULL && pthread_create(&tid, NULL, reg_host, r) == 0) {
-            pthread_detach(tid);
-            REG.current = r;
-            REG.alive++;
-            REG.made++;
-        } else {
-            free(r); /* not registered: the kernel runs all the same */
-        }
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-    }
+    reg_start_locked();
     pthread_mutex_unlock(&REG.lock);
 }
 
@@ -303,6 +330,60 @@ OFFLOAD_API void offload_pool_hold(void) {
     REG.held++;
     pthread_mutex_unlock(&REG.lock);
 }
+
+/* The main thread hands kernels to another thread (the engine's optimizer pipeline): a hold,
+ * plus what only the main thread can do about torch's workers. Right after its torch work
+ * they are in their long idle spin, which the runtime decided when the spin started and
+ * which nothing but a new region of their master ends; the kernels would run beside it.
+ * So the registration starts now (waited for, at most HANDOFF_WAIT_NS: about 0.1-0.3 ms of
+ * thread creation on an idle machine, more under load), and an empty region
+ * of the main thread's team follows: the spinning workers join it and leave, and their next
+ * spin starts registered, so it is the short one (~5 us) and they sleep. Once per
+ * registration (later handoffs of the same phase find torch's spins short already). On
+ * other threads, or without the runtime: a plain hold. */
+#define HANDOFF_WAIT_NS 2000000L /* bounded: past it the hold is a plain one */
+
+static void quiet_body(void *arg) { (void)arg; }
+
+static int on_main_thread_outside_regions(void) {
+    if (OMP.parallel == NULL || __atomic_load_n(&OMP.team_off, __ATOMIC_RELAXED)) return 0;
+    if ((pid_t)syscall(SYS_gettid) != getpid()) return 0;
+    return OMP.level() == 0 && OMP.max_threads() > 1;
+}
+
+static long QUIETED; /* atomic: handoffs that sent the main thread's team to its short spin */
+
+OFFLOAD_API void offload_pool_hold_handoff(void) {
+    pthread_once(&OMP.once, find_openmp);
+    pthread_once(&atfork_once, register_atfork);
+    pthread_mutex_lock(&REG.lock);
+    REG.held++;
+    int quiet = 0;
+    if (on_main_thread_outside_regions()) {
+        reg_start_locked();
+        struct reg *r = REG.current; /* stays allocated: it cannot leave while held > 0 */
+        if (r != NULL) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += HANDOFF_WAIT_NS;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            while (r->state == REG_JOINING)
+                if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
+            quiet = r->state == REG_HELD && !r->quieted;
+            if (quiet) r->quieted = 1;
+        }
+    }
+    pthread_mutex_unlock(&REG.lock);
+    if (quiet) {
+        OMP.parallel(quiet_body, NULL, 0, 0); /* 0: the team torch's next op would use */
+        __atomic_add_fetch(&QUIETED, 1, __ATOMIC_RELAXED);
+    }
+}
+
+OFFLOAD_API int64_t offload_pool_handoffs_quieted(void) { return __atomic_load_n(&QUIETED, __ATOMIC_RELAXED); }
 
 OFFLOAD_API int offload_pool_release(void) {
     pthread_mutex_lock(&REG.lock);
@@ -362,6 +443,7 @@ static void atfork_child(void) {
     REG.alive = 0;
     REG.busy = 0;
     REG.held = 0; /* the parent's holds belong to its threads, which the child lacks */
+    OMP.team_off = 1; /* the runtime's team threads of the parent do not exist in the child */
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
@@ -408,6 +490,57 @@ static void start_workers(int want) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
+/* ---- a kernel on the main thread: its chunks on the main thread's own OpenMP team ------
+ * The main thread is the master of torch's intra-op team. Right after its torch work that
+ * team's workers are in their long idle spin, docked for the master's next region; any
+ * other thread's work (the pool's workers) would share the cores with them. A region of the
+ * master's own ends that spin at once: the spinning workers join it and claim the kernel's
+ * chunks, as they would run torch's next op. After it they dock and spin as after any torch
+ * op (no registration is made), so torch's next op finds them as usual. Used when the
+ * calling thread is the process's main thread, outside any parallel region, with torch's
+ * team size (omp_get_max_threads) equal to the pool's thread count (then the team is the
+ * one torch runs: no thread is created that torch would not create, and none of torch's
+ * workers is left spinning beside the kernel), in the process that loaded the runtime's
+ * threads (not a forked child). Elsewhere: the pthread pool below. */
+struct team_call {
+    pool_chunk_fn fn;
+    void *ctx;
+    long nchunks;
+    long next;      /* atomic: the next unclaimed chunk */
+    unsigned mxcsr; /* the caller's FP control word: team threads round and flush like it */
+};
+
+static long TEAM_RUNS; /* atomic: kernels run on the caller's OpenMP team */
+
+static void team_body(void *arg) {
+    struct team_call *t = arg;
+#ifdef HAVE_MXCSR
+    const unsigned own = _mm_getcsr(); /* torch's worker keeps its own mode after the region */
+    if (own != t->mxcsr) _mm_setcsr(t->mxcsr);
+#endif
+    for (long c; (c = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED)) < t->nchunks;) t->fn(t->ctx, c);
+#ifdef HAVE_MXCSR
+    if (own != t->mxcsr) _mm_setcsr(own);
+#endif
+}
+
+static int on_main_team(int threads) {
+    pthread_once(&OMP.once, find_openmp);
+    return on_main_thread_outside_regions() && OMP.max_threads() == threads;
+}
+
+static void team_run(pool_chunk_fn fn, void *ctx, long nchunks, int threads) {
+    struct team_call t = {fn, ctx, nchunks, 0, 0};
+#ifdef HAVE_MXCSR
+    t.mxcsr = _mm_getcsr();
+#endif
+    __atomic_add_fetch(&TEAM_RUNS, 1, __ATOMIC_RELAXED);
+    /* the region's end is a barrier: every chunk has returned (and its stores are visible) */
+    OMP.parallel(team_body, &t, (unsigned)(threads < nchunks ? threads : nchunks), 0);
+}
+
+OFFLOAD_API int64_t offload_pool_team_runs(void) { return __atomic_load_n(&TEAM_RUNS, __ATOMIC_RELAXED); }
+
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
     if (threads <= 1 || nchunks <= 1) {
@@ -415,6 +548,10 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
         return 0;
     }
     pthread_once(&atfork_once, register_atfork);
+    if (on_main_team(threads)) {
+        team_run(fn, ctx, nchunks, threads);
+        return 0;
+    }
     reg_enter();
     pthread_mutex_lock(&P.run_lock);
     int helpers = (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);

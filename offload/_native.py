@@ -130,6 +130,9 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_registrations.argtypes, lib.offload_pool_registrations.restype = [], i64
     lib.offload_pool_hold.argtypes, lib.offload_pool_hold.restype = [], None
     lib.offload_pool_release.argtypes, lib.offload_pool_release.restype = [], i32
+    lib.offload_pool_hold_handoff.argtypes, lib.offload_pool_hold_handoff.restype = [], None
+    lib.offload_pool_handoffs_quieted.argtypes, lib.offload_pool_handoffs_quieted.restype = [], i64
+    lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -211,14 +214,31 @@ def pool_registrations(L: ctypes.CDLL) -> int:
     return L.offload_pool_registrations()
 
 
-def pool_hold(L: ctypes.CDLL) -> None:
+def pool_team_runs(L: ctypes.CDLL) -> int:
+    """Kernels run on the calling thread's own OpenMP team since the library loaded: a kernel
+    called on the main thread runs its chunks on torch's intra-op workers (threadpool.c)."""
+    return L.offload_pool_team_runs()
+
+
+def pool_handoffs_quieted(L: ctypes.CDLL) -> int:
+    """Handoff holds (``pool_hold(handoff=True)``) that ended the idle spin of torch's workers."""
+    return L.offload_pool_handoffs_quieted()
+
+
+def pool_hold(L: ctypes.CDLL, handoff: bool = False) -> None:
     """A phase of kernels starts (an optimizer step over many blocks or tensors): from its first
     kernel until the matching ``pool_release``, the pool's registration with torch's OpenMP
     runtime lasts through the gaps between kernels, so torch work in those gaps does not start
     full-length idle spins next to the next kernel, and the phase registers once, not once
-    per kernel. Taking a hold starts no registration by itself. Release every hold exactly
-    once, from any thread."""
-    L.offload_pool_hold()
+    per kernel. A plain hold starts no registration by itself. ``handoff``: the main thread
+    takes the hold for kernels another thread runs (the engine's pipeline): the registration
+    starts now and torch's workers, still in the long idle spin of the main thread's last
+    torch work, are sent to the short one (on other threads: a plain hold). Release every
+    hold exactly once, from any thread."""
+    if handoff:
+        L.offload_pool_hold_handoff()
+    else:
+        L.offload_pool_hold()
 
 
 def pool_release(L: ctypes.CDLL) -> None:

@@ -197,8 +197,11 @@ class StepPipeline:
         assert block.pending is None, f"block {block.name} already has an update in flight"
         # From submission to the job's end (run, failed or cancelled), the native pool's
         # registration with torch's OpenMP runtime lasts through the gaps between the blocks'
-        # kernels: one registration per optimizer phase, ended as the last job ends
-        # (_native.pool_hold; native/threadpool.c). One hold covers every job in flight.
+        # kernels: one registration per optimizer phase, ended as the last job ends. One hold
+        # covers every job in flight. Taken as a handoff: submitted from the main thread right
+        # after its torch work, the phase's first hold also ends the idle spin of torch's
+        # workers, which the worker's kernel would otherwise share the cores with
+        # (_native.pool_hold; native/threadpool.c).
         try:
             L = _native.lib()
         except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
@@ -223,7 +226,7 @@ class StepPipeline:
         with self._hold_lock:
             self._held_jobs += 1
             if self._held_jobs == 1:
-                _native.pool_hold(L)
+                _native.pool_hold(L, handoff=True)
 
     def _job_unheld(self, L) -> None:
         """A job has ended (run, failed or cancelled): the last of those in flight releases
