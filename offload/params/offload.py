@@ -241,13 +241,18 @@ class ParamOffload:
 
     def _make_room(self, want: int, nbytes: int) -> None:
         """Evict unused blocks, furthest next use first, until ``want`` fits in the device
-        budget and (NVMe home) a host staging buffer is free for it."""
+        budget and (NVMe home) holds a host staging buffer (its read started)."""
         bp_want = self.params[want]
         while True:
             self.poll_writes()
             over = self.resident_bytes + self.prefetcher.device_bytes() + nbytes > self.budget
             no_slot = bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.slot_free()
             if not over and not no_slot:
+                # the slot is taken now (its read starts): a worker's write-through could
+                # otherwise take it before the fetch, which would then wait for a buffer that
+                # only this thread's polls give back
+                if bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.stage():
+                    continue
                 return
             upcoming = self.prefetcher.upcoming()
             # a block whose update is in flight may be filling its staging buffer (write-through)
