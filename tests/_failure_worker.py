@@ -18,7 +18,6 @@ import os
 import sys
 import time
 
-import torch
 
 import offload
 from offload.dist.grad_sync import GradSync

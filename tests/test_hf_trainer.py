@@ -10,7 +10,6 @@ import torch
 
 from _hf import args, dataset, max_diff, snapshot, tiny_llama, train_logs, transformers
 
-import offload
 from offload.config import ConfigError
 from offload.hf import Trainer, versions
 

@@ -15,9 +15,9 @@ def test_one_pool_hold_per_commit_released_when_the_last_job_ends(monkeypatch):
     calls = {"hold": 0, "release": 0}
     hold, release = _native.pool_hold, _native.pool_release
 
-    def counted_hold(L):
+    def counted_hold(L, **kw):
         calls["hold"] += 1
-        hold(L)
+        hold(L, **kw)
 
     def counted_release(L):
         calls["release"] += 1

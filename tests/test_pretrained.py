@@ -3,7 +3,6 @@ export_hf against from_pretrained / PeftModel.from_pretrained, PEFT's adapter in
 model's own init on the meta device, frozen-base references in checkpoints, and each error."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest

@@ -2,7 +2,6 @@
 bounded waits; and the extent layout shared by both I/O backends."""
 import ctypes
 import errno
-import os
 import time
 import zlib
 
@@ -188,7 +187,7 @@ def test_waits_are_bounded(store, pool):
         ln.commit()
         ln.release()
     tier.wait_timeout_s = 0.5                        # the waits under test: nothing can complete them
-    a, b = loans[0].acquire(), loans[1].acquire()   # both pool buffers on loan
+    loans[0].acquire(), loans[1].acquire()          # both pool buffers on loan
     t0 = time.monotonic()
     with pytest.raises(TierTimeout, match="block 2: no host buffer free after 0.5 s"):
         loans[2].acquire()
