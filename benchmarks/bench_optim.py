@@ -134,8 +134,9 @@ def bench_kernels(names, n, rounds, L) -> dict:
     results = {}
     for name in names:
         methods = kernel_methods(name, n, L)
-        for fn, _ in methods.values():  # warm up: first touch, pool wake-up, torch's state
-            fn()
+        for _ in range(3):   # warm up, interleaved as measured: first touch, pool wake-up, torch's
+            for fn, _ in methods.values():   # state (one call left the first rule measured cold)
+                fn()
         times = {k: [] for k in methods}
         for _ in range(rounds):
             for k, (fn, _) in methods.items():
