@@ -7,7 +7,7 @@ Part 1, kernels (all in one process, same buffers, interleaved round by round, m
   torch       torch.optim.<X>(fused=True) where torch has a fused CPU kernel (AdamW, Adam, SGD,
               Adagrad); Adafactor: foreach=True (torch has no fused one); Lion: the plain-torch
               reference with foreach ops (torch has no Lion)
-  probe       offload_bandwidth_probe with the rule's in-place arrays: rw[k] += d for the param
+  probe       offload_bandwidth_probe over the rule's own parameter and state rows: rw[k] += d (zeros) for the param
               and each state row, d standing for the grad (read 1 + k, write k fp32 arrays)
   vs_probe    ours' bytes/s over the probe's bytes/s, bytes = what the rule reads and writes
               once per parameter over all its passes (single-pass rules: the probe's traffic)
@@ -113,7 +113,11 @@ def kernel_methods(name: str, n: int, L) -> dict:
         out["torch"] = (lambda: rule.device_step([p], [g], [lst], group, [step[0]]), nbytes)
 
     if L is not None and name != "Adafactor":
-        arrays = [torch.zeros(n) for _ in range(1 + len(rows))]
+        # the probe streams over the rule's own memory (parameter and state rows, adding a
+        # zero array where the rule reads the gradient: no value changes), so the ratio
+        # compares the kernels, not where two sets of buffers happened to land in memory
+        arrays = [p.view(-1)] + [st[r.name] for r in rows]
+        assert all(a.dtype == torch.float32 and a.numel() == n for a in arrays)
         d = torch.zeros(n)
         out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], d.data_ptr(), n), nbytes)
     elif L is not None:
