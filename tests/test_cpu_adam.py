@@ -701,6 +701,17 @@ print(json.dumps(out))
 """
 
 
+def _run_fresh(script: str) -> dict:
+    """Run ``script`` in a fresh process with two torch threads, the native pool's defaults and
+    libgomp's default wait policy (what torch's users run with); its last line is JSON."""
+    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
+    for name in ("OFFLOAD_POOL", "OFFLOAD_POOL_LINGER_MS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(name, None)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info(),
                     reason="needs Linux and torch on OpenMP")
 def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native):
@@ -714,17 +725,9 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     clock is missing, so other load does not enter), in a fresh process."""
     if offload.native_info()["pool"] == "pthread":
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread)")
-    # the default linger (0): the hold alone carries the registration over the gaps
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: torch's two workers outnumber the CPUs before the pool exists")
-    # the default linger (0): the hold alone carries the registration over the gaps; libgomp's
-    # default wait policy (what torch's users run with)
-    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
-    for name in ("OFFLOAD_POOL", "OFFLOAD_POOL_LINGER_MS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        env.pop(name, None)
-    res = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = _run_fresh(_SPIN_SCRIPT)   # the default linger (0): the hold alone carries the registration
     assert out["registered_before"] == 0 and out["registered_busy"] == 1 and out["registered_idle"] == 0, out
     assert out["registrations_in_phase"] == 1, f"the hold did not carry one registration over the gaps: {out}"
     if out["clock"] is None:
@@ -821,12 +824,7 @@ def test_main_thread_kernel_runs_on_torchs_team_and_handoff_quiets_it(native):
     one (measured as their CPU clocks, in a fresh process)."""
     if offload.native_info()["pool"] == "pthread" or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread), or one CPU")
-    env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
-    for name in ("OFFLOAD_POOL", "OFFLOAD_POOL_LINGER_MS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        env.pop(name, None)
-    res = subprocess.run([sys.executable, "-c", _TEAM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = _run_fresh(_TEAM_SCRIPT)
     assert out["team_runs_main"] == 3 and out["registrations_main"] == 0, out
     assert out["team_runs_worker"] == 0 and out["same_bits"], out
     # a handoff waits at most 2 ms for the registration to start (then it is a plain hold):
