@@ -98,3 +98,16 @@ def rule_batches(n, vocab, seed=1):
 
 def clone(model):
     return copy.deepcopy(model)
+
+
+def resume_and_train(eng, ckpt, data):
+    """Load ``ckpt`` into ``eng``, take one step per ``(x, y)`` of ``data`` and return the
+    full state dict; ``eng`` is closed afterwards, whatever happens."""
+    try:
+        eng.load_checkpoint(str(ckpt))
+        for x, y in data:
+            eng.backward(eng(x, y))
+            eng.step()
+        return eng.full_state_dict()
+    finally:
+        eng.close()

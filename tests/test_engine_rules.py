@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import offload
-from _models import RuleNet, rule_batches
+from _models import RuleNet, resume_and_train, rule_batches
 from offload.config import ConfigError
 from offload.optim import get_rule, quant
 from offload.optim.rule import load_row, store_row
@@ -238,14 +238,7 @@ def test_checkpoint_resume_bit_exact(rule, state_dtype, tier, tmp_path):
     eng.save_checkpoint(str(tmp_path / "ck"))
     eng.close()
     eng = offload.initialize(make_model(), cfg(rule, tier, tmp_path / "c", state_dtype=state_dtype))
-    try:
-        eng.load_checkpoint(str(tmp_path / "ck"))
-        for x, y in data[3:]:
-            eng.backward(eng(x, y))
-            eng.step()
-        resumed = eng.full_state_dict()
-    finally:
-        eng.close()
+    resumed = resume_and_train(eng, tmp_path / "ck", data[3:])
     for k in full:
         assert torch.equal(full[k], resumed[k]), k
     import json

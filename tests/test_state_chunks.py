@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload
-from _models import RuleNet, rule_batches
+from _models import RuleNet, resume_and_train, rule_batches
 from offload.engine import memory_plan as mp
 from offload.optim import get_rule
 from offload.optim.rule import load_row, store_row
@@ -225,15 +225,8 @@ def test_checkpoint_of_chunked_state_resumes_bit_exact(tmp_path):
         c = cfg("AdamW", tmp_path / f"c{chunk}", state_dtype="int8")
         c["offload_optimizer"]["state_chunk_bytes"] = chunk
         eng = offload.initialize(make_model(), c)
-        try:
-            assert (len(eng.blocks[0].state.chunks) > 1) == (chunk is not None)
-            eng.load_checkpoint(str(tmp_path / "ck"))
-            for x, y in data[3:]:
-                eng.backward(eng(x, y))
-                eng.step()
-            resumed = eng.full_state_dict()
-        finally:
-            eng.close()
+        assert (len(eng.blocks[0].state.chunks) > 1) == (chunk is not None)
+        resumed = resume_and_train(eng, tmp_path / "ck", data[3:])
         for k in full:
             assert torch.equal(full[k], resumed[k]), (chunk, k)
 

@@ -398,20 +398,18 @@ class ParamOffload:
     def poll_writes(self) -> None:
         """Settle the parameter write-backs that completed (their buffers go back); never
         waits. A failure is recorded by its block's home (raised from the next engine call)."""
-        for bp in self.params:
-            if bp is not None and bp.writing:
-                try:
-                    bp.poll_write()
-                except BlockError:
-                    pass
+        self._settle_writes(wait=False)
 
     def wait_writes(self) -> None:
         """Wait (bounded) until every parameter write-back has completed or failed (a failure
         is recorded by its block's home; the caller raises the first one)."""
+        self._settle_writes(wait=True)
+
+    def _settle_writes(self, wait: bool) -> None:
         for bp in self.params:
             if bp is not None and bp.writing:
                 try:
-                    bp.finish_write()
+                    bp.finish_write() if wait else bp.poll_write()
                 except BlockError:
                     pass
 

@@ -208,16 +208,21 @@ class Loan:
             if self.state is LoanState.ON_TIER:
                 self._start_read(self._lend(t, "read"))
             if self.state is LoanState.READING:
-                io, self._io = self._io, None
-                try:
-                    _wait(io, "read", self.what, t)
-                except BaseException:
-                    self._settle_failed(io, t)
-                    raise
+                self._wait_io("read", t)
                 self.state = LoanState.READY
             assert self.state in (LoanState.READY, LoanState.RESIDENT, LoanState.WRITING_KEPT), \
                 f"{self.what}: acquire from {self.state}"
             return self._bytes
+
+    def _wait_io(self, op: str, t: float) -> None:
+        """Wait (bounded, under the lock) for the I/O in flight; a failure settles it (the
+        buffer goes back) and raises."""
+        io, self._io = self._io, None
+        try:
+            _wait(io, op, self.what, t)
+        except BaseException:
+            self._settle_failed(io, t)
+            raise
 
     def fill(self, timeout: Optional[float] = None) -> torch.Tensor:
         """A buffer for bytes that will be overwritten whole: ON_TIER -> READY without a read."""
@@ -285,12 +290,7 @@ class Loan:
                 self.release(timeout)
             elif self.state is LoanState.WRITING_KEPT:
                 t = self._timeout(timeout)
-                io, self._io = self._io, None
-                try:
-                    _wait(io, "write", self.what, t)
-                except BaseException:
-                    self._settle_failed(io, t)
-                    raise
+                self._wait_io("write", t)
                 self.state = LoanState.READY
 
     def poll(self) -> bool:
