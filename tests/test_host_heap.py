@@ -1,6 +1,10 @@
 """The host heap on a CPU device: trimmed after initialize always, after a committed step only
 once its freed memory passes ``OFFLOAD_STEP_TRIM_BYTES`` (device.py ``step_trim_bytes``)."""
 import ctypes
+import json
+import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -15,8 +19,11 @@ glibc = pytest.mark.skipif(dev.free_heap_bytes() is None, reason="glibc's mallin
 
 def _heap_hole(mib: int):
     """``mib`` MiB freed on the heap below a live allocation (1 MiB tensors, under the mmap
-    threshold, so they come from the heap and their pages stay resident once freed).
+    threshold, so they come from the heap and their pages stay resident once freed; glibc's
+    own threshold starts at 128 KiB and rises past 1 MiB once such a mapped block is freed).
     Returns the live tensor, which keeps the hole below the heap's top."""
+    first = torch.ones(1 << 18)
+    del first
     ts = [torch.ones(1 << 18) for _ in range(mib)]      # 1 MiB each, every page touched
     keep = torch.ones(1 << 18)
     del ts
@@ -95,3 +102,45 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, trim
         assert 1 <= len(reads) < 3, reads
     else:
         assert not reads      # a threshold of 0 trims without reading
+
+
+_FAULTS_SCRIPT = r"""
+import json, resource, sys, torch
+from torch import nn
+import offload
+torch.manual_seed(0)
+cfg = {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}}
+if sys.argv[1] != "none":
+    cfg["offload_param"] = {"device": sys.argv[1]}
+eng = offload.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), cfg)
+faults = []
+for _ in range(12):      # what a user's torch work does each step: a 4 MiB gradient-sized tensor
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(1 << 20)
+    t.fill_(1.0)
+    del t
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+eng.close()
+print(json.dumps(faults))
+"""
+
+
+@glibc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
+@pytest.mark.parametrize("param_device", ["none", "cpu"])
+def test_malloc_is_tuned_only_when_parameters_leave_the_cpu_device(param_device):
+    """The mmap threshold is process-wide: it changes the user's own torch work too (every
+    4 MiB tensor a fresh mapping, 1024 page faults each time). With the parameters resident
+    the engine leaves malloc alone, so a 4 MiB tensor allocated again and again is served
+    from the heap (glibc's own threshold rises after the first free) and faults no more
+    after the first rounds; with parameters offloaded the engine keeps such blocks mapped,
+    so each one faults its pages in. In a fresh process: the setting is once per process."""
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_MMAP_THRESHOLD"}
+    res = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, param_device], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    faults = json.loads(res.stdout.strip().splitlines()[-1])
+    if param_device == "none":
+        assert max(faults[6:]) < 64, faults       # reused heap pages
+    else:
+        assert min(faults[6:]) >= 1000, faults    # 1024 pages of a fresh mapping each time

@@ -180,7 +180,8 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.module = model
         self.device = dev.compute_device()
-        dev.return_freed_host_memory()
+        # process-wide malloc tuning only where parameters leave a CPU device (device.py)
+        dev.return_freed_host_memory(bound_large_allocations=self._param_home_device() != "none")
         if self.device.type == "cpu":
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = _DTYPES[config.precision]
@@ -760,7 +761,7 @@ class Engine:
             frozen = [self._frozen_home(i, k, part) for k, part in enumerate(parts)]
             trainable = self.blocks[i].params if lay is not None else None
             self.units.append(BlockParts(i, name, module, trainable, frozen))
-        dev.return_freed_host_memory()
+        dev.return_freed_host_memory(bound_large_allocations=True)
 
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters that are not offloaded go to the device (in the dtype
