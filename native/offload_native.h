@@ -84,6 +84,14 @@ OFFLOAD_API int offload_pool_release(void);
  * workers (threadpool.c). offload_pool_handoffs_quieted: how often it did the latter. */
 OFFLOAD_API void offload_pool_hold_handoff(void);
 OFFLOAD_API int64_t offload_pool_handoffs_quieted(void);
+/* offload_pool_hold_handoff in two halves: the hold, with the registration started (no
+ * wait); then, under that hold, the bounded wait for it and the quieting of torch's workers
+ * (returns 1 when it quieted them). The main thread may run work between the two. */
+OFFLOAD_API void offload_pool_hold_begin_handoff(void);
+OFFLOAD_API int offload_pool_handoff_quiet(void);
+/* Calls that a pool worker, idle between two of them while a hold was taken, found during its
+ * yielding poll instead of asleep (threadpool.c worker_wait_spin). */
+OFFLOAD_API int64_t offload_pool_held_spin_calls(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

@@ -14,7 +14,9 @@
  *   caller, out of chunks: under `lock`, open = 0 (no worker joins from now on), then
  *     waits until active == 0. Every chunk has then returned, and no worker will touch
  *     fn/ctx (the caller's stack) again: late workers see open == 0 and go back to sleep.
- * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up.
+ * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up;
+ * while a hold is taken (below) they go on polling, yielding the CPU, up to HELD_SPIN_NS, so
+ * the next kernel of a phase finds them awake (worker_wait_spin).
  *
  * One thread budget with torch (OpenMP). torch's intra-op workers are OpenMP threads. After
  * each parallel region libgomp (the runtime torch ships) spins them GOMP_SPINCOUNT = 300000
@@ -89,6 +91,7 @@ static inline void cpu_relax(void) {}
 #endif
 
 #define WORKER_SPIN_NS 50000L  /* a worker polls this long for the next call before sleeping */
+#define HELD_SPIN_NS 2000000L  /* ... and, while a hold is taken, yields and polls up to this long */
 #define CALLER_SPIN_NS 200000L /* the caller polls this long for helpers to finish their last chunk */
 
 static struct {
@@ -128,13 +131,37 @@ struct worker_start {
     unsigned long generation; /* the generation current when the worker was made */
 };
 
+static int pool_held_now(void);
+
+/* Between two calls a worker first polls WORKER_SPIN_NS (back-to-back calls of one kernel).
+ * While a hold is taken (a phase of kernels: the engine's pipeline between one block's job
+ * and the next, 0.2-0.5 ms of Python) it then goes on polling up to HELD_SPIN_NS, yielding
+ * the CPU at every poll: a sleeping worker woken by the next call starts 0.3-4 ms late here,
+ * so each block's kernel ran on its caller alone for most of its time (1.33 ms per block
+ * against 0.92 ms back to back, measured); a yielding poll takes no time from a thread
+ * that wants the CPU (torch's compute beside the pipeline), and stops with the hold. */
+static long HELD_SPIN_CALLS; /* atomic: calls a worker found during its held spin (tests) */
+
+static void worker_wait_spin(unsigned long seen) {
+    long t0 = now_ns();
+    while (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen) {
+        for (int i = 0; i < 64; i++) cpu_relax();
+        if (now_ns() - t0 > WORKER_SPIN_NS) break;
+    }
+    while (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen) {
+        if (!pool_held_now() || now_ns() - t0 >= HELD_SPIN_NS) return;
+        sched_yield();
+        if (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) != seen)
+            __atomic_add_fetch(&HELD_SPIN_CALLS, 1, __ATOMIC_RELAXED);
+    }
+}
+
+OFFLOAD_API int64_t offload_pool_held_spin_calls(void) { return __atomic_load_n(&HELD_SPIN_CALLS, __ATOMIC_RELAXED); }
+
 static void worker_loop(struct worker_start start) {
     unsigned long seen = start.generation;
     for (;;) {
-        for (long t0 = now_ns(); __atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen;) {
-            for (int i = 0; i < 64; i++) cpu_relax();
-            if (now_ns() - t0 > WORKER_SPIN_NS) break;
-        }
+        worker_wait_spin(seen);
         pthread_mutex_lock(&P.lock);
         while (P.generation == seen) pthread_cond_wait(&P.wake, &P.lock);
         seen = P.generation;
@@ -325,9 +352,12 @@ static void reg_exit(void) {
     pthread_mutex_unlock(&REG.lock);
 }
 
+/* A heuristic read (the spin of a worker between calls): no lock. */
+static int pool_held_now(void) { return __atomic_load_n(&REG.held, __ATOMIC_RELAXED) > 0; }
+
 OFFLOAD_API void offload_pool_hold(void) {
     pthread_mutex_lock(&REG.lock);
-    REG.held++;
+    __atomic_add_fetch(&REG.held, 1, __ATOMIC_RELAXED); /* also read without the lock (pool_held_now) */
     pthread_mutex_unlock(&REG.lock);
 }
 
@@ -341,7 +371,12 @@ OFFLOAD_API void offload_pool_hold(void) {
  * of the main thread's team follows: the spinning workers join it and leave, and their next
  * spin starts registered, so it is the short one (~5 us) and they sleep. Once per
  * registration (later handoffs of the same phase find torch's spins short already). On
- * other threads, or without the runtime: a plain hold. */
+ * other threads, or without the runtime: a plain hold.
+ * In two halves, so the main thread can work while the registration starts:
+ * offload_pool_hold_begin_handoff takes the hold and starts the registration without waiting;
+ * offload_pool_handoff_quiet (under that hold) waits for it, bounded, and quiets torch's team
+ * once per registration; it returns whether it did. The engine's commit runs its first
+ * block's update on the main thread between the two (on torch's team, see team_run). */
 #define HANDOFF_WAIT_NS 2000000L /* bounded: past it the hold is a plain one */
 
 static void quiet_body(void *arg) { (void)arg; }
@@ -354,34 +389,45 @@ static int on_main_thread_outside_regions(void) {
 
 static long QUIETED; /* atomic: handoffs that sent the main thread's team to its short spin */
 
-OFFLOAD_API void offload_pool_hold_handoff(void) {
+OFFLOAD_API void offload_pool_hold_begin_handoff(void) {
     pthread_once(&OMP.once, find_openmp);
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&REG.lock);
-    REG.held++;
+    __atomic_add_fetch(&REG.held, 1, __ATOMIC_RELAXED);
+    if (on_main_thread_outside_regions()) reg_start_locked();
+    pthread_mutex_unlock(&REG.lock);
+}
+
+OFFLOAD_API int offload_pool_handoff_quiet(void) {
+    pthread_once(&OMP.once, find_openmp);
+    if (!on_main_thread_outside_regions()) return 0;
     int quiet = 0;
-    if (on_main_thread_outside_regions()) {
-        reg_start_locked();
-        struct reg *r = REG.current; /* stays allocated: it cannot leave while held > 0 */
-        if (r != NULL) {
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += HANDOFF_WAIT_NS;
-            if (until.tv_nsec >= 1000000000L) {
-                until.tv_sec++;
-                until.tv_nsec -= 1000000000L;
-            }
-            while (r->state == REG_JOINING)
-                if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
-            quiet = r->state == REG_HELD && !r->quieted;
-            if (quiet) r->quieted = 1;
+    pthread_mutex_lock(&REG.lock);
+    struct reg *r = REG.held > 0 ? REG.current : NULL; /* stays allocated: it cannot leave while held > 0 */
+    if (r != NULL) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += HANDOFF_WAIT_NS;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
         }
+        while (r->state == REG_JOINING)
+            if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
+        quiet = r->state == REG_HELD && !r->quieted;
+        if (quiet) r->quieted = 1;
     }
     pthread_mutex_unlock(&REG.lock);
     if (quiet) {
         OMP.parallel(quiet_body, NULL, 0, 0); /* 0: the team torch's next op would use */
         __atomic_add_fetch(&QUIETED, 1, __ATOMIC_RELAXED);
     }
+    return quiet;
+}
+
+OFFLOAD_API void offload_pool_hold_handoff(void) {
+    offload_pool_hold_begin_handoff();
+    offload_pool_handoff_quiet();
 }
 
 OFFLOAD_API int64_t offload_pool_handoffs_quieted(void) { return __atomic_load_n(&QUIETED, __ATOMIC_RELAXED); }
@@ -390,7 +436,7 @@ OFFLOAD_API int offload_pool_release(void) {
     pthread_mutex_lock(&REG.lock);
     int ok = REG.held > 0;
     if (ok) {
-        REG.held--;
+        __atomic_sub_fetch(&REG.held, 1, __ATOMIC_RELAXED);
         REG.last_end = now_ns();
         pthread_cond_broadcast(&REG.cond);
     }

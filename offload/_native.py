@@ -132,6 +132,9 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_release.argtypes, lib.offload_pool_release.restype = [], i32
     lib.offload_pool_hold_handoff.argtypes, lib.offload_pool_hold_handoff.restype = [], None
     lib.offload_pool_handoffs_quieted.argtypes, lib.offload_pool_handoffs_quieted.restype = [], i64
+    lib.offload_pool_hold_begin_handoff.argtypes, lib.offload_pool_hold_begin_handoff.restype = [], None
+    lib.offload_pool_handoff_quiet.argtypes, lib.offload_pool_handoff_quiet.restype = [], i32
+    lib.offload_pool_held_spin_calls.argtypes, lib.offload_pool_held_spin_calls.restype = [], i64
     lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
 
 
@@ -239,6 +242,28 @@ def pool_hold(L: ctypes.CDLL, handoff: bool = False) -> None:
         L.offload_pool_hold_handoff()
     else:
         L.offload_pool_hold()
+
+
+def pool_held_spin_calls(L: ctypes.CDLL) -> int:
+    """Kernel calls that a pool worker, idle between two calls under a hold, found while it
+    was still polling (yielding the CPU) rather than asleep (threadpool.c)."""
+    return L.offload_pool_held_spin_calls()
+
+
+def pool_hold_begin_handoff(L: ctypes.CDLL) -> None:
+    """The first half of ``pool_hold(handoff=True)``: the hold, with the registration started
+    but not waited for, so the main thread can do other work (a kernel of its own, which runs
+    on torch's team) while the registration's threads start. ``pool_handoff_quiet`` follows
+    under the same hold."""
+    L.offload_pool_hold_begin_handoff()
+
+
+def pool_handoff_quiet(L: ctypes.CDLL) -> bool:
+    """The second half of ``pool_hold(handoff=True)``, under the hold ``pool_hold_begin_handoff``
+    took: waits (at most 2 ms) for the registration, then sends torch's workers from their
+    long idle spin to the short one, once per registration. Returns whether it did; a
+    no-op off the main thread."""
+    return bool(L.offload_pool_handoff_quiet())
 
 
 def pool_release(L: ctypes.CDLL) -> None:

@@ -767,6 +767,46 @@ def test_engine_commit_registers_the_pool_once(native):
         eng.close()
 
 
+def test_pool_helper_polls_between_kernels_only_under_a_hold_and_boundedly(native):
+    """Between two kernels of a phase (the pipeline's jobs: a few hundred microseconds of
+    Python apart) a pool worker that went to sleep wakes 0.3-4 ms late, so each kernel ran on
+    its caller alone for most of its time. Under a hold the worker goes on polling, yielding
+    the CPU, and the next kernel finds it awake; without a hold it sleeps as before; and even
+    under a hold it stops after a bounded time (it burns no CPU while the phase idles)."""
+    if get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one pool thread: no worker")
+    n = 1 << 20                              # 32 chunks: the caller and its worker share them
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    out = {}
+
+    def phase(hold: bool):                   # on another thread, as the pipeline's worker
+        found = _native.pool_held_spin_calls(native)
+        if hold:
+            _native.pool_hold(native)
+        try:
+            for _ in range(20):
+                adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+                time.sleep(0.0003)           # the gap between two blocks' jobs
+            if hold:                         # the phase idles, still held
+                time.sleep(0.02)             # past the bound (2 ms): the worker sleeps now
+                c0 = time.process_time()
+                time.sleep(0.1)
+                out["idle_held_cpu_s"] = time.process_time() - c0
+        finally:
+            if hold:
+                _native.pool_release(native)
+        out["held" if hold else "plain"] = _native.pool_held_spin_calls(native) - found
+
+    for hold in (False, True):
+        t = threading.Thread(target=phase, args=(hold,))
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert out["plain"] == 0, out            # without a hold: never polled past the short spin
+    assert out["held"] > 0, out              # under it: later kernels found their worker awake
+    assert out["idle_held_cpu_s"] < 0.01, out   # bounded: a held but idle phase costs no CPU
+
+
 _TEAM_SCRIPT = _SPIN_HELPERS + r"""
 n = 1 << 20
 gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,9 @@ The window, as an explicit state::
 
 Overlap: the commit queues every block's update in forward order and returns at once; the
 next forward of block k waits for block k's update alone (the engine's wait hooks), so the
-optimizer runs under the next forward. Work that changes nothing is moved earlier, into the
+optimizer runs under the next forward. On a CPU compute device with one rank the first
+block's update runs inside step() on the main thread (the forward would wait for it first
+thing; there it runs on torch's own OpenMP team, with no worker to wake). Work that changes nothing is moved earlier, into the
 backward that is expected to close the window: reading optimizer state back from NVMe
 (read-ahead in forward order) and each block's gradient norm (clipping, fp16) on the
 optimizer workers as its gradients land. A further backward() in the same micro-step
@@ -207,7 +209,9 @@ class StepControl:
             order = [b.index for b in self.blocks]   # the next forward's order
             if self._read_ahead:
                 self.pipeline.set_order(order)
-            with self.pipeline.submitting():  # one registration of the native pool per commit
+            # one registration of the native pool per commit; on one rank the first block's
+            # update runs here, the others under the next forward (pipeline.submitting)
+            with self.pipeline.submitting(inline_first=not self.comm.active):
                 for b in self.blocks:
                     self._submit(b, coef)
             self.global_step += 1

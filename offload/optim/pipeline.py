@@ -77,7 +77,9 @@ class StepPipeline:
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
         self._hold_lock = threading.Lock()
-        self._held_jobs = 0                       # jobs in flight under the native pool's hold
+        self._held_jobs = 0                       # jobs in flight (and a submission loop) under the pool's hold
+        self._inline_next = False                 # submitting(inline_first): the next submit runs here
+        self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -185,23 +187,39 @@ class StepPipeline:
         return self._pool.submit(fn, *args)
 
     @contextlib.contextmanager
-    def submitting(self):
-        """Around a loop of ``submit`` calls (one commit's blocks): the native pool's
-        registration with torch's OpenMP runtime, once a job's kernel starts it, lasts until
-        the last of them ends even if a job ends before the next one is submitted (a main
-        thread preempted mid-loop): one registration per commit."""
-        with _native.pool_held():
+    def submitting(self, inline_first: bool = False):
+        """Around a loop of ``submit`` calls (one commit's blocks, in forward order): one native
+        pool hold covers the loop and every job in flight, so the pool's registration with
+        torch's OpenMP runtime, once started, lasts until the last job ends even if a job ends
+        before the next one is submitted (a main thread preempted mid-loop): one registration
+        per commit. Taken as a handoff (``_native.pool_hold``): the registration starts at once,
+        and before the first job goes to a worker, torch's workers are sent from the long idle
+        spin of the main thread's last torch work to the short one.
+
+        ``inline_first`` (a CPU compute device): the first block's update runs here, on the
+        calling thread, before the others are queued. The next forward needs that block
+        first, so it would wait for it anyway; run on the main thread, its kernel runs on
+        torch's own team, whose workers are still spinning after backward (no worker thread
+        to wake, no GIL to hand over), while the registration's threads start."""
+        try:
+            L = _native.lib()
+        except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
+            L = None
+        self._phase_held(L)
+        self._inline_next = inline_first and self.device.type == "cpu"
+        self._quiet_due = L is not None
+        try:
             yield
+        finally:
+            self._inline_next = False
+            self._quiet_due = False
+            self._job_unheld(L)
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
         assert block.pending is None, f"block {block.name} already has an update in flight"
-        # From submission to the job's end (run, failed or cancelled), the native pool's
-        # registration with torch's OpenMP runtime lasts through the gaps between the blocks'
-        # kernels: one registration per optimizer phase, ended as the last job ends. One hold
-        # covers every job in flight. Taken as a handoff: submitted from the main thread right
-        # after its torch work, the phase's first hold also ends the idle spin of torch's
-        # workers, which the worker's kernel would otherwise share the cores with
-        # (_native.pool_hold; native/threadpool.c).
+        if self._inline_next:            # submitting(inline_first): this block's job runs here
+            self._inline_next = False
+            return self._run_inline(block, args)
         try:
             L = _native.lib()
         except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
@@ -209,7 +227,14 @@ class StepPipeline:
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
+            # From submission to the job's end (run, failed or cancelled), the native pool's
+            # registration with torch's OpenMP runtime lasts through the gaps between the
+            # blocks' kernels: one registration per optimizer phase, ended as the last job
+            # ends. One hold covers every job in flight (_job_held).
             self._job_held(L)
+            if self._quiet_due:          # the first job to leave the main thread
+                self._quiet_due = False
+                _native.pool_handoff_quiet(L)
             try:
                 fut = self._pool.submit(self._job, block, args)
             except BaseException:
@@ -218,6 +243,32 @@ class StepPipeline:
             fut.add_done_callback(lambda _: self._job_unheld(L))
         block.pending = fut
         return fut
+
+    def _run_inline(self, block: BlockShard, args: StepArgs) -> Future:
+        """``block``'s job on the calling thread; its future is done on return. A failure is
+        recorded (``_run``) and raised from the next wait, as a worker's would be; an
+        interrupt (KeyboardInterrupt) is raised here as well."""
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        block.pending = fut
+        try:
+            self._job(block, args)
+        except BaseException as exc:     # noqa: BLE001 - handed to whoever waits for the block
+            fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            fut.set_result(None)
+        return fut
+
+    def _phase_held(self, L) -> None:
+        """A commit's submission loop starts: it counts as a job in flight, so the first of
+        them takes the native pool's hold, as a handoff whose wait comes later
+        (``_native.pool_hold_begin_handoff``; ``submit`` quiets torch's workers)."""
+        with self._hold_lock:
+            self._held_jobs += 1
+            if self._held_jobs == 1 and L is not None:
+                _native.pool_hold_begin_handoff(L)
 
     def _job_held(self, L) -> None:
         """A job is submitted: the first of the jobs in flight takes the pool hold (one
@@ -229,11 +280,11 @@ class StepPipeline:
                 _native.pool_hold(L, handoff=True)
 
     def _job_unheld(self, L) -> None:
-        """A job has ended (run, failed or cancelled): the last of those in flight releases
-        the hold."""
+        """A job has ended (run, failed or cancelled), or a submission loop: the last of
+        those in flight releases the hold."""
         with self._hold_lock:
             self._held_jobs -= 1
-            if self._held_jobs == 0:
+            if self._held_jobs == 0 and L is not None:
                 _native.pool_release(L)
 
     def _job(self, block: BlockShard, args: StepArgs) -> None:
