@@ -57,6 +57,13 @@ class BlockShard:
         if ev is not None:
             dev.wait_event(dev.current_stream(self.param_flat.device), ev)
 
+    def must_wait(self) -> bool:
+        """Whether ``wait_update()`` would wait: an update still running, or a device copy to
+        order after. A finished update only needs ``wait_update()`` to collect it (and raise
+        its error), which the callers do without timing it as a wait."""
+        fut = self.pending
+        return (fut is not None and not fut.done()) or self.update_event is not None
+
     def grad_shard(self) -> torch.Tensor:
         """The gradients of this rank's shard (a view into the gradient buffer)."""
         t = self.grad.resident()          # a gradient parked on NVMe comes back first

@@ -78,9 +78,11 @@ class _UpdateAndGrads:
         if i >= len(self.engine.blocks):
             return                           # a block of frozen parameters only: no update
         b = self.engine.blocks[i]
-        if b.pending is not None or b.update_event is not None:
+        if b.must_wait():
             with self.engine.telemetry.span("offload::wait_update"):
                 b.wait_update()
+        elif b.pending is not None:          # finished: collected (its error raised), not a wait
+            b.wait_update()
 
     def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
         e = self.engine

@@ -31,6 +31,10 @@ class UpdateWaits:
 
     def param_read(self, p: nn.Parameter) -> None:
         b = self._owner.get(id(p))
-        if b is not None and (b.pending is not None or b.update_event is not None):
+        if b is None:
+            return
+        if b.must_wait():
             with self.telemetry.span("offload::wait_update"):
                 b.wait_update()
+        elif b.pending is not None:          # finished: collected (its error raised), not a wait
+            b.wait_update()
