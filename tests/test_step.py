@@ -253,3 +253,39 @@ def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
     eng.close()
     assert not {p.untyped_storage().data_ptr() for p in model.parameters()} & states
     assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items() if k in final)
+
+
+def test_ctrl_c_during_the_update_run_inside_step(tmp_path, monkeypatch):
+    """On a CPU device the first block's update runs inside step() on the main thread. A
+    Ctrl-C arriving while it runs does not cut it short (as a job on a worker thread would
+    not be): the KeyboardInterrupt is raised from step() once it ends, the block's update is
+    not left pending with the interrupt for the next forward to re-raise, and training goes
+    on."""
+    import os
+    import signal
+    if torch.cuda.is_available():
+        pytest.skip("the first block runs inside step() only on a CPU device")
+    eng = offload.initialize(make_model(), cfg("cpu", "none", 0.0, tmp_path))
+    first = eng.blocks[0]
+    real = eng.pipeline._job
+    seen = []
+
+    def job(block, args):                    # SIGINT lands in the middle of the job
+        if block is first and not seen:
+            seen.append(block.index)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(block, args)
+    monkeypatch.setattr(eng.pipeline, "_job", job)
+    idx, tgt = batches(1)[0]
+    eng.backward(eng(idx, tgt))
+    stepped = first.stepped
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert seen == [first.index]
+    assert first.stepped == stepped + 1     # the update ran to its end, then the interrupt came
+    assert first.pending is None or first.pending.exception() is None
+    eng.zero_grad()
+    for idx, tgt in batches(3, seed=2):      # the next calls work: nothing re-raises the interrupt
+        eng.backward(eng(idx, tgt))
+        assert eng.step() is True
+    eng.close()
