@@ -15,7 +15,9 @@ timed steps. Measured per round, the configurations interleaved (order alternati
   * raw: the best of one large O_DIRECT read and dd with 8 MiB blocks over the swap file
     that holds the parameters (the same bytes on the same disk), around the IO-only run;
   * IO-only: the engine's training step with zero compute, default lookahead;
-  * compute-only: the same layers, parameters resident, plain forward and backward;
+  * compute-only: the same layers, parameters resident, plain forward and backward, the
+    gradients set to None before each (a training loop's ``zero_grad``: each backward's
+    gradients land fresh, as the engine's do, rather than being added into the last step's);
   * the engine's training step with compute ~= IO per layer: prefetch at the engine's
     default lookahead (the claims), and the sweep beside it: prefetch off, 1, 2, 8 blocks.
 Claims (paired within each round, median over rounds):
@@ -228,6 +230,7 @@ def main(argv=None):
             ct = []
             for _ in range(args.steps + 1):
                 t0 = time.perf_counter()
+                resident.zero_grad(set_to_none=True)
                 resident(x).backward()
                 sync(device)
                 ct.append(time.perf_counter() - t0)
