@@ -93,7 +93,9 @@ class ParamWriteBack:
         if current is not None:
             return current
         if self._keep_staged is not None and self._keep_staged(block.index):
-            through = bp.begin_write_through()        # None: no staging buffer free now
+            # waits (bounded) for the home's last write-back, if it is still in flight
+            with self.telemetry.span("offload::param_write_wait"):
+                through = bp.begin_write_through()    # None: no staging buffer free now
             if through is not None:
                 self._staging.through = through       # this worker's, until commit / abort
                 self._staging.current = through
