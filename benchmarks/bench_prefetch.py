@@ -10,12 +10,16 @@ on a CPU-only machine it is simulated, named so in the output: a GIL-free wait (
 third, backward two thirds), since real compute would run on the cores the optimizer uses.
 
 Every configuration is measured the same way (equal warmth): a fresh engine (its parameters
-written to NVMe at initialize), one untimed step that records the trace, then ``--steps``
-timed steps. Measured per round, the configurations interleaved (order alternating):
+written to NVMe at initialize), one untimed step that records the trace, a synchronize, one
+more untimed step, then ``--steps`` timed steps, each trailing the previous step's updates
+and write-backs as in a training loop's steady state. Measured per round, the configurations
+interleaved (order alternating):
   * raw: the best of one large O_DIRECT read and dd with 8 MiB blocks over the swap file
     that holds the parameters (the same bytes on the same disk), around the IO-only run;
   * IO-only: the engine's training step with zero compute, default lookahead;
-  * compute-only: the same layers, parameters resident, plain forward and backward;
+  * compute-only: the same layers, parameters resident, plain forward and backward, the
+    gradients set to None before each (a training loop's ``zero_grad``: each backward's
+    gradients land fresh, as the engine's do, rather than being added into the last step's);
   * the engine's training step with compute ~= IO per layer: prefetch at the engine's
     default lookahead (the claims), and the sweep beside it: prefetch off, 1, 2, 8 blocks.
 Claims (paired within each round, median over rounds):
@@ -148,7 +152,10 @@ def engine_cfg(args, nvme_dir: str, block: int, lookahead) -> dict:
 
 
 def train(args, nvme_dir, block, lookahead, compute_s, rep_s, x, device, raw=None):
-    """A fresh engine, one untimed step (records the trace), then the timed steps.
+    """A fresh engine, one untimed step (records the trace), a synchronize (the raw read runs
+    here), one more untimed step, then the timed steps: each timed step, as in a training
+    loop's steady state, trails the previous step's updates and write-backs (a first step
+    after the synchronize would have none to trail).
     Returns (median step seconds, stats, raw GB/s bracketing the timed steps or None)."""
     torch.manual_seed(0)
     model = Stack(args.layers, block // 4, args.k)
@@ -158,6 +165,8 @@ def train(args, nvme_dir, block, lookahead, compute_s, rep_s, x, device, raw=Non
     eng.step()
     eng.synchronize()
     raws = [raw(eng)] if raw else []
+    eng.backward(eng(x))
+    eng.step()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -228,6 +237,7 @@ def main(argv=None):
             ct = []
             for _ in range(args.steps + 1):
                 t0 = time.perf_counter()
+                resident.zero_grad(set_to_none=True)
                 resident(x).backward()
                 sync(device)
                 ct.append(time.perf_counter() - t0)

@@ -87,7 +87,7 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
     if (a->n < 0 || a->nrows < rows_min || a->nrows > rows_max) return -EINVAL;
     if (!valid_dtype(a->grad_dtype, 1)) return -EINVAL;
     if (!valid_dtype(a->state_dtype, 0) && a->state_dtype != OFFLOAD_Q8) return -EINVAL;
-    if (a->copy_dtype != OFFLOAD_DTYPE_NONE && a->copy_dtype != OFFLOAD_BF16 && a->copy_dtype != OFFLOAD_F16) return -EINVAL;
+    if (a->copy_dtype != OFFLOAD_DTYPE_NONE && !valid_dtype(a->copy_dtype, 1)) return -EINVAL;
     if ((a->copy_dtype == OFFLOAD_DTYPE_NONE) != (a->param_copy == NULL)) return -EINVAL;
     if (a->n == 0) return 0;
     if (!a->param || !a->grad) return -EINVAL;

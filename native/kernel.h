@@ -141,27 +141,14 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
 int kernel_run(struct kjob *j, void (*range)(const struct kjob *, int64_t, int64_t));
 
 /* Every (grad, state, copy) dtype combination, for the loops to specialise on. State here is
- * the in-register state dtype: int8 state is stepped as fp32 in a scratch block. */
-#define KERNEL_COMBOS(X)                                                                        \
-    X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_BF16)    \
-    X(OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
-    X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_F16)         \
-    X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_BF16)  \
-    X(OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)  \
-    X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_F16)       \
-    X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_BF16)    \
-    X(OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_F16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
-    X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_BF16) X(OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_F16)
-#define KERNEL_COMBOS_R(X, R)                                                                        \
-    X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_BF16)    \
-    X(R, OFFLOAD_F32, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
-    X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_F32, OFFLOAD_BF16, OFFLOAD_F16)         \
-    X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_BF16)  \
-    X(R, OFFLOAD_BF16, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)  \
-    X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_BF16, OFFLOAD_BF16, OFFLOAD_F16)       \
-    X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_DTYPE_NONE) X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_BF16)    \
-    X(R, OFFLOAD_F16, OFFLOAD_F32, OFFLOAD_F16) X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_DTYPE_NONE)    \
-    X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_BF16) X(R, OFFLOAD_F16, OFFLOAD_BF16, OFFLOAD_F16)
+ * the in-register state dtype: int8 state is stepped as fp32 in a scratch block. The copy is
+ * none, bf16, fp16 or fp32 (the updated parameter itself, written where it goes next). */
+#define KERNEL_COPIES_R(X, R, g, s) \
+    X(R, g, s, OFFLOAD_DTYPE_NONE) X(R, g, s, OFFLOAD_BF16) X(R, g, s, OFFLOAD_F16) X(R, g, s, OFFLOAD_F32)
+#define KERNEL_COMBOS_R(X, R)                                                                   \
+    KERNEL_COPIES_R(X, R, OFFLOAD_F32, OFFLOAD_F32) KERNEL_COPIES_R(X, R, OFFLOAD_F32, OFFLOAD_BF16)   \
+    KERNEL_COPIES_R(X, R, OFFLOAD_BF16, OFFLOAD_F32) KERNEL_COPIES_R(X, R, OFFLOAD_BF16, OFFLOAD_BF16) \
+    KERNEL_COPIES_R(X, R, OFFLOAD_F16, OFFLOAD_F32) KERNEL_COPIES_R(X, R, OFFLOAD_F16, OFFLOAD_BF16)
 #define KERNEL_COMBO(g, s, c) (((g) * 2 + (s)) * 4 + (c) + 1)
 
 /* ---- int8 blockwise state (OFFLOAD_Q8) --------------------------------------------------
@@ -268,7 +255,11 @@ I256 __m128i bf16_round_8(__m256 x) { /* f32_to_bf16 on 8 lanes */
 
 I256 void st_8(void *base, int dtype, int64_t i, f32x8 v, int stream) {
     __m256 x = (__m256)v;
-    if (dtype == OFFLOAD_F32) { _mm256_storeu_ps((float *)base + i, x); return; }
+    if (dtype == OFFLOAD_F32) {
+        if (stream) _mm256_stream_ps((float *)base + i, x); /* 32-byte aligned */
+        else _mm256_storeu_ps((float *)base + i, x);
+        return;
+    }
     __m128i h = dtype == OFFLOAD_F16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                      : bf16_round_8(x);
     __m128i *q = (__m128i *)((uint16_t *)base + i);
@@ -323,14 +314,22 @@ I512 void st_16(void *base, int dtype, int64_t i, f32x16 x, __mmask16 k, int ful
 
 /* The param copy is write-only and leaves by DMA: non-temporal stores put it in memory
  * without first reading each line in and without evicting the state from cache. They need
- * aligned addresses (a head loop aligns the copy; a copy at an odd byte address, or a short
- * range, uses plain stores) and an sfence before the chunk is reported done, since they are
- * not ordered by the pool's mutex. */
+ * aligned addresses (a head loop aligns the copy; a copy not aligned to its element size, or
+ * a short range, uses plain stores) and an sfence before the chunk is reported done, since
+ * they are not ordered by the pool's mutex. An fp32 copy is the updated parameter itself,
+ * written straight where it goes next (a staging buffer) instead of copied from the master
+ * after the step; every variant stores the same value, so the copy equals the master. */
 #ifndef STREAM_MIN
 #define STREAM_MIN 4096
 #endif
 KINLINE int kernel_stream_copy(const struct kjob *j, int64_t begin, int64_t end) {
-    return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN && ((uintptr_t)j->param_copy & 1) == 0;
+    return j->copy_dtype != OFFLOAD_DTYPE_NONE && end - begin >= STREAM_MIN &&
+           ((uintptr_t)j->param_copy & (uintptr_t)(dtype_size(j->copy_dtype) - 1)) == 0;
+}
+/* Elements from i until the copy's address is a multiple of `align` bytes (a power of two). */
+KINLINE int64_t kernel_copy_head(const struct kjob *j, int64_t i, int cdt, uintptr_t align) {
+    const int cs = dtype_size(cdt);
+    return (int64_t)((-(uintptr_t)((char *)j->param_copy + i * cs)) & (align - 1)) / cs;
 }
 
 /* int8 code lookups on 16 lanes without gathers (slow on CPUs with the gather-data-sampling
@@ -457,8 +456,8 @@ KINLINE void kernel_prefetch(const struct kjob *j, int64_t i, int gdt, int sdt, 
     I256 void RULE##_range8(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nr) { \
         int64_t i = begin;                                                                       \
         const int stream = kernel_stream_copy(j, begin, end);                                    \
-        if (stream) /* a scalar head brings the copy to 16-byte alignment */                     \
-            for (int64_t stop = i + (int64_t)((-(uintptr_t)((uint16_t *)j->param_copy + i)) & 15) / 2; i < stop; i++) \
+        if (stream) /* a scalar head aligns the copy to a whole vector (16 or 32 bytes) */       \
+            for (int64_t stop = i + kernel_copy_head(j, i, cdt, 8 * (uintptr_t)dtype_size(cdt)); i < stop && i < end; i++) \
                 RULE##_elem(j, h, i, gdt, sdt, cdt);                                             \
         for (; i + 8 <= end; i += 8) {                                                           \
             if ((i & 15) == 0) kernel_prefetch(j, i + KERNEL_PREFETCH_ELEMS, gdt, sdt, nr);       \
@@ -494,7 +493,19 @@ KINLINE void kernel_prefetch(const struct kjob *j, int64_t i, int gdt, int sdt, 
     }                                                                                            \
     I512 void RULE##_range16(const struct kjob *j, const HP *h, int64_t begin, int64_t end, int gdt, int sdt, int cdt, int nr, int nb) { \
         int64_t i = begin;                                                                       \
-        if (kernel_stream_copy(j, begin, end)) {                                                 \
+        if (cdt == OFFLOAD_F32 && kernel_stream_copy(j, begin, end)) {                           \
+            /* Head: bring the copy to 64-byte alignment; then one streamed line per vector. */ \
+            for (int64_t k, aligned = i + kernel_copy_head(j, i, cdt, 64); i < aligned; i += k) { \
+                k = aligned - i < 16 ? aligned - i : 16;                                         \
+                RULE##_step16(j, h, i, k, gdt, sdt, cdt, nr, nb);                                \
+            }                                                                                    \
+            for (; i + 16 <= end; i += 16) {                                                     \
+                kernel_prefetch(j, i + KERNEL_PREFETCH_ELEMS, gdt, sdt, nr);                      \
+                _mm512_stream_ps((float *)j->param_copy + i,                                     \
+                                 (__m512)RULE##_v16(j, h, i, 0xFFFF, 1, gdt, sdt, nr, nb));       \
+            }                                                                                    \
+            _mm_sfence(); /* the streamed copy lands before the chunk is reported done */       \
+        } else if (cdt != OFFLOAD_F32 && kernel_stream_copy(j, begin, end)) {                    \
             /* Head: bring the copy to 64-byte alignment. Then 32 elements at a time, their     \
              * copy streamed as one full cache line (no partially written combining lines). */   \
             uint16_t *copy = (uint16_t *)j->param_copy;                                          \

@@ -36,8 +36,9 @@ enum offload_isa { OFFLOAD_ISA_AUTO = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AV
  *   state[r]    r < nrows: the rule's rows, state_dtype (f32|bf16|q8) [n], read + written
  *   absmax[r]   q8 only: fp32 [ceil(n / 256)], one scale per block of 256 elements
  *   qcode[r]    q8 only: fp32 [256], the row's sorted code (offload/optim/quant.py)
- *   param_copy  copy_dtype (bf16|f16) [n], or NULL with OFFLOAD_DTYPE_NONE: written with the
- *               updated param rounded to nearest even.
+ *   param_copy  copy_dtype (bf16|f16|f32) [n], or NULL with OFFLOAD_DTYPE_NONE: written with the
+ *               updated param rounded to nearest even (f32: the updated param itself, so that
+ *               it lands where it goes next without a second pass over the master).
  * Runs on the calling thread plus the pool's workers; returns when all are done. */
 typedef struct offload_step_args {
     float *param;

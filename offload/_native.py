@@ -16,7 +16,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

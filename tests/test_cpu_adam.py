@@ -253,7 +253,7 @@ def test_grad_scale_matches_torch(backend):
 def _all_combos():
     for g in (F32, BF16, F16):
         for s in (F32, BF16):
-            for c in (None, BF16, F16):
+            for c in (None, BF16, F16, F32):
                 yield g, s, c
 
 
@@ -279,6 +279,9 @@ def test_isa_variants_bit_identical(native):
                 for a, b in zip(r, results[0]):
                     if a is not None:
                         assert torch.equal(a, b), (isa, g_dtype, s_dtype, c_dtype, n)
+            if c_dtype == F32:  # an fp32 copy is the new param itself, bit for bit
+                for isa, (p, _, _, copy) in zip(isas, results):
+                    assert torch.equal(copy.view(torch.int32), p.view(torch.int32)), (isa, g_dtype, s_dtype, n)
     _native.adam_set_isa(native, None)
 
 
@@ -310,9 +313,10 @@ def test_isa_variants_bit_identical_over_the_whole_float_range(native):
         _native.adam_set_isa(native, None)
 
 
-@pytest.mark.parametrize("copy_dtype", [BF16, F16])
+@pytest.mark.parametrize("copy_dtype", [BF16, F16, F32])
 def test_param_copy_at_every_alignment(backend, copy_dtype):
-    """The copy is streamed after an aligning head: every start offset within a cache line."""
+    """The copy is streamed after an aligning head: every start offset within a cache line.
+    An fp32 copy is the updated param itself, bit for bit."""
     n = 5000  # one chunk, long enough for the streamed path
     p0, g = _param0(n), _grads(n, BF16, 1)[0]
     kw = dict(step=1, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -569,7 +573,7 @@ KW = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     (dict(exp_avg_sq=torch.zeros(9)), {}, ValueError, "9 elements"),
     (dict(param=torch.zeros(8, device="meta")), {}, ValueError, "CPU"),
     (dict(grad=[0.0] * 8), {}, TypeError, "torch.Tensor"),
-    ({}, dict(param_copy=torch.zeros(8)), TypeError, "param_copy has dtype"),
+    ({}, dict(param_copy=torch.zeros(8, dtype=torch.float64)), TypeError, "param_copy has dtype"),
     ({}, dict(param_copy=torch.zeros(7, dtype=BF16)), ValueError, "param_copy has 7"),
     ({}, dict(step=0), ValueError, "step"),
     ({}, dict(step=1.5), ValueError, "step"),

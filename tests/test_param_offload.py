@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import offload
+from offload.optim.rule import UpdateRule
 from offload.params.residency import ParamState
 from _models import batches, clone, make_model
 from test_engine import RESUME_SCRIPT
@@ -54,13 +55,22 @@ def assert_bit_equal(a_snaps, b_snaps):
 
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 @pytest.mark.parametrize("clip", [0.0, 0.5])
-def test_bit_exact_against_no_param_offload(param, clip, tmp_path):
+def test_bit_exact_against_no_param_offload(param, clip, tmp_path, monkeypatch):
     base = make_model()
     data = batches(10)
     ref, ref_eval, _ = train(clone(base), data, cfg(tmp_path, gradient_clipping=clip), eval_every=5)
+    # the offloaded fp32 parameters' new values are written by the update's own pass (an fp32
+    # param_copy into the home copy being assembled), never copied from the master after it
+    copies, cpu_step = [], UpdateRule.cpu_step
+
+    def spy(self, param, grad, state, group, step, *, param_copy=None, **kw):
+        copies.append(param_copy)
+        return cpu_step(self, param, grad, state, group, step, param_copy=param_copy, **kw)
+    monkeypatch.setattr(UpdateRule, "cpu_step", spy)
     got, got_eval, stats = train(clone(base), data, cfg(tmp_path, param, opt="nvme" if param == "nvme" else "cpu",
                                                          gradient_clipping=clip), eval_every=5)
     assert_bit_equal(ref, got)
+    assert copies and all(c is not None and c.dtype == torch.float32 for c in copies)
     # eval forwards use the same fetch path; they agree to rounding only, because torch's
     # MultiheadAttention inference fast path is skipped while the engine's torch-function
     # mode (which catches parameters read outside their module) is active
@@ -294,7 +304,8 @@ def test_updated_blocks_stay_staged_for_the_next_forward(tmp_path):
     # blocks) cover six blocks of eight
     kept = set(range(6))
     assert on[1] == sorted(kept) and off[1] == []
-    for s in range(2, len(xs)):                   # once the trace is known
+    for s in range(1, len(xs)):                   # from the first commit on (the order it plans
+                                                  # with is the one the first step recorded)
         # block 0, the first the next forward needs, is at times read again when its
         # update finishes after that forward asked for it: five of six at least
         assert len(on[0][s] & kept) >= len(kept) - 1, on[0]

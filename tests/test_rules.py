@@ -189,7 +189,7 @@ def test_isa_variants_equal_scalar(name, group, state_dtype, monkeypatch):
     rule = get_rule(name)
     isas = [n for c, n in sorted(_native.ISA_NAMES.items()) if c <= L.offload_kernel_best_isa()]
     combos = [(F32, None, 0, 1), (BF16, BF16, 1, 15), (F16, F16, 1, 257), (BF16, None, 3, 1023), (F32, BF16, 1, 5000),
-              (F16, BF16, 0, 70001)]
+              (F16, BF16, 0, 70001), (BF16, F32, 1, 5000), (F32, F32, 0, 33)]
     try:
         for g_dtype, c_dtype, offset, n in combos:
             results = []
@@ -199,6 +199,9 @@ def test_isa_variants_equal_scalar(name, group, state_dtype, monkeypatch):
             for isa, r in zip(isas[1:], results[1:]):
                 for a, b in zip(r, results[0]):
                     assert torch.equal(a, b), (isa, name, state_dtype, g_dtype, c_dtype, n)
+            if c_dtype == F32:   # an fp32 copy is the new param itself, in every variant
+                for isa, r in zip(isas, results):
+                    assert torch.equal(r[-1].view(torch.int32), r[0].view(torch.int32)), (isa, name, state_dtype, n)
     finally:
         _native.kernel_set_isa(L, None)
 

@@ -25,7 +25,8 @@ from offload.optim.adam import AdamHparams, adam_hparams
 _GRAD_DTYPES = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                 torch.float16: _native.DTYPE_F16}
 _STATE_DTYPES = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16}
-_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16}
+_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
+                torch.float32: _native.DTYPE_F32}
 _PARAM_DTYPES = {torch.float32: _native.DTYPE_F32}
 
 
@@ -120,7 +121,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     param: 1-D fp32 (the master), updated in place. grad: 1-D fp32, bf16 or fp16, read only.
     exp_avg, exp_avg_sq: 1-D, both fp32 or both bf16 (memory-saving; see reference.py for its
     accuracy cost), updated in place. param_copy: None, or a 1-D bf16 / fp16 tensor that
-    receives the updated param rounded to nearest even, in the same pass. All contiguous,
+    receives the updated param rounded to nearest even, in the same pass, or a 1-D fp32
+    tensor that receives the updated param itself (where it goes next: no second pass over
+    the master). All contiguous,
     same number of elements, any alignment.
 
     step is the 1-based count of this update (bias correction). grad_scale multiplies the

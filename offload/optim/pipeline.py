@@ -387,17 +387,17 @@ class StepPipeline:
                 if out is not None:
                     out[A:B].copy_(master[a:b])
                 continue
-            copy = out is not None and out.dtype in (torch.bfloat16, torch.float16)
+            # the rule writes the new parameters into ``out`` in the same pass as the update
+            # (bf16 / fp16 rounded, fp32 as they are): no second pass over the master
             if not block.grad.by_reference:
                 rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
-                              param_copy=out[A:B] if copy else None, grad_scale=args.grad_scale, shape=shape)
+                              param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
             else:                                     # an elementwise rule: each run stepped on its own
                 for ra, rb, rgrad in block.grad.runs(A, B):
                     x, y = ra - c.a, rb - c.a
                     rule.cpu_step(master[x:y], rgrad, c.layout.slice(rows, x, y), group, args.step,
-                                  param_copy=out[ra:rb] if copy else None, grad_scale=args.grad_scale, shape=None)
-            if out is not None and not copy:          # fp32 parameters, state in chunks
-                out[A:B].copy_(master[a:b])
+                                  param_copy=None if out is None else out[ra:rb], grad_scale=args.grad_scale,
+                                  shape=None)
 
     # ---- synchronization -------------------------------------------------------------------
     def wait_all(self) -> None:

@@ -20,7 +20,8 @@ Operation order, per element (native/adam.c performs the same IEEE fp32 operatio
      That is the one place where this reference differs from torch's single-tensor Adam.)
   6. p = p + (-lr / (1 - beta1**step)) * m / denom     ((value * m) / denom, then the add)
   7. m, v are stored (rounded to nearest even when the state is bf16: once, after step 4;
-     steps 5-6 use the unrounded fp32 values); param_copy = p rounded to nearest even.
+     steps 5-6 use the unrounded fp32 values); param_copy = p rounded to nearest even (an
+     fp32 copy: p itself).
 Every scalar (1 - beta1, -lr / bias_correction1, ...) is computed in double from the
 Python floats, then rounded to fp32 where it meets a tensor, as torch does.
 

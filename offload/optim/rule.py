@@ -39,7 +39,8 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                  torch.float16: _native.DTYPE_F16}
-_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16}
+_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
+                torch.float32: _native.DTYPE_F32}
 
 State = Dict[str, torch.Tensor]
 
@@ -141,7 +142,8 @@ class UpdateRule:
                  shape: Optional[Sequence[int]] = None) -> None:
         """One step of a flat CPU shard in place. param: fp32; grad: fp32 / bf16 / fp16 (read
         only); state: this rule's rows (any of its state dtypes); param_copy: None or bf16 /
-        fp16, receives the new param rounded to nearest even. ``shape``: the parameter's shape
+        fp16, receives the new param rounded to nearest even, or fp32, receives the new param
+        itself (in the same pass). ``shape``: the parameter's shape
         (factored rules). Native kernel when loaded, else the reference in torch."""
         rows = self.rows(group, shape)
         n = param.numel()

@@ -320,7 +320,8 @@ class ParamOffload:
         them without an NVMe read. Those the next forward uses first, within the device
         budget plus the host lookahead (what the staging pool holds beside its spare slot:
         the blocks the forward would have on the device and staged ahead), when prefetch
-        is on and the trace known; none across ranks (decisions there must not depend on
+        is on and the order known (``Prefetcher.next_order``: at the first commit, the order
+        this step recorded); none across ranks (decisions there must not depend on
         free buffers). A block kept finds its staging buffer at its update or is written
         through a write buffer instead; a kept block not yet used is evicted like any
         staged block when another needs its buffer."""
@@ -331,9 +332,10 @@ class ParamOffload:
         for i, bp in enumerate(self.params):
             if bp is not None and bp.users == 0 and bp.device_bytes and bp.trainable is not None:
                 self._release(i)
-        if pf.enabled and pf.trace is not None and not self.engine.comm.active:
+        order = pf.next_order()
+        if pf.enabled and order is not None and not self.engine.comm.active:
             seen = 0
-            for i in pf.trace:
+            for i in order:
                 if i in keep:
                     continue
                 bp = self.params[i]

@@ -59,11 +59,19 @@ class Prefetcher:
         self._diverged = False
 
     # ---- the trace ---------------------------------------------------------------------
+    def next_order(self) -> Optional[List[int]]:
+        """The order the next forward is expected to follow: the trace ``rewind`` installs
+        (what this pass recorded, when there was no trace yet or this pass left it), or None.
+        A path that stopped early on the trace (an eval forward) keeps the trace."""
+        if self._recording and (self.trace is None or self._diverged):
+            return self._recording
+        return self.trace
+
     def rewind(self) -> None:
         """A new step (or forward) starts: install what was recorded, restart the cursor."""
-        # A path that stopped early on the trace (an eval forward) keeps the trace.
-        if self._recording and (self.trace is None or self._diverged):
-            self.trace = self._recording
+        order = self.next_order()
+        if order is not self.trace:
+            self.trace = order
             self.telemetry.count("prefetch_retraces")
         self._recording = []
         self._cursor = 0

@@ -1,4 +1,4 @@
-"""Parameter write-back: the updated low-precision parameters go where the parameters live.
+"""Parameter write-back: the updated parameters go where the parameters live.
 
 The optimizer pipeline calls two verbs per block update, on its worker thread:
 
@@ -21,9 +21,11 @@ Where the copy goes depends only on the parameters' residency:
     writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
     the device on a side stream after the block's backward kernels (``compute_done``); the
     compute stream waits for ``block.update_event`` before the next use;
-  * fp32 parameters, or optimizer state on the device: ``out`` is None and the copy is taken
-    from the fp32 master; on a CPU device with the state on the host the parameters are the
-    master itself (engine ``_master_is_param``), so ``commit`` has nothing to copy.
+  * resident fp32 parameters, or optimizer state on the device: ``out`` is None and the copy
+    is taken from the fp32 master; on a CPU device with the state on the host the parameters
+    are the master itself (engine ``_master_is_param``), so ``commit`` has nothing to copy.
+Offloaded parameters always get a ``target``, fp32 included: the CPU kernel writes the new
+values there in the pass that updates the master (a device-side update copies them there).
 """
 from __future__ import annotations
 
@@ -55,14 +57,18 @@ class ParamWriteBack:
         self._pool_writes = collections.deque()   # BlockParams whose write may hold a write buffer
 
     def target(self, block, whole_master: bool = True) -> Optional[torch.Tensor]:
-        """Where the kernel writes this rank's shard of the new low-precision parameters
-        (None: fp32 parameters, copied from the master by ``commit``). ``whole_master``
-        False (optimizer state in chunks: the master is never whole): fp32 parameters get
-        their destination too, which the caller fills from each chunk's master."""
+        """Where the kernel writes this rank's shard of the new parameters, in the same pass
+        as the update (None: resident fp32 parameters, copied from the master by ``commit``,
+        or the master itself). Offloaded parameters always get their destination (the home
+        copy being assembled), fp32 ones included: the kernel writes the updated values
+        there as it streams the master, so no copy of the master follows the update.
+        ``whole_master`` False (optimizer state in chunks: the master is never whole):
+        resident fp32 parameters get their destination too, which the caller fills from
+        each chunk's master."""
         s0, s1 = block.shard
-        from_master = self._copy_param and whole_master
         if block.params is not None:
-            return None if from_master else block.home_shard(self._home_target(block))
+            return block.home_shard(self._home_target(block))
+        from_master = self._copy_param and whole_master
         if from_master or self._state_on_device:
             return None   # copied (and cast) from the master by commit()
         if not block.param_flat.is_cuda:
@@ -87,7 +93,9 @@ class ParamWriteBack:
         if current is not None:
             return current
         if self._keep_staged is not None and self._keep_staged(block.index):
-            through = bp.begin_write_through()        # None: no staging buffer free now
+            # waits (bounded) for the home's last write-back, if it is still in flight
+            with self.telemetry.span("offload::param_write_wait"):
+                through = bp.begin_write_through()    # None: no staging buffer free now
             if through is not None:
                 self._staging.through = through       # this worker's, until commit / abort
                 self._staging.current = through
@@ -138,9 +146,8 @@ class ParamWriteBack:
         if block.params is not None:
             bp = block.params
             target = self._home_target(block)
+            assert out is not None, f"block {block.name}: the update wrote no new parameters (target())"
             with self.telemetry.span("offload::param_writeback"):
-                if out is None:
-                    block.home_shard(target).copy_(master)
                 self._staging.through = None          # write_home settles it, or gives it back on failure
                 self._staging.current = None
                 loan, self._staging.loan = getattr(self._staging, "loan", None), None
