@@ -26,8 +26,10 @@ reuse until the copy ends. Every host copy is a range lent by the budgeted host 
 of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
 twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
 ahead of backward to the end of the copy back (on the CPU device the read lands straight
-in the tensor autograd gets: device memory, as an H2D copy's target would be; the pool's
-pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). On the
+in the tensor autograd gets: device memory, as an H2D copy's target would be, lent by the
+read window (``read_window.py``: reused pages, a range back when autograd frees the tensor
+over it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
+forward, so it adds nothing to backward's RSS). On the
 CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
 first page boundary on it is written straight from device memory, held (counted in
 ``device_bytes``) until that write is durable, and only the bytes before that boundary go
@@ -803,7 +805,8 @@ class ActivationOffload:
                "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0),
                             "before_durable": c.get("held_hits", 0), "late": c.get("late_reads", 0)},
                # seconds the engine's thread waited for NVMe: a pack for the writes ahead of it
-               # (more than lookahead_bytes in flight), an unpack for its read
+               # (more than lookahead_bytes in flight), an unpack for its read ("late": reads
+               # not landed when their unpack came, misses included)
                "wait_s": {"write": c.get("write_wait_s", 0.0), "read": c.get("read_wait_s", 0.0)}}
         if self._window is not None:
             self._window.settle()
