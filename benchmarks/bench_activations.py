@@ -51,12 +51,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import offload  # noqa: E402
 
 
-# Default shapes. "wide": the tensors saved for backward are about 80% of the process's peak
-# RSS without offload, and the forward and backward are long enough for the disk here to
-# move them (a step's writes in about 0.65 of the forward, measured on a quiet machine), so
-# step_overhead is a figure of the engine. "narrow" (the default until this version): the
-# saved tensors per FLOP are ~2.5x as many, so the writes take longer than the forward here
-# and the benchmark says the disk does not keep up.
+# Default shapes. "wide": the tensors saved for backward (1.4 GB a step) are about 80% of the
+# process's peak RSS without offload, and the forward is long enough for the disk here to
+# write them (a step's writes need about 0.7 of the forward: 0.93 s at the probed 1.5 GB/s,
+# against a forward of ~1.35 s scaled from its CPU time to the narrow shape's quiet 0.64 s),
+# so step_overhead is a figure of the engine; a step takes ~4 s on a quiet machine.
+# "narrow" (the default until this version): about twice the saved bytes per FLOP, so a
+# step's writes take longer than its forward here (0.74 s of 0.64 s) and the benchmark says
+# the disk does not keep up.
 SHAPES = {"wide": {"hidden": 384, "mlp": 2048, "heads": 3, "layers": 3, "lookahead_bytes": 128 << 20},
           "narrow": {"hidden": 128, "mlp": 4096, "heads": 2, "layers": 2, "lookahead_bytes": 64 << 20}}
 
