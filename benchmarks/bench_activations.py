@@ -21,7 +21,13 @@ write-back.
   saves in the same forward (an outermost saved-tensor hook counting unique tensors of at
   least ``min_bytes`` that are not parameters).
 
-    python benchmarks/bench_activations.py [--seq 8192] [--layers 2] [--hidden 128] [--mlp 2048] ...
+    python benchmarks/bench_activations.py                   # the wide shape (SHAPES below)
+    python benchmarks/bench_activations.py --shape narrow    # the shape the disk here cannot keep up with
+    python benchmarks/bench_activations.py [--seq 8192] [--layers 3] [--hidden 384] [--mlp 2048] [--heads 3] ...
+
+The output also gives each phase's time, the seconds the engine waited on NVMe per step
+(writes: a pack with more than lookahead_bytes in flight; reads: an unpack before its read
+landed) and the disk's busy-time rates.
 """
 from __future__ import annotations
 
@@ -43,6 +49,18 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
+
+
+# Default shapes. "wide": the tensors saved for backward (1.4 GB a step) are about 80% of the
+# process's peak RSS without offload, and the forward is long enough for the disk here to
+# write them (a step's writes need about 0.7 of the forward: 0.93 s at the probed 1.5 GB/s,
+# against a forward of ~1.35 s scaled from its CPU time to the narrow shape's quiet 0.64 s),
+# so step_overhead is a figure of the engine; a step takes ~4 s on a quiet machine.
+# "narrow" (the default until this version): about twice the saved bytes per FLOP, so a
+# step's writes take longer than its forward here (0.74 s of 0.64 s) and the benchmark says
+# the disk does not keep up.
+SHAPES = {"wide": {"hidden": 384, "mlp": 2048, "heads": 3, "layers": 3, "lookahead_bytes": 128 << 20},
+          "narrow": {"hidden": 128, "mlp": 4096, "heads": 2, "layers": 2, "lookahead_bytes": 64 << 20}}
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -229,6 +247,8 @@ def worker_time(a):
         to.append(o)
         ratios.append(o / b)
     s1 = off.stats()["activations"]
+    waits = {d: (s1["wait_s"][d] - s0["wait_s"][d]) / a.rounds for d in ("write", "read")}
+    late = (s1["prefetch"]["late"] - s0["prefetch"]["late"]) / a.rounds
     base.close()
     off.close()
     if a.tier == "nvme":
@@ -237,7 +257,7 @@ def worker_time(a):
     per_step = {k: (s1["bytes_moved"][k] - s0["bytes_moved"].get(k, 0)) / steps for k in s1["bytes_moved"]}
     return {"step_overhead": statistics.median(ratios), "base_step_s": statistics.median(tb),
             "offload_step_s": statistics.median(to), "plain_saved_bytes": saved,
-            "moved_per_step": per_step, "activations": s1,
+            "moved_per_step": per_step, "activations": s1, "wait_s_per_step": waits, "late_reads_per_step": late,
             "base_forward_s": statistics.median(f for f, _ in phases[id(base)]),
             "base_backward_s": statistics.median(b for _, b in phases[id(base)]),
             "offload_forward_s": statistics.median(f for f, _ in phases[id(off)]),
@@ -310,14 +330,16 @@ def device_check(a, load):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="wide",
+                   help="defaults of the flags below: " + "; ".join(f"{k}: {v}" for k, v in sorted(SHAPES.items())))
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--mlp", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--mlp", type=int, default=None)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--min-bytes", type=int, default=1 << 20)
-    p.add_argument("--lookahead-bytes", type=int, default=64 << 20)
+    p.add_argument("--lookahead-bytes", type=int, default=None)
     p.add_argument("--steps", type=int, default=2, help="steps per RSS run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one)")
@@ -329,6 +351,9 @@ def main():
     p.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--act", default="none", help=argparse.SUPPRESS)
     a = p.parse_args()
+    for k, v in SHAPES[a.shape].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     if a.worker:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         out = worker_rss(a) if a.worker == "rss" else worker_time(a)
@@ -368,7 +393,9 @@ def main():
                                                "offload_backward_s")},
                "saved_bytes_per_step": t["plain_saved_bytes"], "moved_per_step": mv,
                "moved_vs_saved": moved_vs_saved, "back_vs_saved": back_vs_saved,
-               "gbps": t["activations"]["gbps"], "prefetch": t["activations"]["prefetch"]}
+               "gbps": t["activations"]["gbps"], "prefetch": t["activations"]["prefetch"],
+               "wait_s_per_step": t["wait_s_per_step"], "late_reads_per_step": t["late_reads_per_step"],
+               "read_window": t["activations"].get("read_window")}
         results["checkpointed" if ckpt else "plain"] = res
         print(f"{str(ckpt):>13} {res['rss_none_mib']:12.0f} {res['rss_nvme_mib']:12.0f} "
               f"{res['rss_with_vs_without']:6.2f} {res['base_step_s']:11.2f} {res['offload_step_s']:11.2f} "
@@ -378,6 +405,12 @@ def main():
     print(f"disk (probed): write {plain['disk_gbps']['write']:.2f} GB/s, read {plain['disk_gbps']['read']:.2f} GB/s; "
           f"a step's writes need {b['write_s']:.2f} s of a {b['forward_s']:.2f} s forward, its reads "
           f"{b['read_s']:.2f} s of a {b['backward_s']:.2f} s backward")
+    for name, r in results.items():
+        ph, w = r["phases_s"], r["wait_s_per_step"]
+        print(f"{name}: forward {ph['base_forward_s']:.2f} -> {ph['offload_forward_s']:.2f} s, backward and update "
+              f"{ph['base_backward_s']:.2f} -> {ph['offload_backward_s']:.2f} s; the engine waited {w['write']:.2f} s "
+              f"per step for writes, {w['read']:.2f} s for reads ({r['late_reads_per_step']:.0f} landed late); "
+              f"nvme GB/s (busy time) write {r['gbps'].get('nvme_write', 0):.2f}, read {r['gbps'].get('nvme_read', 0):.2f}")
     if not plain["disk_keeps_up"]:
         print("the disk does not keep up: a step's activation writes or reads take longer at the disk's rate than "
               "the forward or backward they overlap, so step_overhead measures the disk, not the engine")

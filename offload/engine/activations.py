@@ -26,8 +26,10 @@ reuse until the copy ends. Every host copy is a range lent by the budgeted host 
 of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
 twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
 ahead of backward to the end of the copy back (on the CPU device the read lands straight
-in the tensor autograd gets: device memory, as an H2D copy's target would be; the pool's
-pages are then trimmed at the end of forward, so it adds nothing to backward's RSS). On the
+in the tensor autograd gets: device memory, as an H2D copy's target would be, lent by the
+read window (``read_window.py``: reused pages, a range back when autograd frees the tensor
+over it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
+forward, so it adds nothing to backward's RSS). On the
 CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
 first page boundary on it is written straight from device memory, held (counted in
 ``device_bytes``) until that write is durable, and only the bytes before that boundary go
@@ -66,6 +68,7 @@ from torch import nn
 
 from offload import device as dev
 from offload.engine.hooks import NOT_MINE, in_backward
+from offload.engine.read_window import ReadWindow
 from offload.storage.pinned_pool import PAGE, PoolBudgetError
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
@@ -198,6 +201,8 @@ class ActivationOffload:
         self.saved_tensors = self
         # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
         self._direct = tier == "nvme" and device.type == "cpu"
+        # ... and read back into a window of reused memory (read_window.py): no page faults
+        self._window = ReadWindow() if self._direct else None
         self._d2h = dev.new_stream(device)
         self._h2d = dev.new_stream(device)
         # Records retire (``__del__``) on whichever thread drops the graph, possibly inside a
@@ -237,6 +242,8 @@ class ActivationOffload:
         self._pos, self._cursor = {}, 0
         with self._lock:
             self._settle_retired()                   # the last graph's ranges and keys come back
+        if self._window is not None:
+            self._window.trim()                      # the forward's RSS does not carry the reads' pages
         self._param_storages = {t.untyped_storage().data_ptr()
                                 for t in list(self.model.parameters()) + list(self.model.buffers())
                                 if t.numel() and t.device.type != "meta"}
@@ -252,6 +259,9 @@ class ActivationOffload:
             with self._lock:
                 self._settle_retired()
             self.pool.trim()
+            # room to read the whole forward back (address space; pages fault in once used)
+            recs = [r() for r in self._records]
+            self._window.ensure(sum(r.nbytes + PAGE for r in recs if r is not None))
         if torch.is_grad_enabled() and self._records:
             self._prefetch()
 
@@ -400,8 +410,13 @@ class ActivationOffload:
         counted by the unpack)."""
         wio, rec.wio = rec.wio, None
         self._writing_bytes -= rec.nbytes
-        with self.telemetry.span("offload::act_nvme_wait"):
-            wio.wait(self.wait_timeout_s)
+        if not wio.done():
+            t0 = time.perf_counter()
+            with self.telemetry.span("offload::act_nvme_wait"):
+                wio.wait(self.wait_timeout_s)
+            with self._lock:
+                self.stats_["write_wait_s"] += time.perf_counter() - t0
+        wio.wait(0)                                  # raises its error, if any
         writing = rec.state is SavedState.WRITING
         if writing and stage:
             rec.state = SavedState.STAGED
@@ -665,14 +680,14 @@ class ActivationOffload:
         if rec.wio is not None:                       # a direct write unpacked before it was durable: again
             self._complete_write(rec)
         if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
-            rec.direct = _aligned_cpu_device(PAGE + rec.nbytes - rec.head)
+            rec.direct = self._read_target(PAGE + rec.nbytes - rec.head)
             self._device_hold(rec.nbytes)
             rec.io = _Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
                                  self.store.read(rec.head_key, rec.direct[:PAGE])])
             rec.state = SavedState.READING
             return True
         if self.device.type == "cpu":                 # host and device are one memory: no pool range
-            rec.direct = _aligned_cpu_device(rec.nbytes)
+            rec.direct = self._read_target(rec.nbytes)
             self._device_hold(rec.nbytes)
             dst = rec.direct
         else:
@@ -684,9 +699,21 @@ class ActivationOffload:
         rec.state = SavedState.READING
         return True
 
+    def _read_target(self, nbytes: int) -> torch.Tensor:
+        """CPU device: page-aligned device memory for a read, from the read window when it has
+        room (reused pages), else fresh."""
+        t = self._window.lend(nbytes) if self._window is not None else None
+        return t if t is not None else _aligned_cpu_device(nbytes)
+
     def _staged(self, rec: _Saved) -> None:
-        with self.telemetry.span("offload::act_nvme_wait"):
-            rec.io.wait(self.wait_timeout_s)
+        if not rec.io.done():                        # backward needs it before its read landed
+            t0 = time.perf_counter()
+            with self.telemetry.span("offload::act_nvme_wait"):
+                rec.io.wait(self.wait_timeout_s)
+            with self._lock:
+                self.stats_["late_reads"] += 1
+                self.stats_["read_wait_s"] += time.perf_counter() - t0
+        rec.io.wait(0)                               # raises its error, if any
         rec.io = None
         rec.state = SavedState.STAGED
 
@@ -776,7 +803,14 @@ class ActivationOffload:
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
                "host_pool_bytes": self.pool.capacity_bytes,
                "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0),
-                            "before_durable": c.get("held_hits", 0)}}
+                            "before_durable": c.get("held_hits", 0), "late": c.get("late_reads", 0)},
+               # seconds the engine's thread waited for NVMe: a pack for the writes ahead of it
+               # (more than lookahead_bytes in flight), an unpack for its read ("late": reads
+               # not landed when their unpack came, misses included)
+               "wait_s": {"write": c.get("write_wait_s", 0.0), "read": c.get("read_wait_s", 0.0)}}
+        if self._window is not None:
+            self._window.settle()
+            out["read_window"] = self._window.stats()
         if self.store is not None:
             st = self.store.stats()
             for d, key in (("read", "bytes_read"), ("write", "bytes_written")):
@@ -794,3 +828,5 @@ class ActivationOffload:
                 pass
         self._writing.clear()
         self._records = []
+        if self._window is not None:
+            self._window.close()
