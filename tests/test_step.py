@@ -255,37 +255,43 @@ def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
     assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items() if k in final)
 
 
-def test_ctrl_c_during_the_update_run_inside_step(tmp_path, monkeypatch):
-    """On a CPU device the first block's update runs inside step() on the main thread. A
-    Ctrl-C arriving while it runs does not cut it short (as a job on a worker thread would
-    not be): the KeyboardInterrupt is raised from step() once it ends, the block's update is
-    not left pending with the interrupt for the next forward to re-raise, and training goes
-    on."""
+@pytest.mark.parametrize("where", ["first block's update", "last block's submit"])
+def test_ctrl_c_during_the_commit_waits_for_the_whole_step(tmp_path, monkeypatch, where):
+    """step() commits whole or not at all. A Ctrl-C that arrives once the commit has begun
+    submitting updates (on a CPU device the first block's update runs inside step(), on the
+    main thread) cuts nothing short: every block gets its update, global_step counts it, and
+    the KeyboardInterrupt comes from step() after; nothing is left pending with it for the
+    next forward to re-raise, and training goes on."""
     import os
     import signal
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and where == "first block's update":
         pytest.skip("the first block runs inside step() only on a CPU device")
     eng = offload.initialize(make_model(), cfg("cpu", "none", 0.0, tmp_path))
-    first = eng.blocks[0]
-    real = eng.pipeline._job
+    target = eng.blocks[0] if where == "first block's update" else eng.blocks[-1]
     seen = []
 
-    def job(block, args):                    # SIGINT lands in the middle of the job
-        if block is first and not seen:
+    def interrupt(block):
+        if block is target and not seen:
             seen.append(block.index)
             os.kill(os.getpid(), signal.SIGINT)
-        return real(block, args)
-    monkeypatch.setattr(eng.pipeline, "_job", job)
+    if where == "first block's update":
+        real_job = eng.pipeline._job
+        monkeypatch.setattr(eng.pipeline, "_job", lambda b, a: (interrupt(b), real_job(b, a))[1])
+    else:
+        real_submit = eng.control._submit
+        monkeypatch.setattr(eng.control, "_submit", lambda b, c: (interrupt(b), real_submit(b, c))[1])
     idx, tgt = batches(1)[0]
     eng.backward(eng(idx, tgt))
-    stepped = first.stepped
     with pytest.raises(KeyboardInterrupt):
         eng.step()
-    assert seen == [first.index]
-    assert first.stepped == stepped + 1     # the update ran to its end, then the interrupt came
-    assert first.pending is None or first.pending.exception() is None
+    assert seen == [target.index]
+    assert eng.global_step == 1
+    eng.synchronize()
+    assert [b.stepped for b in eng.blocks] == [1] * len(eng.blocks)   # every update, once
+    assert all(b.pending is None or b.pending.exception() is None for b in eng.blocks)
     eng.zero_grad()
     for idx, tgt in batches(3, seed=2):      # the next calls work: nothing re-raises the interrupt
         eng.backward(eng(idx, tgt))
         assert eng.step() is True
+    assert eng.global_step == 4
     eng.close()

@@ -36,8 +36,11 @@ backward() waits for every job in flight before it lands anything (``BlockShard.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+import signal
+import threading
 import warnings
 from typing import Callable, List, Optional, Sequence
 
@@ -210,11 +213,15 @@ class StepControl:
             if self._read_ahead:
                 self.pipeline.set_order(order)
             # one registration of the native pool per commit; on one rank the first block's
-            # update runs here, the others under the next forward (pipeline.submitting)
-            with self.pipeline.submitting(inline_first=not self.comm.active):
-                for b in self.blocks:
-                    self._submit(b, coef)
-            self.global_step += 1
+            # update runs here, the others under the next forward (pipeline.submitting). From
+            # the first submit on the step is committed whole: a Ctrl-C waits for the last
+            # submit and global_step, then comes from step() (a worker's job cannot be cut
+            # short either, and a half-submitted step would mix two steps' weights).
+            with _sigint_deferred():
+                with self.pipeline.submitting(inline_first=not self.comm.active):
+                    for b in self.blocks:
+                        self._submit(b, coef)
+                self.global_step += 1
             return True
         finally:
             self.state = Window.EMPTY
@@ -306,3 +313,27 @@ class StepControl:
             c = torch.clamp(self.clip / (unscaled + 1e-6), max=1.0)
             coef = c.item() * inv_scale if self.scaler.enabled else c.item()
         return coef, False
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold a Ctrl-C back until the body ends, then deliver it to the handler that was in
+    place (Python's: KeyboardInterrupt). A signal mask cannot do this: SIGINT sent to the
+    process lands on any thread that does not block it, and Python raises it on the main
+    thread between any two bytecodes all the same. Only the main thread can swap handlers,
+    and only a handler Python installed can be put back; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:                 # installed outside Python: cannot be restored
+        yield
+        return
+    caught: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)   # now, to the handler in place again

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -247,14 +246,12 @@ class StepPipeline:
 
     def _run_inline(self, block: BlockShard, args: StepArgs) -> Future:
         """``block``'s job on the calling thread; its future is done on return. A failure is
-        recorded (``_run``) and raised from the next wait, as a worker's would be. As on a
-        worker, Ctrl-C does not cut the job short: SIGINT is held back until it ends and the
-        KeyboardInterrupt comes right after (the update of this block done, as for a job a
-        worker had started)."""
+        recorded (``_run``) and raised from the next wait, as a worker's would be. A Ctrl-C
+        does not cut it short: the commit that submits it holds SIGINT back
+        (engine/step_control.py)."""
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         block.pending = fut
-        masked = _block_sigint()
         try:
             self._job(block, args)
         except Exception as exc:         # noqa: BLE001 - handed to whoever waits for the block
@@ -264,9 +261,6 @@ class StepPipeline:
             raise
         else:
             fut.set_result(None)
-        finally:
-            if masked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return fut
 
     def _phase_held(self, L) -> None:
@@ -432,14 +426,6 @@ class StepPipeline:
             self.wait_all()
         finally:
             self._pool.shutdown(wait=True)
-
-
-def _block_sigint() -> bool:
-    """Hold SIGINT back on the main thread (Python raises KeyboardInterrupt there, between
-    any two bytecodes); returns whether it did (the caller unblocks it)."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        return False
-    return signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # else: blocked already
 
 
 def _pieces(block: BlockShard, chunk, rows: dict):
