@@ -222,7 +222,8 @@ def trim_after_step() -> bool:
 
 def step_trim_bytes() -> int:
     """The free heap past which the engine trims after a committed step on a CPU device
-    (``OFFLOAD_STEP_TRIM_BYTES``, default 256 MiB; 0 trims after every step). Below it the
+    (``OFFLOAD_STEP_TRIM_BYTES``, default 256 MiB; 0 trims after every step), and after each
+    block it builds at ``initialize`` (any device: the load's copies are host memory). Below it the
     freed activations and gradients stay resident for the next step, which reuses them:
     the peak RSS (inside a step, where they are live) is the same either way, and RSS
     between steps is at most this much higher."""
