@@ -892,6 +892,11 @@ class Engine:
         if self.param_offload is not None and self.control.at_boundary():
             self.param_offload.plan_write_through()   # before the updates are queued
         if not self.control.step():
+            if self.device.type == "cpu":
+                # inside the window too: a heap with free space (the model's construction can
+                # leave gigabytes) serves each micro-step's activations and gradients from it,
+                # resident after free until the next trim; at most a micro-step's worth then
+                dev.trim_after_step()
             return False
         self.optimizer.step()
         if self.param_offload is not None:
