@@ -146,11 +146,20 @@ import json, sys, os, shutil, time
 sys.path.insert(0, sys.argv[1])
 import psutil, torch, offload
 from bench_load import llama_config, meta_llama, write_checkpoint
-hidden, inter, vocab, work = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+hidden, inter, vocab, work, hole = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+if hole:      # an untouched freed hole on the heap, below a live allocation (see rss_rise)
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 20)                  # M_MMAP_THRESHOLD: 16 MiB requests from the heap
+    big, keep = [], []
+    for _ in range(hole // 16):
+        big.append(torch.empty(4 << 20))         # 16 MiB, never written: not resident
+        keep.append(torch.empty(16))             # a small live allocation above it
+    del big
 def hwm():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-for layers in map(int, sys.argv[6:]):
+for layers in map(int, sys.argv[7:]):
     cfg = llama_config(hidden, layers, vocab=vocab, inter=inter)
     ck, nvme = os.path.join(work, f"ck_{layers}"), os.path.join(work, f"nvme_{layers}")
     nbytes = write_checkpoint(ck, cfg, shard_bytes=64 << 20)
@@ -175,13 +184,17 @@ for layers in map(int, sys.argv[6:]):
 """
 
 
-def rss_rise(hidden: int, layers, inter: int, vocab: int, work: str) -> list:
+def rss_rise(hidden: int, layers, inter: int, vocab: int, work: str, heap_hole_mib: int = 0) -> list:
     """Peak RSS rise of loading a bf16 Llama of each depth in ``layers`` (parameters and
     optimizer state on NVMe), one after the other in one fresh process, the peak reset
-    before each (``/proc/self/clear_refs``). One dict per depth."""
+    before each (``/proc/self/clear_refs``). One dict per depth. ``heap_hole_mib``: first
+    leave that much freed, never-touched memory on the heap below a live allocation, as
+    building a model under accelerate's ``init_empty_weights`` does (its layers' weights are
+    allocated on the CPU, then replaced by meta tensors: 2.1-2.7 GB of free heap at the 2B
+    Llama shape's 40 layers); the load's allocations are then served from that hole."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", CHILD, HERE, str(hidden), str(inter), str(vocab), work,
-                        *map(str, layers)], capture_output=True, text=True, timeout=900, env=env)
+                        str(heap_hole_mib), *map(str, layers)], capture_output=True, text=True, timeout=900, env=env)
     if r.returncode:
         raise RuntimeError(f"load child failed:\n{r.stderr[-3000:]}")
     return [json.loads(line) for line in r.stdout.strip().splitlines() if line.startswith("{")]

@@ -12,7 +12,10 @@ gradient accumulation, each in a fresh process that reports its own peak RSS.
    clipping 1.0 and gradient accumulation 4, everything on NVMe: peak RSS must not grow
    with depth.
 Reports parameters, load time, step time (median), peak RSS (ru_maxrss), peak device
-parameter bytes against the budget, NVMe bytes and the loss per step.
+parameter bytes against the budget, NVMe bytes and the loss per step, beside the planner's
+prediction of each run: its compute term measured right before the run, its disk rates the
+mean of the planner's disk probe right before and right after it (``disk_probes``; the
+prediction from the probe at the start is ``step_s_start_profile``).
 
 Loading uses ``offload.initialize(..., weights=DIR)`` when this offload has it; otherwise
 the model is materialized by the engine from the meta device with its own initialisation,
@@ -415,6 +418,26 @@ def dataclasses_replace(obj, **kw):
     return dataclasses.replace(obj, **kw)
 
 
+DISK_FIELDS = {"read_gbps": "nvme_read_gbps", "read_latency_s": "nvme_read_latency_s", "write_gbps": "nvme_write_gbps",
+               "write_latency_s": "nvme_write_latency_s", "duplex": "nvme_duplex"}
+
+
+def disk_probe(root: str) -> dict:
+    """The planner's disk probe (``plan.measure_nvme``, as ``measure_profile`` runs it here),
+    once more: this disk's rates move by up to 1.5x from one minute to the next while others
+    use it (0.8-1.8 GB/s of reads here), so each run gets probes of its own, right before and
+    right after it, as its compute term is measured right before it."""
+    from offload.planner.plan import measure_nvme
+    io = measure_nvme(root, total=512 << 20)
+    return {k: getattr(io, k) for k in DISK_FIELDS}
+
+
+def run_profile(profile: dict, probes: list) -> dict:
+    """``profile`` with the disk rates of the probes around one run (their mean): the
+    machine's rates while that run ran."""
+    return dict(profile, **{DISK_FIELDS[k]: statistics.mean(p[k] for p in probes) for k in DISK_FIELDS})
+
+
 def measured_peak(r: dict) -> int:
     """The child's own peak RSS: VmHWM where recorded (its ru_maxrss starts at the parent's
     peak, carried over exec), else ru_maxrss."""
@@ -428,6 +451,8 @@ def compare(r: dict) -> dict:
     if p.get("io") and r.get("step_nvme_read_bytes"):      # the bytes behind the nvme term, steady steps
         reads = r["step_nvme_read_bytes"][1:] or r["step_nvme_read_bytes"]
         out["nvme_read_gb_per_step"] = [p["io"]["nvme_read"] / 1e9, statistics.median(reads) / 1e9]
+    if r.get("predicted_start_profile_step_s"):     # the disk rates of the probe at the start instead
+        out["step_s_start_profile"] = [r["predicted_start_profile_step_s"], r["step_s"]]
     return {**out, "step_s": [p["step_s"], r["step_s"]], "step_error": abs(p["step_s"] - r["step_s"]) / r["step_s"],
             "peak_rss_gib": [p["peak_rss_bytes"] / GIB, peak / GIB],
             "rss_error": abs(p["peak_rss_bytes"] - peak) / peak}
@@ -468,7 +493,7 @@ def predict_from(log: str) -> int:
     res = {}
     for name, r in runs:
         compute = r.get("compute") or measure_compute(r["run"])
-        r["predicted"] = predict(r["run"], prof, compute, run_baseline(r["run"]))
+        r["predicted"] = predict(r["run"], r.get("profile", prof), compute, run_baseline(r["run"]))
         res[name] = {"compute": compute, "predicted": r["predicted"], "vs_predicted": compare(r)}
         print_rss(name, r)
         print(f"{name}: {json.dumps(res[name])}", flush=True)
@@ -561,9 +586,13 @@ def main(argv=None) -> int:
                    "clip": 0.0, "gas": 1, "tokens": lora_tokens, "steps": steps, "budget": budget,
                    "ckpt": ck, "nvme": nv}
             compute = measure_compute(run)
+            probes = [disk_probe(root)]
             r = child(run, timeout=3600)
-            r["run"], r["compute"] = run, compute
-            r["predicted"] = predict(run, out["profile"], compute, run_baseline(run))
+            probes.append(disk_probe(root))
+            r["run"], r["compute"], r["disk_probes"] = run, compute, probes
+            r["profile"] = run_profile(out["profile"], probes)
+            r["predicted"] = predict(run, r["profile"], compute, run_baseline(run))
+            r["predicted_start_profile_step_s"] = predict(run, out["profile"], compute, 0)["step_s"]
             r["vs_predicted"] = compare(r)
             print_rss("(a) LoRA", r)
             r.update({"checkpoint_bytes": nbytes, "raw_read_gbps": raw / 1e9,
@@ -584,9 +613,13 @@ def main(argv=None) -> int:
                        "gas": 4, "tokens": 64, "steps": max(2, steps - 1), "budget": 4 * layer_bytes(ft_shape),
                        "ckpt": ck, "nvme": nv}
                 compute = measure_compute(run)
+                probes = [disk_probe(root)]
                 r = child(run, timeout=7200)
-                r["run"], r["compute"] = run, compute
-                r["predicted"] = predict(run, out["profile"], compute, run_baseline(run))
+                probes.append(disk_probe(root))
+                r["run"], r["compute"], r["disk_probes"] = run, compute, probes
+                r["profile"] = run_profile(out["profile"], probes)
+                r["predicted"] = predict(run, r["profile"], compute, run_baseline(run))
+                r["predicted_start_profile_step_s"] = predict(run, out["profile"], compute, 0)["step_s"]
                 r["vs_predicted"] = compare(r)
                 print_rss(f"(b) {layers} layers", r)
                 out["full"][str(layers)] = r

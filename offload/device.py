@@ -214,7 +214,7 @@ _step_trim_checked = float("-inf")
 
 
 def trim_after_step() -> bool:
-    """After a committed step on a CPU device: ``trim_host_heap`` once the heap holds more
+    """After a micro-step on a CPU device: ``trim_host_heap`` once the heap holds more
     than ``step_trim_bytes()`` of freed memory. With a threshold, the free heap is read at
     most every ``STEP_TRIM_CHECK_S`` (process-wide, as the heap is): ``mallinfo2`` locks every
     arena and took up to 0.5 ms inside ``step()`` beside the optimizer's threads, while the
@@ -231,11 +231,12 @@ def trim_after_step() -> bool:
 
 
 def step_trim_bytes() -> int:
-    """The free heap past which the engine trims after a committed step on a CPU device
-    (``OFFLOAD_STEP_TRIM_BYTES``, default 256 MiB; 0 trims after every step). Below it the
-    freed activations and gradients stay resident for the next step, which reuses them:
-    the peak RSS (inside a step, where they are live) is the same either way, and RSS
-    between steps is at most this much higher."""
+    """The free heap past which the engine trims after each micro-step (``step()`` call) on a
+    CPU device (``OFFLOAD_STEP_TRIM_BYTES``, default 256 MiB; 0 trims after every one), and
+    after each block it builds at ``initialize`` (any device: the load's copies are host
+    memory). Below it the freed activations and gradients stay resident for the next
+    micro-step, which reuses them: the peak RSS (inside a step, where they are live) is the
+    same either way, and RSS between steps is at most this much higher."""
     raw = os.environ.get("OFFLOAD_STEP_TRIM_BYTES", "").strip()
     if not raw:
         return DEFAULT_STEP_TRIM_BYTES

@@ -73,11 +73,11 @@ class _CountingLibc:
 
 @glibc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
-@pytest.mark.parametrize("setting, trims_per_step", [(None, 0), ("0", 1)])
-def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, trims_per_step):
+@pytest.mark.parametrize("setting, gas, trims_per_step", [(None, 1, 0), ("0", 1, 1), ("0", 2, 2)])
+def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, gas, trims_per_step):
     """A small model's step frees far less than the default threshold: no trim per step
     (the next step reuses those pages), the free heap read at most once a second; with the
-    threshold at 0, one trim per committed step."""
+    threshold at 0, one trim per micro-step (accumulation 2: two per committed step)."""
     if setting is None:
         monkeypatch.delenv("OFFLOAD_STEP_TRIM_BYTES", raising=False)
     else:
@@ -90,12 +90,15 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, trim
     monkeypatch.setattr(dev, "_step_trim_checked", float("-inf"))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
-    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"},
+                                     "gradient_accumulation_steps": gas})
     start = libc.trims
     assert start >= 1                              # initialize always trims
+    reads.clear()                                  # (and reads the free heap after each block)
     for _ in range(3):
-        eng.backward(eng(torch.randn(8, 64)).square().mean())
-        assert eng.step() is True
+        for k in range(gas):
+            eng.backward(eng(torch.randn(8, 64)).square().mean())
+            assert eng.step() is (k == gas - 1)
     eng.close()
     assert libc.trims - start == 3 * trims_per_step
     if setting is None:       # three quick steps: the heap read once (twice if a second passed)

@@ -721,6 +721,12 @@ class Engine:
             self.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
                                           landing=landing))
             del full, master
+            # this block's transient copies are freed: give their pages back now. A heap left
+            # with free space by the model's construction (accelerate's init_empty_weights
+            # allocates every layer's weights, then drops them: 2.1-2.7 GB at 40 layers of a
+            # 2B Llama) serves them from that space, where they would stay resident after
+            # free; one block after another they made the load's peak RSS grow with depth
+            dev.trim_host_heap(dev.step_trim_bytes())
         self._build_units()
 
     def _grads_by_reference(self, layout, grad_dtype: torch.dtype) -> bool:
@@ -763,6 +769,8 @@ class Engine:
             frozen = [self._frozen_home(i, k, part) for k, part in enumerate(parts)]
             trainable = self.blocks[i].params if lay is not None else None
             self.units.append(BlockParts(i, name, module, trainable, frozen))
+            if parts:
+                dev.trim_host_heap(dev.step_trim_bytes())   # the frozen parts' copies (see _build_blocks)
         dev.return_freed_host_memory(bound_large_allocations=True)
 
     def _move_rest(self, model: nn.Module) -> None:
@@ -887,6 +895,11 @@ class Engine:
         if self.param_offload is not None and self.control.at_boundary():
             self.param_offload.plan_write_through()   # before the updates are queued
         if not self.control.step():
+            if self.device.type == "cpu":
+                # inside the window too: a heap with free space (the model's construction can
+                # leave gigabytes) serves each micro-step's activations and gradients from it,
+                # resident after free until the next trim; at most a micro-step's worth then
+                dev.trim_after_step()
             return False
         self.optimizer.step()
         if self.param_offload is not None:
