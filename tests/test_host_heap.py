@@ -108,12 +108,14 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, gas,
 
 
 _FAULTS_SCRIPT = r"""
-import json, resource, sys, torch
+import json, resource, sys, tempfile, torch
 from torch import nn
 import offload
 torch.manual_seed(0)
 cfg = {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}}
-if sys.argv[1] != "none":
+if sys.argv[1] == "activations":
+    cfg["offload_activations"] = {"device": "nvme", "nvme_path": tempfile.mkdtemp()}
+elif sys.argv[1] != "none":
     cfg["offload_param"] = {"device": sys.argv[1]}
 eng = offload.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), cfg)
 faults = []
@@ -130,14 +132,15 @@ print(json.dumps(faults))
 
 @glibc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
-@pytest.mark.parametrize("param_device", ["none", "cpu"])
+@pytest.mark.parametrize("param_device", ["none", "cpu", "activations"])
 def test_malloc_is_tuned_only_when_parameters_leave_the_cpu_device(param_device):
     """The mmap threshold is process-wide: it changes the user's own torch work too (every
     4 MiB tensor a fresh mapping, 1024 page faults each time). With the parameters resident
     the engine leaves malloc alone, so a 4 MiB tensor allocated again and again is served
     from the heap (glibc's own threshold rises after the first free) and faults no more
-    after the first rounds; with parameters offloaded the engine keeps such blocks mapped,
-    so each one faults its pages in. In a fresh process: the setting is once per process."""
+    after the first rounds; with parameters (or saved activations, "activations") offloaded
+    the engine keeps such blocks mapped, so each one faults its pages in. In a fresh
+    process: the setting is once per process."""
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_MMAP_THRESHOLD"}
     res = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, param_device], env=env,
                          capture_output=True, text=True, timeout=300)

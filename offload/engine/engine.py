@@ -182,8 +182,10 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.module = model
         self.device = dev.compute_device()
-        # process-wide malloc tuning only where parameters leave a CPU device (device.py)
-        dev.return_freed_host_memory(bound_large_allocations=self._param_home_device() != "none")
+        # process-wide malloc tuning only where parameters or saved activations leave a CPU
+        # device (device.py): both free large host blocks every step
+        dev.return_freed_host_memory(bound_large_allocations=self._param_home_device() != "none"
+                                     or config.offload_activations.device != "none")
         if self.device.type == "cpu":
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = _DTYPES[config.precision]
