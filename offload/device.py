@@ -142,7 +142,7 @@ def return_freed_host_memory(bound_large_allocations: bool = False) -> None:
     heap, measured here), and glibc's trim threshold stops following the mmap threshold
     (a free at the heap's top past 128 KiB shrinks the heap). So the engine asks for it only
     where it bounds memory that would otherwise grow with the model (parameters or saved
-    activations offloaded from a CPU device); with the parameters resident, the whole model lives in the heap
+    activations offloaded from a CPU device); otherwise the whole model lives in the heap
     anyway, and the step's freed gradients and activations are reused by the next step."""
     global _heap_tuned
     trim_host_heap()

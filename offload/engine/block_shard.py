@@ -60,9 +60,19 @@ class BlockShard:
     def must_wait(self) -> bool:
         """Whether ``wait_update()`` would wait: an update still running, or a device copy to
         order after. A finished update only needs ``wait_update()`` to collect it (and raise
-        its error), which the callers do without timing it as a wait."""
+        its error)."""
         fut = self.pending
         return (fut is not None and not fut.done()) or self.update_event is not None
+
+    def wait_update_before_use(self, telemetry) -> None:
+        """Before a forward reads the block's parameters: ``wait_update()``, timed as an
+        ``offload::wait_update`` span only when it waits (a finished update is collected
+        without a span: it cost 0.05-0.15 ms per block on the main thread)."""
+        if self.must_wait():
+            with telemetry.span("offload::wait_update"):
+                self.wait_update()
+        elif self.pending is not None:
+            self.wait_update()
 
     def grad_shard(self) -> torch.Tensor:
         """The gradients of this rank's shard (a view into the gradient buffer)."""

@@ -77,12 +77,7 @@ class _UpdateAndGrads:
     def pre_forward(self, i: int) -> None:
         if i >= len(self.engine.blocks):
             return                           # a block of frozen parameters only: no update
-        b = self.engine.blocks[i]
-        if b.must_wait():
-            with self.engine.telemetry.span("offload::wait_update"):
-                b.wait_update()
-        elif b.pending is not None:          # finished: collected (its error raised), not a wait
-            b.wait_update()
+        self.engine.blocks[i].wait_update_before_use(self.engine.telemetry)
 
     def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
         e = self.engine

@@ -31,10 +31,5 @@ class UpdateWaits:
 
     def param_read(self, p: nn.Parameter) -> None:
         b = self._owner.get(id(p))
-        if b is None:
-            return
-        if b.must_wait():
-            with self.telemetry.span("offload::wait_update"):
-                b.wait_update()
-        elif b.pending is not None:          # finished: collected (its error raised), not a wait
-            b.wait_update()
+        if b is not None:
+            b.wait_update_before_use(self.telemetry)

@@ -267,19 +267,19 @@ class StepPipeline:
         """A commit's submission loop starts: it counts as a job in flight, so the first of
         them takes the native pool's hold, as a handoff whose wait comes later
         (``_native.pool_hold_begin_handoff``; ``submit`` quiets torch's workers)."""
-        with self._hold_lock:
-            self._held_jobs += 1
-            if self._held_jobs == 1 and L is not None:
-                _native.pool_hold_begin_handoff(L)
+        self._held(L, _native.pool_hold_begin_handoff)
 
     def _job_held(self, L) -> None:
         """A job is submitted: the first of the jobs in flight takes the pool hold (one
         ctypes call per phase, not per block: each call hands the GIL over to the worker,
         and the submitting thread waits to get it back)."""
+        self._held(L, lambda lib: _native.pool_hold(lib, handoff=True))
+
+    def _held(self, L, take) -> None:
         with self._hold_lock:
             self._held_jobs += 1
-            if self._held_jobs == 1:
-                _native.pool_hold(L, handoff=True)
+            if self._held_jobs == 1 and L is not None:
+                take(L)
 
     def _job_unheld(self, L) -> None:
         """A job has ended (run, failed or cancelled), or a submission loop: the last of
