@@ -556,3 +556,36 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="name"):
         NvmeStore(str(tmp_path), name="a/b")
     assert os.listdir(tmp_path) == []
+
+
+def _policies() -> dict:
+    """tid -> scheduling policy (field 41 of /proc/self/task/<tid>/stat) of this process's
+    threads, the kernel's io_uring workers (``iou-*``, the kernel's own) left out."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("iou-"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[38])
+        except (FileNotFoundError, ProcessLookupError):
+            pass                     # a thread that ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.sched_getscheduler(0) != os.SCHED_OTHER,
+                    reason="SCHED_BATCH is Linux's, applied only under the default policy")
+def test_io_threads_do_not_preempt_on_wakeup(make_store, pool):
+    """The I/O threads run under SCHED_BATCH (no wakeup preemption of the thread that submits,
+    e.g. an optimizer job handing over its write-back); the caller's policy is not touched."""
+    with pool.acquire(3 * BLOCK) as a:
+        a.view(torch.uint8, 3 * BLOCK).copy_(rand_bytes(3 * BLOCK, 1))   # torch's own threads start here
+        before = set(_policies())
+        s = make_store()
+        s.reserve({"k": 3 * BLOCK})
+        s.write("k", a.view(torch.uint8, 3 * BLOCK)).wait(timeout=30)   # portable: threads start on use
+    new = {tid: pol for tid, pol in _policies().items() if tid not in before}
+    assert new, "the store started no I/O thread"
+    assert set(new.values()) == {os.SCHED_BATCH}, new
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
