@@ -48,7 +48,7 @@ call, drawn anew per call, so single calls varied by up to 1.5x and the median r
 probe moved 0.84-0.96 between quiet runs. A pause (PAUSE_S) now comes only before each
 sequence, to let other tenants' bursts settle.
 
-Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--pairs 15] [--nvme-size 64M]
+Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--pairs 21] [--nvme-size 64M]
        [--nvme-path DIR] [--block 4M] [--threads N] [--isa NAME] [--gpt-steps 300 --curve-csv FILE]
 The last line printed is one JSON object with a `claims` map, its `targets` (single-pass rules
 >= 0.9 of the probe, int8 state <= 6.2 B/param, int8 NVMe step >= 1.6x) and the `missed` ones.
@@ -378,7 +378,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="16M", help="params per kernel benchmark (default 16M)")
     ap.add_argument("--rounds", type=int, default=7, help="NVMe step rounds (part 2)")
-    ap.add_argument("--pairs", type=int, default=15, help="timed pairs per kernel ratio (part 1)")
+    ap.add_argument("--pairs", type=int, default=21, help="timed pairs per kernel ratio (part 1)")
     ap.add_argument("--isa", default=None, help="force the native kernels' and the probe's ISA "
                     "(scalar, avx2, avx512, avx512_bf16; default: the best this CPU has)")
     ap.add_argument("--rules", default="AdamW,Adam,Lion,SGD,SGD_nesterov,Adagrad,Adafactor")
