@@ -7,8 +7,9 @@ Part 1, kernels (all in one process, same buffers, interleaved round by round, m
   torch       torch.optim.<X>(fused=True) where torch has a fused CPU kernel (AdamW, Adam, SGD,
               Adagrad); Adafactor: foreach=True (torch has no fused one); Lion: the plain-torch
               reference with foreach ops (torch has no Lion)
-  probe       offload_bandwidth_probe over the rule's own parameter and state rows: rw[k] += d (zeros) for the param
-              and each state row, d standing for the grad (read 1 + k, write k fp32 arrays)
+  probe       offload_bandwidth_probe over the rule's own arrays: rw[k] += 0 * grad for the param and
+              each state row (read 1 + k, write k fp32 arrays: the rule's grad, param and rows,
+              the same buffers, values unchanged)
   vs_probe    ours' bytes/s over the probe's bytes/s, bytes = what the rule reads and writes
               once per parameter over all its passes (single-pass rules: the probe's traffic)
   int8        the same rule with int8 state (bytes: param 8, grad 4, rows 2 x 1.016 each)
@@ -35,11 +36,22 @@ curves (every step, in --curve-csv), the final training loss (mean of the last 1
 `offload train` reports it) and the validation loss; claim `int8_gpt_final_loss_rel_diff`.
 This is not the engine's `offload train` (the engine does not take state_dtype yet).
 
-Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--nvme-size 64M]
-       [--nvme-path DIR] [--block 4M] [--threads N] [--gpt-steps 300 --curve-csv FILE]
+How part 1 times (each ratio: `--pairs` pairs, the median of the per-pair ratios). The two
+methods of a ratio (ours and the probe; ours and torch; int8 and ours) run back to back in
+turn, a b a b ..., after one untimed b, and each pair is one a and the b right after it. So
+every timed call of either method starts microseconds after a call of the other: both find
+the threads awake (torch's OpenMP team, which a call from the main thread runs on, spins for
+a few ms after each call), and ours and the probe find the cache as the other left it (they
+move the same arrays). A pause before each call instead left every call to wake the sleeping
+team, whose threads start 0.3-4 ms late here (native/threadpool.c): 2-30 % of a 10-16 ms
+call, drawn anew per call, so single calls varied by up to 1.5x and the median ratio to the
+probe moved 0.84-0.96 between quiet runs. A pause (PAUSE_S) now comes only before each
+sequence, to let other tenants' bursts settle.
+
+Usage: python benchmarks/bench_optim.py [--size 16M] [--rounds 7] [--pairs 21] [--nvme-size 64M]
+       [--nvme-path DIR] [--block 4M] [--threads N] [--isa NAME] [--gpt-steps 300 --curve-csv FILE]
 The last line printed is one JSON object with a `claims` map, its `targets` (single-pass rules
 >= 0.9 of the probe, int8 state <= 6.2 B/param, int8 NVMe step >= 1.6x) and the `missed` ones.
-Kernel ratios are paired within each round (median over rounds), as bench_adam's.
 """
 from __future__ import annotations
 
@@ -77,11 +89,18 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * mult[text[-1].upper()]) if text[-1].upper() in mult else int(text)
 
 
-def timed(fn) -> float:
-    time.sleep(PAUSE_S)  # let other tenants' bursts and the pool's spinning settle
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def alternate(a, b, pairs: int) -> tuple:
+    """Seconds of `pairs` calls of a and of b made in turn, a b a b ..., after a pause and
+    one untimed call of b: every timed call follows a call of the other (see the docstring)."""
+    time.sleep(PAUSE_S)  # let other tenants' bursts settle before the sequence
+    b()
+    ta, tb = [], []
+    for _ in range(pairs):
+        for fn, out in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return ta, tb
 
 
 def kernel_methods(name: str, n: int, L) -> dict:
@@ -113,13 +132,14 @@ def kernel_methods(name: str, n: int, L) -> dict:
         out["torch"] = (lambda: rule.device_step([p], [g], [lst], group, [step[0]]), nbytes)
 
     if L is not None and name != "Adafactor":
-        # the probe streams over the rule's own memory (parameter and state rows, adding a
-        # zero array where the rule reads the gradient: no value changes), so the ratio
+        # the probe streams over the rule's own memory (it reads the gradient, scaled by 0,
+        # and adds it to the parameter and state rows: no value changes), so the ratio
         # compares the kernels, not where two sets of buffers happened to land in memory
+        # (a zero array in the gradient's place moved the probe's rate by 2-4 % per process)
         arrays = [p.view(-1)] + [st[r.name] for r in rows]
         assert all(a.dtype == torch.float32 and a.numel() == n for a in arrays)
-        d = torch.zeros(n)
-        out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], d.data_ptr(), n), nbytes)
+        out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], g.data_ptr(), n, scale=0.0),
+                        nbytes)
     elif L is not None:
         arrays, d = [torch.zeros(n) for _ in range(3)], torch.zeros(n)
         out["probe"] = (lambda: _native.bandwidth_probe(L, [a.data_ptr() for a in arrays], d.data_ptr(), n), 28)
@@ -134,29 +154,37 @@ def kernel_methods(name: str, n: int, L) -> dict:
     return out
 
 
-def bench_kernels(names, n, rounds, L) -> dict:
+def bench_kernels(names, n, pairs, L) -> dict:
     results = {}
     for name in names:
         methods = kernel_methods(name, n, L)
-        for _ in range(3):   # warm up, interleaved as measured: first touch, pool wake-up, torch's
-            for fn, _ in methods.values():   # state (one call left the first rule measured cold)
+        for _ in range(3):   # warm up, interleaved: first touch, the threads, torch's state
+            for fn, _ in methods.values():
                 fn()
-        times = {k: [] for k in methods}
-        for _ in range(rounds):
-            for k, (fn, _) in methods.items():
-                times[k].append(timed(fn))
+        # (a, b): the ratios of a over b; ours is timed in each of its sequences
+        comparisons = [("ours", "probe"), ("ours", "torch"), ("int8", "ours")]
+        times = collections.defaultdict(list)
+        pairs_of = {}
+        for a, b in comparisons:
+            if a in methods and b in methods:
+                ta, tb = alternate(methods[a][0], methods[b][0], pairs)
+                times[a] += ta
+                times[b] += tb
+                pairs_of[(a, b)] = list(zip(ta, tb))
         med = {k: statistics.median(v) for k, v in times.items()}
         r = {f"{k}_mparam_s": round(n / med[k] / 1e6, 1) for k in methods}
 
         def paired(a: str, b: str, bytes_a: float = 1.0, bytes_b: float = 1.0) -> float:
-            """Median over rounds of a's rate over b's within a round (robust to load that
-            drifts between rounds); rates in bytes/s when bytes are given."""
-            return round(statistics.median((bytes_a / ta) / (bytes_b / tb) for ta, tb in zip(times[a], times[b])), 2)
+            """Median over the pairs of a's rate over b's (rates in bytes/s when bytes are given)."""
+            return round(statistics.median((bytes_a / ta) / (bytes_b / tb) for ta, tb in pairs_of[(a, b)]), 2)
         r["ours_vs_torch"] = paired("ours", "torch")
         if "probe" in methods:
             r["bytes_per_param"] = methods["ours"][1]
             r["probe_gb_s"] = round(methods["probe"][1] * n / med["probe"] / 1e9, 2)
+            r["ours_gb_s"] = round(methods["ours"][1] * n / med["ours"] / 1e9, 2)
             r["ours_vs_probe"] = paired("ours", "probe", methods["ours"][1], methods["probe"][1])
+            per_pair = [(methods["ours"][1] / ta) / (methods["probe"][1] / tb) for ta, tb in pairs_of[("ours", "probe")]]
+            r["ours_vs_probe_quartiles"] = [round(q, 3) for q in statistics.quantiles(per_pair, n=4)]
             if "int8" in methods:
                 r["int8_bytes_per_param"] = round(methods["int8"][1], 2)
                 r["int8_vs_fp32_kernel"] = paired("int8", "ours")
@@ -349,7 +377,10 @@ def bench_gpt(steps: int, curve_csv: str | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="16M", help="params per kernel benchmark (default 16M)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="NVMe step rounds (part 2)")
+    ap.add_argument("--pairs", type=int, default=21, help="timed pairs per kernel ratio (part 1)")
+    ap.add_argument("--isa", default=None, help="force the native kernels' and the probe's ISA "
+                    "(scalar, avx2, avx512, avx512_bf16; default: the best this CPU has)")
     ap.add_argument("--rules", default="AdamW,Adam,Lion,SGD,SGD_nesterov,Adagrad,Adafactor")
     ap.add_argument("--nvme-size", default="64M", help="params of the NVMe-state model (default 64M)")
     ap.add_argument("--block", default="4M", help="params per block (default 4M)")
@@ -364,9 +395,11 @@ def main() -> None:
         set_num_threads(args.threads)
     torch.set_num_threads(args.threads or os.cpu_count())
     L = _native.lib()
+    if args.isa:
+        _native.kernel_set_isa(L, args.isa)
     n = parse_size(args.size)
     load = os.getloadavg()
-    kernels = {} if args.skip_kernels else bench_kernels(args.rules.split(","), n, args.rounds, L)
+    kernels = {} if args.skip_kernels else bench_kernels(args.rules.split(","), n, args.pairs, L)
     adam = get_rule("AdamW")
     claims = {"int8_state_bytes_per_param_rule": round(adam.bytes_per_param("nvme", "int8"), 3)}
     nvme = None

@@ -98,8 +98,9 @@ OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU suppo
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */
 
 /* Benchmark probe (native/probe.c): the in-place traffic of a rule without its arithmetic:
- * rw[k] += d for k < nrw (read nrw + 1 fp32 arrays, write nrw), same pool and ISA. */
-OFFLOAD_API int offload_bandwidth_probe(float *const *rw, int nrw, const float *d, int64_t n);
+ * rw[k] += scale * d for k < nrw (read nrw + 1 fp32 arrays, write nrw), same pool and ISA;
+ * scale 0 leaves rw's values as they were (d finite). */
+OFFLOAD_API int offload_bandwidth_probe(float *const *rw, int nrw, const float *d, float scale, int64_t n);
 /* END KERNEL SECTION */
 
 /* ---- I/O engine and checksums (native/aio.c, native/crc32c.c) ---------------------------- */

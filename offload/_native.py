@@ -16,7 +16,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -118,7 +118,7 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     if lib.offload_kernel_args_size() != ctypes.sizeof(StepArgs):
         raise OSError(f"struct StepArgs is {ctypes.sizeof(StepArgs)} bytes here but "
                       f"{lib.offload_kernel_args_size()} in the library: rebuild with `make native`")
-    lib.offload_bandwidth_probe.argtypes = [ctypes.POINTER(vp), i32, vp, i64]
+    lib.offload_bandwidth_probe.argtypes = [ctypes.POINTER(vp), i32, vp, ctypes.c_float, i64]
     lib.offload_bandwidth_probe.restype = i32
     for name in ("offload_kernel_set_num_threads", "offload_kernel_set_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [i32], i32
@@ -172,11 +172,12 @@ def kernel_step(L: ctypes.CDLL, name: str, args: StepArgs, hp: ctypes.Structure)
     _kernel_check(_kernel(L, name, type(hp))(ctypes.byref(args), ctypes.byref(hp)), f"offload_{name}_step")
 
 
-def bandwidth_probe(L: ctypes.CDLL, rw: list, d: int, n: int) -> None:
-    """rw[k] += d over n fp32 elements for each address in rw (1..4): (len(rw) * 2 + 1) * 4
-    bytes of traffic per element, the kernels' pool and ISA."""
+def bandwidth_probe(L: ctypes.CDLL, rw: list, d: int, n: int, scale: float = 1.0) -> None:
+    """rw[k] += scale * d over n fp32 elements for each address in rw (1..4): (len(rw) * 2 + 1)
+    * 4 bytes of traffic per element, the kernels' pool and ISA. scale=0 reads d and leaves
+    rw's values unchanged (d finite): a rule's own arrays, probed without altering them."""
     arr = (ctypes.c_void_p * len(rw))(*rw)
-    _kernel_check(L.offload_bandwidth_probe(arr, len(rw), d, n), "offload_bandwidth_probe")
+    _kernel_check(L.offload_bandwidth_probe(arr, len(rw), d, scale, n), "offload_bandwidth_probe")
 
 
 def adam_bandwidth_probe(L: ctypes.CDLL, a: int, b: int, c: int, d: int, n: int) -> None:
