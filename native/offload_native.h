@@ -180,7 +180,9 @@ OFFLOAD_API void offload_aio_destroy(offload_aio *e);
 /* crc32c (Castagnoli), standard: crc32c("123456789") == 0xE3069283; continue with crc. */
 OFFLOAD_API uint32_t offload_crc32c(uint32_t crc, const void *buf, size_t n);
 OFFLOAD_API uint32_t offload_crc32c_table(uint32_t crc, const void *buf, size_t n);  /* portable path */
-OFFLOAD_API int offload_crc32c_hw(void);  /* 1 when offload_crc32c uses the SSE4.2 instruction */
+OFFLOAD_API uint32_t offload_crc32c_sse42(uint32_t crc, const void *buf, size_t n);  /* crc32 instruction path */
+/* 2 when offload_crc32c folds with AVX-512 VPCLMULQDQ, 1 when it uses the SSE4.2 instruction */
+OFFLOAD_API int offload_crc32c_hw(void);
 /* END AIO SECTION */
 
 #ifdef __cplusplus
