@@ -1,14 +1,13 @@
 """Telemetry: per-stage seconds, bytes per link, peaks, and a Chrome/Perfetto trace.
 
-Every hot-path stage runs inside ``telemetry.span("offload::<stage>")``, which is both a
-``torch.profiler.record_function`` range (visible in the PyTorch profiler) and a timed
-interval recorded here. Spans from worker threads are recorded with their thread id, so the
+Every hot-path stage runs inside ``telemetry.span("offload::<stage>")``, a timed interval
+recorded here and, while a torch profiler records, a ``torch.profiler.record_function``
+range of the same name (visible in the PyTorch profiler). Spans from worker threads are recorded with their thread id, so the
 trace shows the optimizer overlapping the forward/backward. Thread-safe.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import threading
@@ -30,22 +29,22 @@ class Telemetry:
         self.counters = collections.defaultdict(int)    # name -> count
         self._events = collections.deque(maxlen=_MAX_EVENTS)
 
-    @contextlib.contextmanager
-    def span(self, name: str, link: str | None = None, nbytes: int = 0):
-        """Time a stage; with ``link``, also count ``nbytes`` moved over that link."""
-        start = time.perf_counter()
-        with torch.profiler.record_function(name):
-            try:
-                yield
-            finally:
-                end = time.perf_counter()
-                stage = name.split("::", 1)[-1]
-                with self._lock:
-                    self.seconds[stage] += end - start
-                    if link is not None:
-                        self.bytes[link] += nbytes
-                        self.link_seconds[link] += end - start
-                    self._events.append((name, start, end, threading.get_ident(), nbytes))
+    def span(self, name: str, link: str | None = None, nbytes: int = 0) -> "_Span":
+        """Time a stage; with ``link``, also count ``nbytes`` moved over that link. The
+        stage is a ``torch.profiler.record_function`` range while a profiler records (entering
+        one costs ~7 us, and a step opens ~50 spans: not paid when nothing records)."""
+        return _Span(self, name, link, nbytes)
+
+    def _record(self, name: str, start: float, end: float, link: str | None, nbytes: int) -> None:
+        stage = _STAGES.get(name)
+        if stage is None:
+            stage = _STAGES.setdefault(name, name.split("::", 1)[-1])
+        with self._lock:
+            self.seconds[stage] += end - start
+            if link is not None:
+                self.bytes[link] += nbytes
+                self.link_seconds[link] += end - start
+            self._events.append((name, start, end, threading.get_ident(), nbytes))
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -80,3 +79,38 @@ class Telemetry:
             json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
         os.replace(tmp, path)
         return path
+
+
+_STAGES: dict = {}      # span name -> stage ("offload::cpu_adam" -> "cpu_adam")
+
+
+def _profiling() -> bool:
+    """Whether a torch profiler records now, on any thread: torch's own fast check (a
+    module flag set while any profiler runs, ``profile_all_threads`` included, which
+    ``torch.autograd._profiler_enabled()`` does not see); where a torch version lacks it,
+    always (the ranges are then entered unconditionally, as before)."""
+    return getattr(torch.autograd.profiler, "_is_profiler_enabled", True) or torch.autograd._profiler_enabled()
+
+
+class _Span:
+    """One timed stage (``Telemetry.span``): a plain context manager, not a generator (this
+    runs per block and per gradient on the hot path)."""
+    __slots__ = ("_tel", "_name", "_link", "_nbytes", "_start", "_range")
+
+    def __init__(self, tel: Telemetry, name: str, link: str | None, nbytes: int):
+        self._tel, self._name, self._link, self._nbytes = tel, name, link, nbytes
+        self._range = None
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+        if _profiling():
+            self._range = torch.profiler.record_function(self._name)
+            self._range.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        end = time.perf_counter()
+        try:
+            self._tel._record(self._name, self._start, end, self._link, self._nbytes)
+        finally:
+            if self._range is not None:
+                self._range.__exit__(*exc)

@@ -1,0 +1,52 @@
+"""Telemetry spans: timed always, a torch profiler range only while a profiler records (on
+any thread, ``profile_all_threads`` included)."""
+import threading
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from offload.engine.telemetry import Telemetry
+
+
+def test_span_times_without_a_profiler_and_enters_no_range(monkeypatch):
+    entered = []
+    real = torch.profiler.record_function
+
+    def counting(name, *a, **kw):
+        entered.append(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    tel = Telemetry()
+    with tel.span("offload::state_read", "adam", 128):
+        pass
+    try:
+        with tel.span("offload::cpu_adam"):
+            raise KeyError("inside")
+    except KeyError:
+        pass                                   # a failing stage is timed and re-raised
+    snap = tel.snapshot()
+    assert set(snap["seconds"]) == {"state_read", "cpu_adam"} and snap["bytes"] == {"adam": 128}
+    assert [e[0] for e in tel._events] == ["offload::state_read", "offload::cpu_adam"]
+    assert entered == []                       # no profiler: no range entered (~7 us each)
+
+
+def test_span_is_a_profiler_range_on_every_thread_while_one_records():
+    tel = Telemetry()
+
+    def worker():
+        with tel.span("offload::cpu_adam"):
+            torch.ones(4).sum()
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        with tel.span("offload::backward"):
+            torch.ones(4).sum()
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    names = {e.name for e in prof.events()}
+    assert {"offload::backward", "offload::cpu_adam"} <= names, names
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with tel.span("offload::forward"):
+            torch.ones(4).sum()
+    assert "offload::forward" in {e.name for e in prof.events()}
+    assert tel.snapshot()["seconds"]["cpu_adam"] > 0
