@@ -410,13 +410,7 @@ class ActivationOffload:
         counted by the unpack)."""
         wio, rec.wio = rec.wio, None
         self._writing_bytes -= rec.nbytes
-        if not wio.done():
-            t0 = time.perf_counter()
-            with self.telemetry.span("offload::act_nvme_wait"):
-                wio.wait(self.wait_timeout_s)
-            with self._lock:
-                self.stats_["write_wait_s"] += time.perf_counter() - t0
-        wio.wait(0)                                  # raises its error, if any
+        self._wait_io(wio, "write")
         writing = rec.state is SavedState.WRITING
         if writing and stage:
             rec.state = SavedState.STAGED
@@ -705,15 +699,24 @@ class ActivationOffload:
         t = self._window.lend(nbytes) if self._window is not None else None
         return t if t is not None else _aligned_cpu_device(nbytes)
 
-    def _staged(self, rec: _Saved) -> None:
-        if not rec.io.done():                        # backward needs it before its read landed
+    def _wait_io(self, io, direction: str) -> bool:
+        """Wait (bounded) for an NVMe transfer of the engine's thread; a wait that is needed is
+        timed as ``offload::act_nvme_wait`` and counted in ``wait_s[direction]``. Raises the
+        transfer's error, if any; returns whether it had to wait."""
+        late = not io.done()
+        if late:
             t0 = time.perf_counter()
             with self.telemetry.span("offload::act_nvme_wait"):
-                rec.io.wait(self.wait_timeout_s)
+                io.wait(self.wait_timeout_s)
+            with self._lock:
+                self.stats_[f"{direction}_wait_s"] += time.perf_counter() - t0
+        io.wait(0)                                   # raises its error, if any
+        return late
+
+    def _staged(self, rec: _Saved) -> None:
+        if self._wait_io(rec.io, "read"):             # backward needed it before its read landed
             with self._lock:
                 self.stats_["late_reads"] += 1
-                self.stats_["read_wait_s"] += time.perf_counter() - t0
-        rec.io.wait(0)                               # raises its error, if any
         rec.io = None
         rec.state = SavedState.STAGED
 

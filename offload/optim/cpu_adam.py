@@ -21,12 +21,11 @@ import torch
 from offload import _native
 from offload.optim import reference
 from offload.optim.adam import AdamHparams, adam_hparams
+from offload.optim.rule import COPY_DTYPES
 
 _GRAD_DTYPES = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                 torch.float16: _native.DTYPE_F16}
 _STATE_DTYPES = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16}
-_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
-                torch.float32: _native.DTYPE_F32}
 _PARAM_DTYPES = {torch.float32: _native.DTYPE_F32}
 
 
@@ -64,7 +63,7 @@ def _check_args(param, grad, exp_avg, exp_avg_sq, param_copy, step, lr, betas, e
         raise TypeError(f"exp_avg is {exp_avg.dtype} but exp_avg_sq is {exp_avg_sq.dtype}: "
                         f"both moments must have the same dtype")
     if param_copy is not None:
-        _check_tensor("param_copy", param_copy, _COPY_DTYPES, n)
+        _check_tensor("param_copy", param_copy, COPY_DTYPES, n)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step={step!r} must be an int >= 1 (the 1-based count of this update)")
     beta1, beta2 = betas
@@ -151,7 +150,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
                             weight_decay, adamw_mode, grad_scale)
             return
         hp = _hparams(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale)
-        copy_dtype = _native.DTYPE_NONE if param_copy is None else _COPY_DTYPES[param_copy.dtype]
+        copy_dtype = _native.DTYPE_NONE if param_copy is None else COPY_DTYPES[param_copy.dtype]
         args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=param.numel(), nrows=2,
                                 grad_dtype=_GRAD_DTYPES[grad.dtype], state_dtype=_STATE_DTYPES[exp_avg.dtype],
                                 copy_dtype=copy_dtype, param_copy=None if param_copy is None else param_copy.data_ptr())

@@ -201,10 +201,7 @@ class StepPipeline:
         first, so it would wait for it anyway; run on the main thread, its kernel runs on
         torch's own team, whose workers are still spinning after backward (no worker thread
         to wake, no GIL to hand over), while the registration's threads start."""
-        try:
-            L = _native.lib()
-        except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
-            L = None
+        L = _native_lib()
         self._phase_held(L)
         self._inline_next = inline_first and self.device.type == "cpu"
         self._quiet_due = L is not None
@@ -220,10 +217,7 @@ class StepPipeline:
         if self._inline_next:            # submitting(inline_first): this block's job runs here
             self._inline_next = False
             return self._run_inline(block, args)
-        try:
-            L = _native.lib()
-        except ImportError:              # OFFLOAD_NATIVE=on without the library: the job says so
-            L = None
+        L = _native_lib()
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
@@ -460,3 +454,12 @@ def _device_step(rule, p, g, state: dict, group: dict, step: int, shape) -> None
     for k, v in state.items():
         if wide[k] is not v:
             v.copy_(wide[k])
+
+
+def _native_lib():
+    """The native library for the pool's holds, or None (OFFLOAD_NATIVE=on without the
+    library: the job itself says so)."""
+    try:
+        return _native.lib()
+    except ImportError:
+        return None

@@ -39,7 +39,8 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                  torch.float16: _native.DTYPE_F16}
-_COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
+# the dtypes a CPU step writes the new parameters in (param_copy), native codes
+COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
                 torch.float32: _native.DTYPE_F32}
 
 State = Dict[str, torch.Tensor]
@@ -150,7 +151,7 @@ class UpdateRule:
         _check_flat("param", param, (torch.float32,), n)
         _check_flat("grad", grad, tuple(_NATIVE_DTYPE), n)
         if param_copy is not None:
-            _check_flat("param_copy", param_copy, tuple(_COPY_DTYPES), n)
+            _check_flat("param_copy", param_copy, tuple(COPY_DTYPES), n)
         dtype = state_dtype_of(state, rows)
         with _profiler_range(self.name):
             L = _native.lib() if self.kernel else None
@@ -160,7 +161,7 @@ class UpdateRule:
                 return
             args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=n, nrows=len(rows),
                                     grad_dtype=_NATIVE_DTYPE[grad.dtype],
-                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else _COPY_DTYPES[param_copy.dtype],
+                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else COPY_DTYPES[param_copy.dtype],
                                     param_copy=None if param_copy is None else param_copy.data_ptr())
             args.state_dtype = _native.DTYPE_Q8 if dtype == "int8" else _NATIVE_DTYPE[_TORCH_DTYPE[dtype]]
             for r, row in enumerate(rows):
