@@ -80,6 +80,7 @@ class StepPipeline:
         self._held_jobs = 0                       # jobs in flight (and a submission loop) under the pool's hold
         self._inline_next = False                 # submitting(inline_first): the next submit runs here
         self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
+        self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -367,7 +368,7 @@ class StepPipeline:
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)
-        for g, a, b, shape, state in _pieces(block, c, rows):
+        for g, a, b, shape, state in self._pieces(block, c, rows):
             group = args.groups[g]
             A, B = c.a + a, c.a + b                  # in the shard
             if on_device:
@@ -386,6 +387,15 @@ class StepPipeline:
                     rule.cpu_step(master[x:y], rgrad, c.layout.slice(rows, x, y), group, args.step,
                                   param_copy=None if out is None else out[ra:rb], grad_scale=args.grad_scale,
                                   shape=None)
+
+    def _pieces(self, block: BlockShard, chunk, rows: dict) -> list:
+        """``_pieces`` below, kept per chunk while its ``rows`` are the same objects (a chunk's
+        cached views, optim/state.py): the slices are built once, not at every step."""
+        key = (block.index, chunk.index)
+        hit = self._piece_cache.get(key)
+        if hit is None or hit[0] is not rows:
+            hit = self._piece_cache[key] = (rows, list(_pieces(block, chunk, rows)))
+        return hit[1]
 
     # ---- synchronization -------------------------------------------------------------------
     def wait_all(self) -> None:

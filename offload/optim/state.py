@@ -90,12 +90,26 @@ class StateChunk:
         else:
             assert tensor is not None and tensor.dtype == torch.uint8 and tensor.numel() == self.nbytes
             self._loan = Loan.resident(tensor, key, self.what)
+        # The views of the buffer last acquired, built once per buffer: a HOST or DEVICE state
+        # keeps one buffer for its life, and an NVMe chunk meets the same few pool buffers
+        # again. Each view is a torch call that releases the GIL, and on the optimizer worker
+        # each release can wait for the main thread's forward to give the GIL back.
+        self._src: Optional[torch.Tensor] = None      # the loan's buffer ...
+        self._buf: Optional[torch.Tensor] = None      # ... as this chunk's bytes
+        self._views: Optional[tuple] = None           # ... and as (master, rows)
 
     def _bytes(self, data: torch.Tensor) -> torch.Tensor:
-        return data.view(torch.uint8).view(-1)[:self.nbytes]
+        if data is not self._src:
+            self._src, self._buf, self._views = data, data.view(torch.uint8).view(-1)[:self.nbytes], None
+        return self._buf
 
     def views(self, buf: torch.Tensor) -> tuple:
-        """(master fp32 [b - a], {row name: tensor}) as views of an acquired buffer."""
+        """(master fp32 [b - a], {row name: tensor}) as views of an acquired buffer (the same
+        objects for the same buffer: read them, never rebind their entries)."""
+        if buf is self._buf:
+            if self._views is None:
+                self._views = self.layout.views(buf)
+            return self._views
         return self.layout.views(buf)
 
     @property
