@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import offload
 from _models import batches, clone, make_model
@@ -298,3 +299,44 @@ def test_stats_and_profiler_ranges(tmp_path):
     assert s["tier_bytes"]["nvme"] >= sum(b.state.nbytes for b in eng.blocks)
     assert s["seconds"]["cpu_adam"] > 0
     eng.close()
+
+
+def test_optimizer_step_hooks_run_as_torch_runs_them(tmp_path, monkeypatch):
+    """torch.optim's step hooks (global and the engine optimizer's own, pre then post) run
+    once per committed update, as around a torch optimizer's step; the step's profiler
+    range is entered only while a profiler records."""
+    calls = []
+    entered = []
+    real = torch.profiler.record_function
+
+    def counting(name, *a, **kw):
+        entered.append(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)   # torch's step wrapper's
+    model = make_model()
+    eng = offload.initialize(model, cfg_for("cpu", tmp_path, gradient_accumulation_steps=2))
+    opt = eng.optimizer
+    handles = [opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt, a[0] is opt))),
+               opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, a[0] is opt))),
+               register_optimizer_step_pre_hook(
+                   lambda o, a, k: calls.append(("global pre", o is opt, a[0] is opt))),
+               register_optimizer_step_post_hook(
+                   lambda o, a, k: calls.append(("global post", o is opt, a[0] is opt)))]
+    try:
+        for i, (x, y) in enumerate(batches(4)):
+            eng.backward(eng(x, y))
+            eng.step()
+            # a torch optimizer: global pre, own pre, own post, global post, once per update
+            assert calls == [("global pre", True, True), ("pre", True, True), ("post", True, True),
+                             ("global post", True, True)] * ((i + 1) // 2), i
+        assert not [n for n in entered if n.startswith("Optimizer.step")]   # no profiler: no range
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for x, y in batches(2):
+                eng.backward(eng(x, y))
+                eng.step()
+        assert "Optimizer.step#_ParamGroups.step" in {e.name for e in prof.events()}
+    finally:
+        for h in handles:
+            h.remove()
+        eng.close()

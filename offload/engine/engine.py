@@ -35,6 +35,7 @@ so clipping and fp16 overflow decisions agree on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,7 @@ from offload.engine.step_control import StepControl
 from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params.writeback import ParamWriteBack
-from offload.engine.telemetry import Telemetry
+from offload.engine.telemetry import Telemetry, profiling as telemetry_profiling
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -112,13 +113,42 @@ class _ParamGroups(torch.optim.Optimizer):
         self._engine = weakref.ref(engine)     # the engine owns this object, not the reverse
 
     @torch.no_grad()
-    def step(self, closure=None):  # called by Engine.step(); the scheduler tracks the call
-        return None
+    def step(self, closure=None):
+        """Called by Engine.step() after each committed update (the LR scheduler tracks the
+        call). Runs the optimizer step hooks registered with torch, global and this
+        optimizer's, pre then post, as torch's own step wrapper does, and its
+        ``Optimizer.step#_ParamGroups.step`` profiler range only while a profiler records:
+        torch's wrapper enters that range at every call, two dispatcher calls that release
+        the GIL right after the commit handed the blocks to the optimizer workers, and
+        taking it back cost the main thread 0.07-4 ms of ``step()``."""
+        args = (self,) if closure is None else (self, closure)
+        with _profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
+            for hook in (*_torch_step_hooks("pre"), *self._optimizer_step_pre_hooks.values()):
+                if hook(self, args, {}) is not None:
+                    raise RuntimeError("an optimizer step pre-hook returned new arguments: the engine's "
+                                       "step() takes none")
+            for hook in (*self._optimizer_step_post_hooks.values(), *_torch_step_hooks("post")):
+                hook(self, args, {})
+
+    step.hooked = True       # torch wraps an unmarked step() in its profiling wrapper
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         engine = self._engine()
         if engine is not None:
             engine.zero_grad(set_to_none)
+
+
+def _torch_step_hooks(kind: str) -> tuple:
+    """The optimizer step hooks registered for every optimizer (torch.optim.optimizer's
+    register_optimizer_step_{pre,post}_hook), or none where a torch version keeps them
+    elsewhere."""
+    from torch.optim import optimizer as torch_optimizer
+    return tuple(getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values())
+
+
+def _profiler_range(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler records, else nothing."""
+    return torch.profiler.record_function(name) if telemetry_profiling() else contextlib.nullcontext()
 
 
 def _check_group(where: str, group: dict, rule, defaults: dict) -> None:

@@ -84,7 +84,7 @@ class Telemetry:
 _STAGES: dict = {}      # span name -> stage ("offload::cpu_adam" -> "cpu_adam")
 
 
-def _profiling() -> bool:
+def profiling() -> bool:
     """Whether a torch profiler records now, on any thread: torch's own fast check (a
     module flag set while any profiler runs, ``profile_all_threads`` included, which
     ``torch.autograd._profiler_enabled()`` does not see); where a torch version lacks it,
@@ -103,7 +103,7 @@ class _Span:
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
-        if _profiling():
+        if profiling():
             self._range = torch.profiler.record_function(self._name)
             self._range.__enter__()
 
