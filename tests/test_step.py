@@ -10,6 +10,8 @@ Every placement: offload_optimizer none / cpu / nvme x offload_param none / cpu 
 and without clipping. Tolerances: twice the distance between torch's own single-tensor and
 fused AdamW on the same run (measured here), plus 1e-6.
 """
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,12 +236,10 @@ def test_close_without_restore_releases_offloaded_parameters(prm, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU device's zero-copy paths")
 def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
     """On a CPU device (fp32, state on the host) the parameters are the fp32 master the
-    update writes, and gradients are read where autograd left them, not copied: the same
-    results as torch with one and two backward() calls per step; close() gives the
-    parameters memory of their own, with their trained values."""
+    update writes: the same results as torch with one and two backward() calls per step;
+    close() gives the parameters memory of their own, with their trained values."""
     model = make_model()
     eng = offload.initialize(model, cfg("cpu", "none", 0.5, tmp_path))
-    assert all(b.grad.by_reference for b in eng.blocks)
     for b in eng.blocks:
         master = b.state.views(b.state.acquire())[0]
         for s in b.layout.segments:
@@ -300,4 +300,45 @@ def test_ctrl_c_during_the_commit_waits_for_the_whole_step(tmp_path, monkeypatch
         eng.backward(eng(idx, tgt))
         assert eng.step() is True
     assert eng.global_step == 4
+    eng.close()
+
+
+def _heap_in_use():
+    """Bytes glibc's malloc has handed out and not taken back (every arena, mmapped chunks
+    included), or None where unknown (not glibc, glibc < 2.33)."""
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [], Info
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or _heap_in_use() is None,
+                    reason="a CPU device's gradients in glibc's heap")
+def test_cpu_device_gradients_do_not_outlive_backward(tmp_path):
+    """On a CPU device each gradient is copied into the engine's gradient buffer (host pool,
+    allocated once) as it lands and autograd's tensor is freed at once: after backward() the
+    heap holds nothing of the step (no fresh allocation per parameter kept until the update,
+    which made glibc grow and trim the heap every step), and the next backward reuses that
+    memory. Against torch, whose .grad tensors stay allocated until zero_grad()."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    x = torch.randn(8, 256)
+    grad_bytes = 4 * 256 * 256
+    ref = model()
+    before = _heap_in_use()
+    ref(x).square().mean().backward()
+    assert _heap_in_use() - before >= 4 * grad_bytes     # torch: every .grad still allocated
+    eng = offload.initialize(model(), {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
+    for _ in range(3):
+        before = _heap_in_use()
+        eng.backward(eng(x).square().mean())
+        assert _heap_in_use() - before < grad_bytes
+        eng.step()
     eng.close()

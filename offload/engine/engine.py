@@ -86,8 +86,7 @@ class _UpdateAndGrads:
         seg = block.layout.segments[k]
         grad = param.grad
         buf = block.landing or block.grad    # full-size either way: land at the flat offset
-        moved = 0 if buf.by_reference else grad.numel() * grad.element_size()   # held: nothing moves
-        with e.telemetry.span("offload::grad_d2h", "d2h", moved):
+        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
             buf.land(k, seg.offset, grad, e._d2h)
         param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
         if buf.complete:
@@ -700,12 +699,10 @@ class Engine:
             layout = self._state_layout(lay, s0, s1)
             nbytes = layout.nbytes
             assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
-            by_ref = self._grads_by_reference(layout, grad_dtype)
-            held = {"by_reference": True, "segments": lay.segments} if by_ref else {}
             if self.tier is Tier.DEVICE:
                 state = OptimState(self._state_key(lay), layout, Tier.DEVICE,
                                    tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
-                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments), **held)
+                grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
                 if self._grad_tier is not None:
                     grad = GradBuffer(None, len(lay.segments), numel=gn, dtype=grad_dtype, tier=self._grad_tier,
@@ -713,8 +710,15 @@ class Engine:
                                       what=f"gradients of block {lay.index} ({lay.name or '<root>'})",
                                       gaps=blk.gaps(lay, gn))
                 else:
+                    # kept for the engine's lifetime, in the host pool (counted in its budget):
+                    # each gradient is copied in as it lands and autograd's tensor is freed at
+                    # once, also on a CPU device. Holding autograd's tensors until the update
+                    # instead kept one fresh allocation per parameter alive through the step;
+                    # glibc grew the heap for them in every backward and trimmed it when the
+                    # updates freed them (1,000-5,000 page faults a backward, ~1 ms), while a
+                    # freed gradient's memory is what autograd's next one reuses, still in cache
                     nb = gn * torch.empty((), dtype=grad_dtype).element_size()
-                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments), **held)
+                    grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
                     state = OptimState(self._state_key(lay), layout, Tier.HOST, tensor=t)
@@ -755,16 +759,6 @@ class Engine:
             # free; one block after another they made the load's peak RSS grow with depth
             dev.trim_host_heap(dev.step_trim_bytes())
         self._build_units()
-
-    def _grads_by_reference(self, layout, grad_dtype: torch.dtype) -> bool:
-        """Whether a block's gradients are read where autograd leaves them instead of being
-        copied into the gradient buffer (engine/grads.py): on a CPU device (the gradient is
-        already in host memory), one rank (no collective reads the buffer), stages 0-1 (the
-        buffer is the full flat), no spilling, gradients in the buffer's dtype, and an
-        elementwise rule with fp32 or bf16 rows (stepped in any sub-ranges)."""
-        return (self.device.type == "cpu" and not self.comm.active and self.stage < 2
-                and self._grad_tier is None and grad_dtype == self.dtype and not layout.tensors
-                and self.state_dtype != "int8")
 
     def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
         """Whether a block's device parameters can be the fp32 master itself: the compute

@@ -82,24 +82,42 @@ class SavedTensorChain:
 
 
 class _OutsideReads(TorchFunctionMode):
-    """Reports parameters that reach a torch function (reads outside their module's hooks)."""
+    """Reports parameters that reach a torch function (reads outside their module's hooks).
+
+    Entered for whole forwards (every torch call of the forward passes here), so the check
+    per call is kept to a dict lookup per argument: only parameters some participant tracks
+    (the hook owner's ``_owner``: trained blocks and parameter offload's units) are looked
+    for, by id, and confirmed as Parameters only on a hit (``isinstance(x, Parameter)``
+    runs Python code of torch's for every tensor it is asked about)."""
 
     def __init__(self, hooks: "Hooks"):
         super().__init__()
         self.hooks = hooks
+        self.watched = hooks._owner              # id(param) -> block; lives as long as the hooks
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        params = [a for a in args if isinstance(a, nn.Parameter)]
-        params += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, nn.Parameter)]
-        params += [a for a in kwargs.values() if isinstance(a, nn.Parameter)]
-        if not params:
+        watched, params = self.watched, None
+        for a in args:
+            if isinstance(a, _SEQUENCES):
+                for x in a:
+                    if id(x) in watched and isinstance(x, nn.Parameter):
+                        params = (params or []) + [x]
+            elif id(a) in watched and isinstance(a, nn.Parameter):
+                params = (params or []) + [a]
+        for a in kwargs.values():
+            if id(a) in watched and isinstance(a, nn.Parameter):
+                params = (params or []) + [a]
+        if params is None:
             return func(*args, **kwargs)
         held = self.hooks.param_read(params)      # kept in use until the op returns
         try:
             return func(*args, **kwargs)
         finally:
             self.hooks.param_read_done(held)
+
+
+_SEQUENCES = (list, tuple)
 
 
 class Hooks:
