@@ -14,17 +14,10 @@ queued (its memory is protected by ``record_stream``).
 
 Landing copies, also on a CPU device, and the caller frees autograd's tensor right after
 (engine.py): the buffer is allocated once, and autograd's next gradient reuses the memory
-just freed, still in cache. Kept alive until the update instead (below), one fresh
-allocation per parameter made glibc grow the heap in every backward and trim it as the
-updates freed them: 1,000-5,000 page faults a backward.
-
-Held by reference (``by_reference``, only when constructed so; the engine does not): a
-parameter's first gradient of a window is not copied;
-the buffer keeps the tensor autograd produced (it only reads it) and the update reads it
-from there (``runs``, ``segment``); a later landing in the same window sums it into the
-buffer (``torch.add(held, new, out=range)``) and drops it. Every holder is dropped when the
-window is consumed (``reset_window``). ``resident()`` copies held gradients into the buffer
-first, so a reader of the whole buffer sees the window's sum.
+just freed, still in cache. Keeping autograd's tensors until the update instead (read where
+they are, no copy) kept one fresh allocation per parameter alive through the step: glibc grew
+the heap for them in every backward and trimmed it as the updates freed them, 1,000-5,000
+page faults a backward, more than the copy costs.
 
 Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
 ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
@@ -75,8 +68,7 @@ class GradBuffer:
 
     def __init__(self, tensor: Optional[torch.Tensor], num_segments: int, *, numel: int = 0,
                  dtype: torch.dtype = torch.float32, tier=None, has_jobs=None, device=None,
-                 key: str = "", what: str = "", gaps: Sequence[Tuple[int, int]] = (),
-                 by_reference: bool = False, segments: Sequence = ()):
+                 key: str = "", what: str = "", gaps: Sequence[Tuple[int, int]] = ()):
         self.tensor = tensor                          # 1-D, padded numel (None while not borrowed)
         # transient (no tensor, no pool): allocated on ``device`` at the first landing and
         # freed by reset_window (ZeRO-2/3 landing buffers, live only until reduce-scattered)
@@ -98,11 +90,6 @@ class GradBuffer:
         # [a, b) ranges no parameter covers (alignment gaps, padding): zeroed in a borrowed
         # buffer, which holds another block's bytes (an int8 scale block may span a gap)
         self._gaps = tuple(gaps)
-        # by reference: per segment, this window's gradient tensor when it was not copied
-        self.by_reference = by_reference
-        self._held: List[Optional[torch.Tensor]] = [None] * num_segments
-        self._ranges = [(s.offset, s.offset + s.numel) for s in segments]   # flat ranges, by segment
-        assert not by_reference or (tensor is not None and tier is None and len(self._ranges) == num_segments)
 
     # ---- one backward ------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -120,21 +107,14 @@ class GradBuffer:
         if self.tensor is None:
             self._borrow()
         dst = self.tensor[offset:offset + flat.numel()]
-        held = self._held[index]
         if not self._seen[index]:
-            if self.by_reference and flat.device == dst.device and flat.dtype == dst.dtype \
-                    and flat.is_contiguous() and flat.data_ptr() != dst.data_ptr():
-                self._held[index] = flat              # read by the update; never written
-            elif dst.device == flat.device:
+            if dst.device == flat.device:
                 dst.copy_(flat)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:
                     self.events.append(ev)
             self._seen[index] = True
-        elif held is not None:                        # the window's second gradient: summed here
-            torch.add(held, flat, out=dst)
-            self._held[index] = None
         elif dst.device == flat.device:
             dst.add_(flat)
         else:
@@ -239,45 +219,12 @@ class GradBuffer:
             fut.result()
 
     def resident(self) -> torch.Tensor:
-        """The buffer in memory (a parked sum is read back into a borrowed buffer; held
-        gradients are copied in)."""
+        """The buffer in memory (a parked sum is read back into a borrowed buffer)."""
         if self._park_thread != threading.get_ident():
             self._wait_parking()
         if self.tensor is None and self.spill is Spill.PARKED:
             self._borrow()
-        for i, held in enumerate(self._held):
-            if held is not None:
-                a, b = self._ranges[i]
-                self.tensor[a:b].copy_(held)
-                self._held[i] = None
         return self.tensor
-
-    def segment(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s gradient of this window (by reference: held or in the buffer)."""
-        assert self.by_reference
-        held = self._held[index]
-        if held is not None:
-            return held
-        a, b = self._ranges[index]
-        return self.tensor[a:b]
-
-    def runs(self, a: int, b: int) -> List[Tuple[int, int, torch.Tensor]]:
-        """(start, end, gradient) covering the flat range [a, b) in order: a held gradient's
-        own tensor for its segment, buffer slices between them (one run when nothing is held)."""
-        if not self.by_reference:
-            return [(a, b, self.resident()[a:b])]
-        out, pos = [], a
-        for (s0, s1), held in sorted(zip(self._ranges, self._held), key=lambda t: t[0][0]):
-            if held is None or s1 <= a or s0 >= b:
-                continue
-            lo, hi = max(s0, a), min(s1, b)           # a state chunk may end inside a segment
-            if pos < lo:
-                out.append((pos, lo, self.tensor[pos:lo]))
-            out.append((lo, hi, held[lo - s0:hi - s0]))
-            pos = hi
-        if pos < b:
-            out.append((pos, b, self.tensor[pos:b]))
-        return out
 
     def seen(self, index: int) -> bool:
         """Whether parameter ``index`` got a gradient in the current window."""
@@ -339,7 +286,6 @@ class GradBuffer:
         buffer goes back to the pool)."""
         self._wait_parking()
         self._seen = [False] * self.num_segments
-        self._held = [None] * self.num_segments       # the update has read them
         self.spill, self._zero_on_return = Spill.NONE, None
         if self._loan is None and self._device is not None:
             self.wait_landed()

@@ -259,13 +259,9 @@ class StepControl:
         except BaseException as exc:      # named for its block, raised from step()
             raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
         block.grad.wait_landed()
-        if block.grad.by_reference:           # held gradients are read where they are
-            items = [(self._param_order.get(id(s.param), 0), block.grad.segment(i))
-                     for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
-        else:
-            g = block.grad_shard()
-            items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
-                     for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
+        g = block.grad_shard()
+        items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
+                 for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
         if not items:
             return []
         norms = torch._foreach_norm([g for _, g in items], 2.0)

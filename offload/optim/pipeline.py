@@ -329,8 +329,7 @@ class StepPipeline:
                     self._grad_sync.wait(block)
                 at[0] = "gradient landing"
                 block.grad.wait_landed()
-                # by reference: gradients read where autograd left them (grads.py), per run
-                grad = block.grad.tensor if block.grad.by_reference else block.grad_shard()
+                grad = block.grad_shard()
                 # the parameter side says where the new copy goes; with chunks fp32
                 # parameters too, filled from each chunk's master (never whole)
                 out = self._params.target(block, whole_master=len(chunks) == 1)
@@ -378,15 +377,8 @@ class StepPipeline:
                 continue
             # the rule writes the new parameters into ``out`` in the same pass as the update
             # (bf16 / fp16 rounded, fp32 as they are): no second pass over the master
-            if not block.grad.by_reference:
-                rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
-                              param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
-            else:                                     # an elementwise rule: each run stepped on its own
-                for ra, rb, rgrad in block.grad.runs(A, B):
-                    x, y = ra - c.a, rb - c.a
-                    rule.cpu_step(master[x:y], rgrad, c.layout.slice(rows, x, y), group, args.step,
-                                  param_copy=None if out is None else out[ra:rb], grad_scale=args.grad_scale,
-                                  shape=None)
+            rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
+                          param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
 
     def _pieces(self, block: BlockShard, chunk, rows: dict) -> list:
         """``_pieces`` below, kept per chunk while its ``rows`` are the same objects (a chunk's
