@@ -9,14 +9,19 @@ write-back.
 
 * peak RSS: each configuration runs in a fresh subprocess (``ru_maxrss``), so the figures
   are not mixed with another configuration's allocations;
-* step time: without and with offload in one process, two engines on copies of the model,
-  steps interleaved, median of the per-round ratios (paired: the disk's rate and the
-  machine's load drift). The claim holds "when the disk keeps up": a step's activation
-  writes, at the disk's rate, fit in the forward's time without offload, and its reads in
-  the backward's (the disk's rate: a probe in the same process, before and after the
-  rounds, writing and reading 512 MiB through an NVMe store configured as the engine's,
-  O_DIRECT and checksummed; it has the disk to itself, the engine shares it with nothing
-  but shares the CPU with compute). The output says which it was, with the figures;
+* step time: without and with offload, each configuration in a process of its own that
+  steps on command, the two stepping in turn (never at once), warmed up alike: the claim is
+  the median of the per-round ratios of paired steps (the disk's rate and the machine's load
+  drift), with their quartiles beside it. Not one process: on a CPU device activation
+  offload keeps allocations over 4 MiB mmapped process-wide (device.py), which slowed a
+  baseline sharing its process by 5-8% (measured: 4.62-4.79 s against 4.39-4.45 s a step),
+  while a user without offload has malloc untouched. The claim holds "when the disk keeps
+  up": a step's activation writes, at the disk's rate, fit in the forward's time without
+  offload, and its reads in the backward's (the disk's rate: a probe in the offload
+  process, before and after the rounds, writing and reading 512 MiB through an NVMe store
+  configured as the engine's, O_DIRECT and checksummed; it has the disk to itself, the
+  engine shares it with nothing but shares the CPU with compute). The output says which it
+  was, with the figures;
 * bytes moved: the engine's d2h / h2d bytes against the sizes of the tensors plain torch
   saves in the same forward (an outermost saved-tensor hook counting unique tensors of at
   least ``min_bytes`` that are not parameters).
@@ -228,45 +233,120 @@ def disk_rate(a, nbytes=512 << 20, piece=128 << 20) -> dict:
         arena.close()
 
 
-def worker_time(a):
-    """Without and with offload in this process, steps interleaved; medians of paired ratios."""
-    saved = plain_saved_bytes(a, build(a, a.ckpt))
-    base, off = engine(a, build(a, a.ckpt), "none"), engine(a, build(a, a.ckpt), a.tier)
-    train_step(base, a, 0), train_step(off, a, 0)       # warm-up (the first step reserves swap files)
-    probes = [disk_rate(a)] if a.tier == "nvme" else []
-    s0 = off.stats()["activations"]
-    ratios, tb, to = [], [], []
-    peaks = {id(base): [], id(off): []}
-    phases = {id(base): [], id(off): []}
-    for r in range(a.rounds):
-        first, second = (base, off) if r % 2 == 0 else (off, base)
-        t1 = train_step(first, a, r + 1, peaks[id(first)], phases[id(first)])
-        t2 = train_step(second, a, r + 1, peaks[id(second)], phases[id(second)])
-        b, o = (t1, t2) if first is base else (t2, t1)
-        tb.append(b)
-        to.append(o)
-        ratios.append(o / b)
-    s1 = off.stats()["activations"]
-    waits = {d: (s1["wait_s"][d] - s0["wait_s"][d]) / a.rounds for d in ("write", "read")}
-    late = (s1["prefetch"]["late"] - s0["prefetch"]["late"]) / a.rounds
-    base.close()
-    off.close()
-    if a.tier == "nvme":
-        probes.append(disk_rate(a))
-    steps = a.rounds
-    per_step = {k: (s1["bytes_moved"][k] - s0["bytes_moved"].get(k, 0)) / steps for k in s1["bytes_moved"]}
-    return {"step_overhead": statistics.median(ratios), "base_step_s": statistics.median(tb),
-            "offload_step_s": statistics.median(to), "plain_saved_bytes": saved,
-            "moved_per_step": per_step, "activations": s1, "wait_s_per_step": waits, "late_reads_per_step": late,
-            "base_forward_s": statistics.median(f for f, _ in phases[id(base)]),
-            "base_backward_s": statistics.median(b for _, b in phases[id(base)]),
-            "offload_forward_s": statistics.median(f for f, _ in phases[id(off)]),
-            "offload_backward_s": statistics.median(b for _, b in phases[id(off)]),
+def worker_stepper(a):
+    """One configuration (``a.act``) in this process, stepping on command: one JSON request
+    a line on stdin, one JSON reply a line on the protocol descriptor (stdout at start;
+    anything else printed goes to stderr). Requests: ``saved`` (plain torch's saved bytes,
+    before the engine exists), ``step`` (one synchronized training step), ``probe`` (the
+    disk's rate), ``stats`` (the engine's activation stats), ``quit``."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    eng = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        if op == "saved":
+            out = {"bytes": plain_saved_bytes(a, build(a, a.ckpt))}
+        elif op == "step":
+            if eng is None:
+                eng = engine(a, build(a, a.ckpt), a.act)
+            peaks, phases = [], []
+            t = train_step(eng, a, req["step"], peaks, phases)
+            out = {"s": t, "forward_s": phases[0][0], "backward_s": phases[0][1], "peak": peaks[0] if peaks else 0}
+        elif op == "probe":
+            out = disk_rate(a)
+        elif op == "stats":
+            out = eng.stats().get("activations") or {}
+        elif op == "quit":
+            if eng is not None:
+                eng.close()
+            proto.write("{}\n")
+            return
+        else:
+            raise ValueError(f"stepper: unknown request {op!r}")
+        proto.write(json.dumps(out) + "\n")
+
+
+class Stepper:
+    """A ``worker_stepper`` subprocess for one configuration; ``call`` waits (bounded) for
+    its reply."""
+
+    def __init__(self, a, act: str, timeout_s: float = 900.0):
+        self.act, self.timeout_s = act, timeout_s
+        self.proc = subprocess.Popen(worker_args(a, "stepper", act=act), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ})
+
+    def call(self, op: str, **kw) -> dict:
+        import select
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            raise RuntimeError(f"bench_activations: the {self.act} stepper gave no reply to {op!r} "
+                               f"(exit code {self.proc.poll()}, or no reply within {self.timeout_s:.0f} s)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call("quit")
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def quartiles(xs) -> list:
+    """[first quartile, third quartile] of ``xs`` (inclusive method; both the value for one)."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def time_paired(a, ckpt: bool, tier: str, rounds: int) -> dict:
+    """Without and with offload (``tier``), each in its own stepper process, stepping in turn:
+    one warm-up step each, then ``rounds`` rounds of one step each, the order alternating
+    (base first in even rounds); the claim is the median of the per-round ratios."""
+    a = argparse.Namespace(**{**vars(a), "ckpt": ckpt, "tier": tier})
+    base, off = Stepper(a, "none"), Stepper(a, tier)
+    try:
+        saved = base.call("saved")["bytes"]
+        base.call("step", step=0)
+        off.call("step", step=0)                      # the first step reserves swap files
+        probes = [off.call("probe")] if tier == "nvme" else []
+        s0 = off.call("stats")
+        ratios, steps = [], {"none": [], tier: []}
+        for r in range(rounds):
+            order = (base, off) if r % 2 == 0 else (off, base)
+            got = {st.act: st.call("step", step=r + 1) for st in order}
+            for k, v in got.items():
+                steps[k].append(v)
+            ratios.append(got[tier]["s"] / got["none"]["s"])
+        s1 = off.call("stats")
+        if tier == "nvme":
+            probes.append(off.call("probe"))
+    finally:
+        base.close()
+        off.close()
+    tb, to = steps["none"], steps[tier]
+    waits = {d: (s1["wait_s"][d] - s0["wait_s"][d]) / rounds for d in ("write", "read")}
+    late = (s1["prefetch"]["late"] - s0["prefetch"]["late"]) / rounds
+    per_step = {k: (s1["bytes_moved"][k] - s0["bytes_moved"].get(k, 0)) / rounds for k in s1["bytes_moved"]}
+    med = lambda xs, k: statistics.median(x[k] for x in xs)   # noqa: E731
+    return {"step_overhead": statistics.median(ratios), "step_overhead_quartiles": quartiles(ratios),
+            "pair_ratios": ratios, "base_step_s": med(tb, "s"), "offload_step_s": med(to, "s"),
+            "plain_saved_bytes": saved, "moved_per_step": per_step, "activations": s1, "wait_s_per_step": waits,
+            "late_reads_per_step": late, "base_forward_s": med(tb, "forward_s"),
+            "base_backward_s": med(tb, "backward_s"), "offload_forward_s": med(to, "forward_s"),
+            "offload_backward_s": med(to, "backward_s"),
             "disk_gbps": {d: statistics.mean(p[d] for p in probes) for d in ("write", "read")} if probes else {},
-            "device_step_peak": {"none": max(peaks[id(base)], default=0), a.tier: max(peaks[id(off)], default=0)}}
+            "device_step_peak": {"none": max(x["peak"] for x in tb), tier: max(x["peak"] for x in to)}}
 
 
-def run_worker(a, mode, **kw) -> dict:
+def worker_args(a, mode, **kw) -> list:
     args = [sys.executable, os.path.abspath(__file__), "--worker", mode]
     for k, v in {**vars(a), **kw}.items():
         if k in ("worker",) or v is None:
@@ -276,7 +356,12 @@ def run_worker(a, mode, **kw) -> dict:
                 args.append(f"--{k.replace('_', '-')}")
         else:
             args += [f"--{k.replace('_', '-')}", str(v)]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, env={**os.environ})
+    return args
+
+
+def run_worker(a, mode, **kw) -> dict:
+    out = subprocess.run(worker_args(a, mode, **kw), check=True, capture_output=True, text=True,
+                         env={**os.environ})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -302,19 +387,21 @@ def device_check(a, load):
         sys.exit("bench_activations --device-check needs CUDA")
     out = {}
     for ckpt in (False, True):
-        t = run_worker(a, "time", ckpt=ckpt, tier="cpu")
+        t = time_paired(a, ckpt, "cpu", a.rounds if not ckpt else a.rounds_checkpointed)
         per_layer = t["plain_saved_bytes"] / a.layers
         bound = a.lookahead_bytes + per_layer
         held = t["activations"]["device_bytes_peak"]
         peak = t["device_step_peak"]
         out["checkpointed" if ckpt else "plain"] = {
-            "step_overhead": t["step_overhead"], "base_step_s": t["base_step_s"],
+            "step_overhead": t["step_overhead"], "step_overhead_quartiles": t["step_overhead_quartiles"],
+            "base_step_s": t["base_step_s"],
             "offload_step_s": t["offload_step_s"], "saved_bytes_per_step": t["plain_saved_bytes"],
             "offloaded_held_on_device_peak": held, "bound_lookahead_plus_one_layer": bound,
             "device_step_peak_none": peak["none"], "device_step_peak_offload": peak["cpu"],
             "gbps": t["activations"]["gbps"], "prefetch": t["activations"]["prefetch"]}
         print(f"checkpointing={ckpt}: step {t['base_step_s']:.3f} s -> {t['offload_step_s']:.3f} s "
-              f"({t['step_overhead']:.3f}x); device step peak {peak['none'] / 2**20:.0f} -> {peak['cpu'] / 2**20:.0f} MiB; "
+              f"({t['step_overhead']:.3f}x, quartiles {t['step_overhead_quartiles'][0]:.3f}-"
+              f"{t['step_overhead_quartiles'][1]:.3f} of {len(t['pair_ratios'])} pairs); device step peak {peak['none'] / 2**20:.0f} -> {peak['cpu'] / 2**20:.0f} MiB; "
               f"offloaded tensors held on the device at most {held / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)")
     claims = {"gpu_step_overhead": out["plain"]["step_overhead"],
               "gpu_step_overhead_checkpointed": out["checkpointed"]["step_overhead"],
@@ -341,7 +428,10 @@ def main():
     p.add_argument("--min-bytes", type=int, default=1 << 20)
     p.add_argument("--lookahead-bytes", type=int, default=None)
     p.add_argument("--steps", type=int, default=2, help="steps per RSS run")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--rounds", type=int, default=9,
+                   help="timing rounds without checkpointing (one step each without and with offload)")
+    p.add_argument("--rounds-checkpointed", type=int, default=3,
+                   help="timing rounds with checkpointing (its step time is reported, not a claim)")
     p.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one)")
     p.add_argument("--device-check", action="store_true",
                    help="GPU figures only (for gpu_check.sh): offload_activations cpu (pinned host, side "
@@ -356,7 +446,9 @@ def main():
             setattr(a, k, v)
     if a.worker:
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        out = worker_rss(a) if a.worker == "rss" else worker_time(a)
+        if a.worker == "stepper":
+            return worker_stepper(a)
+        out = worker_rss(a)
         print(json.dumps(out))
         return
     tmp = None
@@ -375,18 +467,19 @@ def main():
           f"{a.seq} tokens; min_bytes={a.min_bytes}, lookahead={a.lookahead_bytes >> 20} MiB; "
           f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(f"{'checkpointing':>13} {'RSS none MiB':>12} {'RSS nvme MiB':>12} {'ratio':>6} {'step none s':>11} "
-          f"{'step nvme s':>11} {'overhead':>8} {'disk ok':>7} {'moved/saved':>11}")
+          f"{'step nvme s':>11} {'overhead':>8} {'quartiles':>11} {'pairs':>5} {'disk ok':>7} {'moved/saved':>11}")
     results = {}
     for ckpt in (False, True):
         r_none = run_worker(a, "rss", ckpt=ckpt, act="none")
         r_nvme = run_worker(a, "rss", ckpt=ckpt, act="nvme")
-        t = run_worker(a, "time", ckpt=ckpt)
+        t = time_paired(a, ckpt, a.tier, a.rounds_checkpointed if ckpt else a.rounds)
         mv = t["moved_per_step"]
         moved_vs_saved = mv["d2h"] / t["plain_saved_bytes"] if t["plain_saved_bytes"] else math.nan
         back_vs_saved = mv["h2d"] / t["plain_saved_bytes"] if t["plain_saved_bytes"] else math.nan
         res = {"rss_none_mib": r_none["maxrss_mb"], "rss_nvme_mib": r_nvme["maxrss_mb"],
                "rss_with_vs_without": r_nvme["maxrss_mb"] / r_none["maxrss_mb"],
-               "step_overhead": t["step_overhead"], "base_step_s": t["base_step_s"],
+               "step_overhead": t["step_overhead"], "step_overhead_quartiles": t["step_overhead_quartiles"],
+               "pair_ratios": t["pair_ratios"], "base_step_s": t["base_step_s"],
                "offload_step_s": t["offload_step_s"], "disk_keeps_up": disk_keeps_up(t),
                "disk_gbps": t["disk_gbps"], "disk_budget_s": disk_budget(t),
                "phases_s": {k: t[k] for k in ("base_forward_s", "base_backward_s", "offload_forward_s",
@@ -397,9 +490,11 @@ def main():
                "wait_s_per_step": t["wait_s_per_step"], "late_reads_per_step": t["late_reads_per_step"],
                "read_window": t["activations"].get("read_window")}
         results["checkpointed" if ckpt else "plain"] = res
+        q = res["step_overhead_quartiles"]
         print(f"{str(ckpt):>13} {res['rss_none_mib']:12.0f} {res['rss_nvme_mib']:12.0f} "
               f"{res['rss_with_vs_without']:6.2f} {res['base_step_s']:11.2f} {res['offload_step_s']:11.2f} "
-              f"{res['step_overhead']:8.3f} {str(res['disk_keeps_up']):>7} {moved_vs_saved:11.4f}")
+              f"{res['step_overhead']:8.3f} {q[0]:5.3f}-{q[1]:5.3f} {len(res['pair_ratios']):5d} "
+              f"{str(res['disk_keeps_up']):>7} {moved_vs_saved:11.4f}")
     plain = results["plain"]
     b = plain["disk_budget_s"]
     print(f"disk (probed): write {plain['disk_gbps']['write']:.2f} GB/s, read {plain['disk_gbps']['read']:.2f} GB/s; "
@@ -417,7 +512,9 @@ def main():
     claims = {"rss_with_vs_without": plain["rss_with_vs_without"],
               "rss_with_vs_without_checkpointed": results["checkpointed"]["rss_with_vs_without"],
               "step_overhead": plain["step_overhead"],
+              "step_overhead_quartiles": plain["step_overhead_quartiles"],
               "step_overhead_checkpointed": results["checkpointed"]["step_overhead"],
+              "step_overhead_checkpointed_quartiles": results["checkpointed"]["step_overhead_quartiles"],
               "disk_keeps_up": plain["disk_keeps_up"],
               "bytes_moved_vs_saved": plain["moved_vs_saved"],
               "bytes_moved_vs_saved_checkpointed": results["checkpointed"]["moved_vs_saved"]}
