@@ -9,3 +9,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ranges_entered(monkeypatch):
+    """The names of the torch profiler ranges entered during the test, under either of
+    torch's names for record_function (torch's optimizer step wrapper uses the autograd one)."""
+    import torch
+    entered = []
+    real = torch.profiler.record_function
+
+    def counting(name, *a, **kw):
+        entered.append(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)
+    return entered

@@ -301,19 +301,12 @@ def test_stats_and_profiler_ranges(tmp_path):
     eng.close()
 
 
-def test_optimizer_step_hooks_run_as_torch_runs_them(tmp_path, monkeypatch):
+def test_optimizer_step_hooks_run_as_torch_runs_them(tmp_path, ranges_entered):
     """torch.optim's step hooks (global and the engine optimizer's own, pre then post) run
     once per committed update, as around a torch optimizer's step; the step's profiler
     range is entered only while a profiler records."""
     calls = []
-    entered = []
-    real = torch.profiler.record_function
-
-    def counting(name, *a, **kw):
-        entered.append(name)
-        return real(name, *a, **kw)
-    monkeypatch.setattr(torch.profiler, "record_function", counting)
-    monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)   # torch's step wrapper's
+    entered = ranges_entered
     model = make_model()
     eng = offload.initialize(model, cfg_for("cpu", tmp_path, gradient_accumulation_steps=2))
     opt = eng.optimizer

@@ -35,7 +35,6 @@ so clipping and fp16 overflow decisions agree on every rank.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +59,7 @@ from offload.engine.step_control import StepControl
 from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params.writeback import ParamWriteBack
-from offload.engine.telemetry import Telemetry, profiling as telemetry_profiling
+from offload.engine.telemetry import Telemetry, profiler_range
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -121,7 +120,7 @@ class _ParamGroups(torch.optim.Optimizer):
         the GIL right after the commit handed the blocks to the optimizer workers, and
         taking it back cost the main thread 0.07-4 ms of ``step()``."""
         args = (self,) if closure is None else (self, closure)
-        with _profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
+        with profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
             for hook in (*_torch_step_hooks("pre"), *self._optimizer_step_pre_hooks.values()):
                 if hook(self, args, {}) is not None:
                     raise RuntimeError("an optimizer step pre-hook returned new arguments: the engine's "
@@ -143,11 +142,6 @@ def _torch_step_hooks(kind: str) -> tuple:
     elsewhere."""
     from torch.optim import optimizer as torch_optimizer
     return tuple(getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values())
-
-
-def _profiler_range(name: str):
-    """``torch.profiler.record_function(name)`` while a profiler records, else nothing."""
-    return torch.profiler.record_function(name) if telemetry_profiling() else contextlib.nullcontext()
 
 
 def _check_group(where: str, group: dict, rule, defaults: dict) -> None:

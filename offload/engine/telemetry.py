@@ -8,6 +8,7 @@ trace shows the optimizer overlapping the forward/backward. Thread-safe.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import threading
@@ -90,6 +91,12 @@ def profiling() -> bool:
     ``torch.autograd._profiler_enabled()`` does not see); where a torch version lacks it,
     always (the ranges are then entered unconditionally, as before)."""
     return getattr(torch.autograd.profiler, "_is_profiler_enabled", True) or torch.autograd._profiler_enabled()
+
+
+def profiler_range(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler records, else nothing (a
+    range outside the spans, e.g. torch's own optimizer step range, on the same terms)."""
+    return torch.profiler.record_function(name) if profiling() else contextlib.nullcontext()
 
 
 class _Span:
