@@ -201,9 +201,11 @@ class Engine:
         self.module = model
         self.device = dev.compute_device()
         # process-wide malloc tuning only where parameters or saved activations leave a CPU
-        # device (device.py): both free large host blocks every step
+        # device (device.py): both free large host blocks every step; for parameters only
+        # while loading (reuse_heap below), for saved activations while training too
+        acts_offloaded = config.offload_activations.device != "none"
         dev.return_freed_host_memory(bound_large_allocations=self._param_home_device() != "none"
-                                     or config.offload_activations.device != "none")
+                                     or acts_offloaded, keep=acts_offloaded)
         if self.device.type == "cpu":
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = _DTYPES[config.precision]
@@ -271,6 +273,7 @@ class Engine:
         finally:
             self.weights.close()
         dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
+        dev.reuse_heap()              # training reuses its freed blocks (device.reuse_heap)
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
         self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
