@@ -789,7 +789,7 @@ class Engine:
             self.units.append(BlockParts(i, name, module, trainable, frozen))
             if parts:
                 dev.trim_host_heap(dev.step_trim_bytes())   # the frozen parts' copies (see _build_blocks)
-        dev.return_freed_host_memory(bound_large_allocations=True)
+        dev.trim_host_heap()     # before parameter offload's pools start (the bound was set at __init__'s top)
 
     def _move_rest(self, model: nn.Module) -> None:
         """Frozen parameters that are not offloaded go to the device (in the dtype
