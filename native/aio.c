@@ -18,7 +18,9 @@
  * chain the next forward trails stalls behind its own write-backs. SCHED_BATCH keeps the
  * workers' full share of the CPU (nice unchanged, so reads are not starved) and only drops
  * the wakeup preemption: a worker starts on an idle core, or at the running thread's next
- * scheduling point. Best effort (another policy is left as it is; a refusal is ignored).
+ * scheduling point. Each worker switches first thing, and offload_aio_create returns once all
+ * have (bounded wait), so no request is moved under the caller's policy. Best effort (another
+ * policy is left as it is; a refusal is ignored).
  *
  * Locking: one mutex guards the queue, the per-request counters and the statistics; it is
  * never held across a system call or a checksum. Requests are owned by the caller; the
@@ -145,6 +147,7 @@ struct offload_aio {
     pthread_t *tids;
     struct worker_arg *args;     /* one per worker, alive until destroy */
     int started;
+    int ready;                   /* workers past their start-up (policy set), see worker_ready */
     int outstanding[2];          /* requests submitted and not done, per op */
     int64_t busy_since[2];
     offload_aio_stats st;
@@ -266,8 +269,10 @@ static int move_sync(extent_t *x) {
     return 0;
 }
 
-/* The calling worker to SCHED_BATCH when it runs under SCHED_OTHER (see the header). */
-static void worker_no_wake_preempt(void) {
+/* The calling worker to SCHED_BATCH when it runs under SCHED_OTHER (see the header), then
+ * counted as ready: offload_aio_create returns once every worker is, so that none takes a
+ * request under the caller's policy (glibc's thread attributes do not take SCHED_BATCH). */
+static void worker_ready(offload_aio *e) {
 #ifdef SCHED_BATCH
     int policy;
     struct sched_param sp;
@@ -276,12 +281,16 @@ static void worker_no_wake_preempt(void) {
         pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
     }
 #endif
+    pthread_mutex_lock(&e->mu);
+    e->ready++;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->mu);
 }
 
 static void *worker_sync(void *arg) {
     offload_aio *e = ((worker_arg_t *)arg)->e;
     extent_t x;
-    worker_no_wake_preempt();
+    worker_ready(e);
     for (;;) {
         pthread_mutex_lock(&e->mu);
         if (!wait_for_work(e, 0)) { pthread_mutex_unlock(&e->mu); break; }
@@ -397,7 +406,7 @@ static void *worker_uring(void *arg) {
     extent_t *fresh = calloc((size_t)e->depth, sizeof *fresh);
     extent_t *done = calloc((size_t)e->depth, sizeof *done);
     int *status = calloc((size_t)e->depth, sizeof *status);
-    worker_no_wake_preempt();
+    worker_ready(e);
     for (int i = 0; i < e->depth; i++) w.free_slots[i] = e->depth - 1 - i;
     for (;;) {
         pthread_mutex_lock(&e->mu);
@@ -451,6 +460,26 @@ OFFLOAD_API void offload_aio_destroy(offload_aio *e) {
     free(e);
 }
 
+#define AIO_START_TIMEOUT_NS (30 * (int64_t)1000000000) /* for the workers to start */
+
+static struct timespec deadline_after(int64_t ns) {
+    int64_t t = now_ns() + ns;
+    struct timespec d = {.tv_sec = t / 1000000000, .tv_nsec = t % 1000000000};
+    return d;
+}
+
+/* Wait (bounded) until every started worker is ready; 0 on timeout. */
+static int workers_ready(offload_aio *e, int64_t timeout_ns) {
+    struct timespec deadline = deadline_after(timeout_ns);
+    pthread_mutex_lock(&e->mu);
+    int timed_out = 0;
+    while (e->ready < e->started && !timed_out)
+        timed_out = pthread_cond_timedwait(&e->done_cv, &e->mu, &deadline) == ETIMEDOUT;
+    int ok = e->ready >= e->started;
+    pthread_mutex_unlock(&e->mu);
+    return ok;
+}
+
 OFFLOAD_API int offload_aio_create(offload_aio_config *cfg, offload_aio **out) {
     if (!cfg || !out || cfg->block_size == 0 || cfg->block_size % OFFLOAD_IO_PAGE || cfg->threads < 1 ||
         cfg->queue_depth < 1)
@@ -496,6 +525,7 @@ OFFLOAD_API int offload_aio_create(offload_aio_config *cfg, offload_aio **out) {
         if (rc) { offload_aio_destroy(e); return -rc; }
         e->started++;
     }
+    if (!workers_ready(e, AIO_START_TIMEOUT_NS)) { offload_aio_destroy(e); return -ETIMEDOUT; }
     *out = e;
     return 0;
 }
@@ -531,12 +561,7 @@ OFFLOAD_API int offload_aio_done(const offload_io_req *req) {
 }
 
 OFFLOAD_API int offload_aio_wait(offload_aio *e, offload_io_req *req, int64_t timeout_ns) {
-    struct timespec deadline;
-    if (timeout_ns >= 0) {
-        int64_t t = now_ns() + timeout_ns;
-        deadline.tv_sec = t / 1000000000;
-        deadline.tv_nsec = t % 1000000000;
-    }
+    struct timespec deadline = deadline_after(timeout_ns >= 0 ? timeout_ns : 0);
     int rc = 0;
     pthread_mutex_lock(&e->mu);
     while (!req->done && rc == 0) {

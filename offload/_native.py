@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import glob
 import os
 import threading
@@ -364,7 +365,11 @@ def aio_create(block_size: int, queue_depth: int, threads: int, use_uring: int) 
         raise ValueError(f"queue_depth={queue_depth} and threads={threads} must be >= 1")
     cfg = AioConfig(block_size=block_size, queue_depth=queue_depth, threads=threads, use_uring=use_uring)
     handle = ctypes.c_void_p()
-    _check_errno(lib().offload_aio_create(ctypes.byref(cfg), ctypes.byref(handle)), "offload_aio_create")
+    rc = lib().offload_aio_create(ctypes.byref(cfg), ctypes.byref(handle))
+    if rc == -errno.ETIMEDOUT:   # the workers did not all start within the engine's bound (30 s)
+        raise OSError(errno.ETIMEDOUT, f"offload_aio_create: the {threads} I/O threads did not start within "
+                                       f"30 s (is the machine overloaded?)")
+    _check_errno(rc, "offload_aio_create")
     return handle.value, cfg
 
 

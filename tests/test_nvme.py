@@ -578,14 +578,17 @@ def _policies() -> dict:
                     reason="SCHED_BATCH is Linux's, applied only under the default policy")
 def test_io_threads_do_not_preempt_on_wakeup(make_store, pool):
     """The I/O threads run under SCHED_BATCH (no wakeup preemption of the thread that submits,
-    e.g. an optimizer job handing over its write-back); the caller's policy is not touched."""
+    e.g. an optimizer job handing over its write-back), every one of them from the moment the
+    store exists; the caller's policy is not touched."""
     with pool.acquire(3 * BLOCK) as a:
         a.view(torch.uint8, 3 * BLOCK).copy_(rand_bytes(3 * BLOCK, 1))   # torch's own threads start here
         before = set(_policies())
         s = make_store()
+        started = {tid: pol for tid, pol in _policies().items() if tid not in before}
         s.reserve({"k": 3 * BLOCK})
-        s.write("k", a.view(torch.uint8, 3 * BLOCK)).wait(timeout=30)   # portable: threads start on use
+        s.write("k", a.view(torch.uint8, 3 * BLOCK)).wait(timeout=30)
     new = {tid: pol for tid, pol in _policies().items() if tid not in before}
-    assert new, "the store started no I/O thread"
+    assert len(started) == 3, started            # the fixture's threads=3, all started with the store
+    assert set(started.values()) == {os.SCHED_BATCH}, started
     assert set(new.values()) == {os.SCHED_BATCH}, new
     assert os.sched_getscheduler(0) == os.SCHED_OTHER

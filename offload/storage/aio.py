@@ -17,6 +17,8 @@ Scheduling: the I/O threads of both run under SCHED_BATCH where the OS has it (L
 process runs under the default policy: same CPU share, but a thread woken by a submit does
 not preempt the submitter or its neighbour (the checksum of a 16 MiB write-back would
 otherwise hold a core for ~2 ms in the middle of the optimizer's chain); see native/aio.c.
+Both start all their threads when created and return once each has switched, so no request is
+moved under the caller's policy.
 
 Lifetimes: after ``submit(req)`` the request struct and every buffer it points to belong to
 the backend until ``done(req)`` is true; ``close()`` finishes every queued request first.
@@ -59,6 +61,9 @@ def _uring_setting(io_uring: bool | None) -> int:
     if value not in table:
         raise ValueError(f"OFFLOAD_IO_URING={value!r} is not valid: use auto, on or off")
     return table[value]
+
+
+_START_TIMEOUT_S = 30.0   # for the portable backend's threads to start
 
 
 def no_wake_preempt() -> None:
@@ -136,6 +141,17 @@ class PortableBackend(Backend):
         self._crc = crc_function()[1]
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="offload-io",
                                         initializer=no_wake_preempt)
+        # All workers start now and each has switched its policy before the first request
+        # (the pool would otherwise start them one per submit, each switching when it first runs).
+        started = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            self._pool.submit(started.wait, _START_TIMEOUT_S)
+        try:
+            started.wait(_START_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            self._pool.shutdown(wait=False)
+            raise RuntimeError(f"the portable I/O backend's {threads} threads did not start within "
+                               f"{_START_TIMEOUT_S:.0f} s") from None
         self._cond = threading.Condition()
         self._outstanding = [0, 0]
         self._busy_since = [0, 0]
