@@ -31,10 +31,14 @@ The step's time is the kernel's own (adam_step's call, on the thread that runs i
 thread's cost of the handoff hold is reported beside it (`handoff_us`).
 Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>= 0.95): the
 lower of the two placements (each the median of per-round ratios).
-  small ops         torch's small elementwise op (64K floats, back to back) before the native
-                    pool started, and once the pool has started, run and gone idle
+  small ops         torch's small elementwise op (64K floats, back to back) in this process once
+                    the pool has started, run and gone idle, and in a process of its own where
+                    the pool never starts (plain torch, same thread count), the two measuring in
+                    turn (never at once), each after the same torch work and pause
 Claim ``torch_small_op_with_pool_vs_without`` (<= 1.10): time per op with the pool over
-without (sequential, not interleaved: "without" exists only before the pool starts).
+without, the median of per-round ratios. "Without" is another process because in this one it
+exists only before the pool first starts; taken there, once, before the rest, the two figures
+differed by up to +-25% on a VM whose speed drifts, with no pool at all (the op takes 10-30 us).
 The pool registers with torch's OpenMP runtime while it has work on its own threads (a kernel
 alone: for its own run; a phase under a hold: from its first kernel, or from a handoff hold,
 to the end of the phase), so that runtime cuts its idle spins next to the kernels; then the
@@ -49,7 +53,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,12 +108,75 @@ def build(n: int):
             "torch_foreach": foreach.step, "two_pass": two_pass, "probe": probe}
 
 
+SMALL_ROUNDS = 9            # interleaved rounds of the small-op claim
+SMALL_PAUSE_S = 0.02        # after torch work, before the small ops: as after the pool has idled
+
+
+def small_ops_us(small: torch.Tensor) -> float:
+    """Median microseconds per small elementwise op (64K floats), 200 back to back."""
+    per = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(100):
+            small.mul(1.0001).add_(1.0)
+        per.append((time.perf_counter() - t0) / 200 * 1e6)
+    return statistics.median(per)
+
+
+def torch_work(a: torch.Tensor, b: torch.Tensor, small: torch.Tensor) -> None:
+    """torch's work between two optimizer steps: 512x512 matmuls and small elementwise ops."""
+    for _ in range(4):
+        a @ b
+        for _ in range(10):
+            small.mul(1.0001).add_(1.0)
+
+
+def small_op_worker() -> None:
+    """The "without" side of the small-op claim: plain torch in a process where the native
+    pool never starts; one measurement per ``measure`` line on stdin, one JSON line back."""
+    a, b, small = torch.randn(512, 512), torch.randn(512, 512), torch.randn(1 << 16)
+    for line in sys.stdin:
+        if line.strip() != "measure":
+            return
+        torch_work(a, b, small)
+        time.sleep(SMALL_PAUSE_S)
+        print(json.dumps({"us": small_ops_us(small)}), flush=True)
+
+
+class PlainTorch:
+    """``small_op_worker`` in a subprocess with this process's torch thread count."""
+
+    def __init__(self, threads: int):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--small-op-worker",
+                                      "--threads", str(threads)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def measure(self, timeout_s: float = 120.0) -> float:
+        self.proc.stdin.write("measure\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"the plain-torch small-op worker gave no answer within {timeout_s:.0f} s")
+        return json.loads(line)["us"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 PLACEMENTS = ("main", "pipeline", "unheld_worker")
 SCENARIOS = ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")
 
 
-def sharing(block: int, rounds: int) -> dict:
-    """Times of the sharing scenarios (see the docstring) per placement, interleaved per round."""
+def sharing(block: int, rounds: int, threads: int) -> dict:
+    """Times of the sharing scenarios (see the docstring) per placement, interleaved per round,
+    then the small-op rounds against a plain torch process."""
     n = block
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -137,38 +206,16 @@ def sharing(block: int, rounds: int) -> dict:
             worker.submit(kernel).result()
         return kernel_s[0]
 
-    def torch_work():
-        for _ in range(4):
-            a @ b
-            for _ in range(10):
-                small.mul(1.0001).add_(1.0)
+    def torch_work_here():
+        torch_work(a, b, small)
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
 
-    def small_ops_us() -> float:
-        """Median microseconds per small elementwise op (64K floats), 200 back to back."""
-        per = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(100):
-                small.mul(1.0001).add_(1.0)
-            per.append((time.perf_counter() - t0) / 200 * 1e6)
-        return statistics.median(per)
-
-    # torch's small ops before the native pool exists, and once it has run and gone idle
-    # (its registration with torch's OpenMP runtime ended: waited for, bounded)
-    torch_work()
-    small_default = small_ops_us()
     for placement in PLACEMENTS:                         # warm-up: threads exist, pages touched
-        adam(placement), torch_work()
-    deadline = time.monotonic() + 10
-    while _native.pool_registered(L) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(0.02)
-    small_pool = small_ops_us()
+        adam(placement), torch_work_here()
     handoff_s.clear()
     times = {pl: {k: [] for k in SCENARIOS} for pl in PLACEMENTS}
     for r in range(rounds):
@@ -176,14 +223,37 @@ def sharing(block: int, rounds: int) -> dict:
             t = times[placement]
             time.sleep(PAUSE_S)
             t["adam_isolated"].append(adam(placement))
-            torch_work()
+            torch_work_here()
             t["adam_after_torch"].append(adam(placement))
             time.sleep(PAUSE_S)
-            t["torch_isolated"].append(timed(torch_work))
+            t["torch_isolated"].append(timed(torch_work_here))
             adam(placement)
-            t["torch_after_adam"].append(timed(torch_work))
+            t["torch_after_adam"].append(timed(torch_work_here))
     worker.shutdown()
-    times["small_op_us"] = {"default_spin": round(small_default, 2), "with_pool": round(small_pool, 2)}
+
+    def with_pool() -> float:   # once the pool's registration with torch's runtime has ended
+        deadline = time.monotonic() + 10
+        while _native.pool_registered(L) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        torch_work_here()
+        time.sleep(SMALL_PAUSE_S)
+        return small_ops_us(small)
+
+    plain = PlainTorch(threads)
+    try:
+        pairs = []
+        for r in range(SMALL_ROUNDS):
+            if r % 2 == 0:
+                ours = with_pool()
+                pairs.append((ours, plain.measure()))
+            else:
+                base = plain.measure()
+                pairs.append((with_pool(), base))
+    finally:
+        plain.close()
+    times["small_op_us"] = {"with_pool": round(statistics.median(p for p, _ in pairs), 2),
+                            "without_pool": round(statistics.median(q for _, q in pairs), 2),
+                            "ratio": round(statistics.median(p / q for p, q in pairs), 3)}
     times["handoff_us"] = round(statistics.median(handoff_s) * 1e6, 1)
     return times
 
@@ -196,18 +266,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", default="4M", help="parameters of the block-sized step shared with torch")
     ap.add_argument("--sharing-rounds", type=int, default=40)
+    ap.add_argument("--small-op-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.small_op_worker:               # plain torch: the native pool never starts here
+        torch.set_num_threads(args.threads)
+        return small_op_worker()
     if _native.lib() is None:
         sys.exit(f"the native library is not in use: {_native.load_error() or 'OFFLOAD_NATIVE=off'}")
     n = parse_size(args.size)
     set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
 
-    share = sharing(parse_size(args.block), args.sharing_rounds)
+    share = sharing(parse_size(args.block), args.sharing_rounds, args.threads)
     small_op_us = share.pop("small_op_us")
     handoff_us = share.pop("handoff_us")
-    print(f"torch small op (64K floats): {small_op_us['default_spin']:.1f} us before the native pool started, "
-          f"{small_op_us['with_pool']:.1f} us with the pool started and idle (pool: {_native.native_info().get('pool')})")
+    print(f"torch small op (64K floats): {small_op_us['with_pool']:.1f} us with the pool started and idle "
+          f"(pool: {_native.native_info().get('pool')}), {small_op_us['without_pool']:.1f} us in a plain torch "
+          f"process (medians of {SMALL_ROUNDS} rounds in turn; median ratio {small_op_us['ratio']:.3f})")
     print(f"pipeline handoff hold on the main thread: median {handoff_us:.1f} us")
 
     def ratio(placement: str, base: str, after: str) -> float:
@@ -258,7 +333,7 @@ def main() -> None:
                                             for pl in ("main", "pipeline")),
         "torch_after_adam_vs_isolated": min(sharing_ratios[pl]["torch_after_adam_vs_isolated"]
                                             for pl in ("main", "pipeline")),
-        "torch_small_op_with_pool_vs_without": round(small_op_us["with_pool"] / small_op_us["default_spin"], 3),
+        "torch_small_op_with_pool_vs_without": small_op_us["ratio"],
     }
     targets = {"fp32_vs_torch_fused": 1.0, "mixed_vs_two_pass": 1.3, "fp32_vs_inplace_roofline": 0.9,
                "adam_after_torch_vs_isolated": 0.95, "torch_after_adam_vs_isolated": 0.95,
