@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
+from worker_process import WorkerProcess, serve  # noqa: E402
 
 
 # Default shapes. "wide": the tensors saved for backward (1.4 GB a step) are about 80% of the
@@ -234,68 +235,39 @@ def disk_rate(a, nbytes=512 << 20, piece=128 << 20) -> dict:
 
 
 def worker_stepper(a):
-    """One configuration (``a.act``) in this process, stepping on command: one JSON request
-    a line on stdin, one JSON reply a line on the protocol descriptor (stdout at start;
-    anything else printed goes to stderr). Requests: ``saved`` (plain torch's saved bytes,
-    before the engine exists), ``step`` (one synchronized training step), ``probe`` (the
-    disk's rate), ``stats`` (the engine's activation stats), ``quit``."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
+    """One configuration (``a.act``) in this process, stepping on command
+    (benchmarks/worker_process.py). Requests: ``saved`` (plain torch's saved bytes, before the
+    engine exists), ``step`` (one synchronized training step), ``probe`` (the disk's rate),
+    ``stats`` (the engine's activation stats). The engine is closed once stdin closes."""
     eng = None
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def handle(req: dict) -> dict:
+        nonlocal eng
         op = req["op"]
         if op == "saved":
-            out = {"bytes": plain_saved_bytes(a, build(a, a.ckpt))}
-        elif op == "step":
+            return {"bytes": plain_saved_bytes(a, build(a, a.ckpt))}
+        if op == "step":
             if eng is None:
                 eng = engine(a, build(a, a.ckpt), a.act)
             peaks, phases = [], []
             t = train_step(eng, a, req["step"], peaks, phases)
-            out = {"s": t, "forward_s": phases[0][0], "backward_s": phases[0][1], "peak": peaks[0] if peaks else 0}
-        elif op == "probe":
-            out = disk_rate(a)
-        elif op == "stats":
-            out = eng.stats().get("activations") or {}
-        elif op == "quit":
-            if eng is not None:
-                eng.close()
-            proto.write("{}\n")
-            return
-        else:
-            raise ValueError(f"stepper: unknown request {op!r}")
-        proto.write(json.dumps(out) + "\n")
+            return {"s": t, "forward_s": phases[0][0], "backward_s": phases[0][1], "peak": peaks[0] if peaks else 0}
+        if op == "probe":
+            return disk_rate(a)
+        if op == "stats":
+            return eng.stats().get("activations") or {}
+        raise ValueError(f"stepper: unknown request {op!r}")
+    serve(handle)
+    if eng is not None:
+        eng.close()
 
 
-class Stepper:
-    """A ``worker_stepper`` subprocess for one configuration; ``call`` waits (bounded) for
-    its reply."""
+class Stepper(WorkerProcess):
+    """A ``worker_stepper`` subprocess for one configuration (``act``)."""
 
-    def __init__(self, a, act: str, timeout_s: float = 900.0):
-        self.act, self.timeout_s = act, timeout_s
-        self.proc = subprocess.Popen(worker_args(a, "stepper", act=act), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ})
-
-    def call(self, op: str, **kw) -> dict:
-        import select
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise RuntimeError(f"bench_activations: the {self.act} stepper gave no reply to {op!r} "
-                               f"(exit code {self.proc.poll()}, or no reply within {self.timeout_s:.0f} s)")
-        return json.loads(line)
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.call("quit")
-            self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+    def __init__(self, a, act: str):
+        super().__init__(worker_args(a, "stepper", act=act), f"bench_activations' {act} stepper", timeout_s=900.0)
+        self.act = act
 
 
 def quartiles(xs) -> list:
@@ -313,21 +285,21 @@ def time_paired(a, ckpt: bool, tier: str, rounds: int) -> dict:
     a = argparse.Namespace(**{**vars(a), "ckpt": ckpt, "tier": tier})
     base, off = Stepper(a, "none"), Stepper(a, tier)
     try:
-        saved = base.call("saved")["bytes"]
-        base.call("step", step=0)
-        off.call("step", step=0)                      # the first step reserves swap files
-        probes = [off.call("probe")] if tier == "nvme" else []
-        s0 = off.call("stats")
+        saved = base.call(op="saved")["bytes"]
+        base.call(op="step", step=0)
+        off.call(op="step", step=0)                      # the first step reserves swap files
+        probes = [off.call(op="probe")] if tier == "nvme" else []
+        s0 = off.call(op="stats")
         ratios, steps = [], {"none": [], tier: []}
         for r in range(rounds):
             order = (base, off) if r % 2 == 0 else (off, base)
-            got = {st.act: st.call("step", step=r + 1) for st in order}
+            got = {st.act: st.call(op="step", step=r + 1) for st in order}
             for k, v in got.items():
                 steps[k].append(v)
             ratios.append(got[tier]["s"] / got["none"]["s"])
-        s1 = off.call("stats")
+        s1 = off.call(op="stats")
         if tier == "nvme":
-            probes.append(off.call("probe"))
+            probes.append(off.call(op="probe"))
     finally:
         base.close()
         off.close()

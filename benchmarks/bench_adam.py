@@ -53,9 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +62,7 @@ import torch
 
 from offload import _native
 from offload.optim import adam_step, set_num_threads
+from worker_process import WorkerProcess, serve
 
 BYTES = {"ours_fp32": 28, "ours_mixed": 28, "torch_fused": 28, "torch_foreach": 28, "two_pass": 34, "probe": 28}
 KW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -133,41 +132,14 @@ def torch_work(a: torch.Tensor, b: torch.Tensor, small: torch.Tensor) -> None:
 
 def small_op_worker() -> None:
     """The "without" side of the small-op claim: plain torch in a process where the native
-    pool never starts; one measurement per ``measure`` line on stdin, one JSON line back."""
+    pool never starts; answers each request with one measurement."""
     a, b, small = torch.randn(512, 512), torch.randn(512, 512), torch.randn(1 << 16)
-    for line in sys.stdin:
-        if line.strip() != "measure":
-            return
+
+    def measure(_request: dict) -> dict:
         torch_work(a, b, small)
         time.sleep(SMALL_PAUSE_S)
-        print(json.dumps({"us": small_ops_us(small)}), flush=True)
-
-
-class PlainTorch:
-    """``small_op_worker`` in a subprocess with this process's torch thread count."""
-
-    def __init__(self, threads: int):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--small-op-worker",
-                                      "--threads", str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-
-    def measure(self, timeout_s: float = 120.0) -> float:
-        self.proc.stdin.write("measure\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.close()
-            raise RuntimeError(f"the plain-torch small-op worker gave no answer within {timeout_s:.0f} s")
-        return json.loads(line)["us"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        return {"us": small_ops_us(small)}
+    serve(measure)
 
 
 PLACEMENTS = ("main", "pipeline", "unheld_worker")
@@ -239,15 +211,16 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
         time.sleep(SMALL_PAUSE_S)
         return small_ops_us(small)
 
-    plain = PlainTorch(threads)
+    plain = WorkerProcess([sys.executable, os.path.abspath(__file__), "--small-op-worker", "--threads",
+                           str(threads)], "the plain-torch small-op worker", timeout_s=120.0)
     try:
         pairs = []
         for r in range(SMALL_ROUNDS):
             if r % 2 == 0:
                 ours = with_pool()
-                pairs.append((ours, plain.measure()))
+                pairs.append((ours, plain.call()["us"]))
             else:
-                base = plain.measure()
+                base = plain.call()["us"]
                 pairs.append((with_pool(), base))
     finally:
         plain.close()

@@ -21,7 +21,7 @@ interleaved (order alternating):
     gradients set to None before each (a training loop's ``zero_grad``: each backward's
     gradients land fresh, as the engine's do, rather than being added into the last step's),
     the first step of each round untimed. On a CPU-only machine it runs in a process of its
-    own that keeps its model across rounds (``ComputeWorker``), as a plain torch job would:
+    own that keeps its model across rounds (``compute_worker``), as a plain torch job would:
     in this process, beside the engines this benchmark builds and closes, a model built
     afresh each round faulted its pages in at every step (0.26-1.5 s per step against
     0.15 s on its own, measured here), which inflated the bound and flattered
@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
 from bench_io import raw_dd, raw_single  # noqa: E402
+from worker_process import WorkerProcess, serve  # noqa: E402
 from offload.storage import HostPool  # noqa: E402
 
 TARGETS_MAX = {"step_vs_bound": 1.15}
@@ -202,40 +202,19 @@ def resident_steps(model: Stack, x, device, steps: int) -> float:
     return statistics.median(times[1:])
 
 
-class ComputeWorker:
-    """The compute-only configuration on a CPU-only machine, in a process of its own that
-    builds its model once and keeps it (module docstring: why). One JSON request per line
-    on its stdin, ``{"compute_s": seconds per layer, "steps": n}``; one answer per line,
-    ``{"s": median step seconds}``."""
-
-    def __init__(self, args):
-        cmd = [sys.executable, os.path.abspath(__file__), "--compute-worker",
-               "--layers", str(args.layers), "--mib", str(args.mib), "--k", str(args.k)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def measure(self, compute_s: float, steps: int) -> float:
-        self.proc.stdin.write(json.dumps({"compute_s": compute_s, "steps": steps}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the compute-only worker exited with code {self.proc.wait(timeout=10)}; "
-                               f"its error is printed above")
-        return json.loads(line)["s"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
 def compute_worker(args) -> None:
-    """``--compute-worker``: serve ComputeWorker's requests until stdin closes."""
+    """``--compute-worker``: the compute-only configuration on a CPU-only machine, in a process
+    of its own that builds its model once and keeps it (module docstring: why). Requests
+    ``{"compute_s": seconds per layer, "steps": n}``, answers ``{"s": median step seconds}``
+    (benchmarks/worker_process.py)."""
     torch.manual_seed(0)
     model = Stack(args.layers, (args.mib << 20) // 4, args.k)
     x = torch.randn(4, 1)
-    for line in sys.stdin:
-        req = json.loads(line)
+
+    def steps(req: dict) -> dict:
         set_compute(model, req["compute_s"], 0.0)
-        print(json.dumps({"s": resident_steps(model, x, torch.device("cpu"), req["steps"])}), flush=True)
+        return {"s": resident_steps(model, x, torch.device("cpu"), req["steps"])}
+    serve(steps)
 
 
 def main(argv=None):
@@ -282,7 +261,11 @@ def main(argv=None):
     io_times, compute_times, raws, read_gbps = [], [], [], []
     times = {c: [] for c in SWEEP}
     counters = {}
-    worker = ComputeWorker(args) if device.type == "cpu" else None
+    worker = None
+    if device.type == "cpu":
+        worker = WorkerProcess([sys.executable, os.path.abspath(__file__), "--compute-worker", "--layers",
+                                str(args.layers), "--mib", str(args.mib), "--k", str(args.k)],
+                               "the compute-only worker")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-prefetch-", dir=args.path) as d:
         for r in range(args.rounds):
@@ -292,7 +275,7 @@ def main(argv=None):
             read_gbps.append(st["gbps"].get("nvme_read", 0.0))
             per_layer = io_s / args.layers          # compute ~= IO per layer, recalibrated each round
             if worker is not None:
-                compute_times.append(worker.measure(per_layer, args.steps))
+                compute_times.append(worker.call(compute_s=per_layer, steps=args.steps)["s"])
             else:
                 torch.manual_seed(0)
                 resident = Stack(args.layers, numel, args.k).to(device)
