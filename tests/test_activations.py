@@ -86,6 +86,21 @@ def test_bit_exact_with_and_without_activation_offload(arch, precision, ckpt, tm
         assert st["prefetch"]["hits"] > st["prefetch"]["misses"]
 
 
+def test_a_forward_that_saves_nothing_that_large_trains_and_moves_nothing(tmp_path):
+    """``min_bytes`` above every tensor the forward saves (a small model, the default 1 MiB):
+    nothing leaves, nothing is read back, and the steps equal those without offload."""
+    base = make("gpt", False)
+    data = batches(2, vocab=64)
+    cfg = config(tmp_path, "nvme", "fp32")
+    cfg["offload_activations"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    ref, _ = train("gpt", clone(base), {**cfg, "offload_activations": {"device": "none"}}, data)
+    got, stats = train("gpt", clone(base), cfg, data)
+    for a, b in zip(ref, got):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    st = stats["activations"]
+    assert st["tensors"] == 0 and st["bytes_moved"]["d2h"] == st["bytes_moved"]["h2d"] == 0
+
+
 def _plain_saved_bytes(model, x, min_bytes, *, arch):
     """What plain torch saves for backward in one forward, as the outermost saved-tensor hooks
     see it: unique tensors of at least ``min_bytes`` that are not parameters or views of one."""

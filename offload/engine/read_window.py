@@ -53,6 +53,8 @@ class ReadWindow:
         graph still alive uses it); a larger one is made at the next call that finds it idle."""
         self.settle()
         arena = self._arena
+        if capacity <= 0:          # a forward that saved nothing this size: nothing to read back
+            return
         if arena is not None and (arena.capacity_bytes >= capacity or arena.in_use_bytes):
             return
         if arena is not None:
