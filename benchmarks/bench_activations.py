@@ -15,7 +15,9 @@ write-back.
   drift), with their quartiles beside it. Not one process: on a CPU device activation
   offload keeps allocations over 4 MiB mmapped process-wide (device.py), which slowed a
   baseline sharing its process by 5-8% (measured: 4.62-4.79 s against 4.39-4.45 s a step),
-  while a user without offload has malloc untouched. The claim holds "when the disk keeps
+  while a user without offload has malloc untouched; likewise only the offload process asks
+  for huge pages (device.prefer_huge_pages, as the offload command does for activation
+  offload), which plain torch training here did not gain from. The claim holds "when the disk keeps
   up": a step's activation writes, at the disk's rate, fit in the forward's time without
   offload, and its reads in the backward's (the disk's rate: a probe in the offload
   process, before and after the rounds, writing and reading 512 MiB through an NVMe store
@@ -418,6 +420,8 @@ def main():
             setattr(a, k, v)
     if a.worker:
         torch.set_num_threads(max(1, torch.get_num_threads()))
+        if a.act != "none":
+            offload.device.prefer_huge_pages()     # as the offload command does (device.py)
         if a.worker == "stepper":
             return worker_stepper(a)
         out = worker_rss(a)

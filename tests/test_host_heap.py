@@ -145,6 +145,7 @@ def test_malloc_is_tuned_only_when_saved_activations_leave_the_cpu_device(offloa
     offloaded it holds while training, so each such tensor faults its pages in. In a fresh
     process: the setting is process-wide."""
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_MMAP_THRESHOLD"}
+    env["THP_MEM_ALLOC_ENABLE"] = "0"     # 4 KiB pages: the count below is the heap mode's alone
     res = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, offloaded], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -155,3 +156,88 @@ def test_malloc_is_tuned_only_when_saved_activations_leave_the_cpu_device(offloa
         assert min(faults[6:]) >= 1000, faults    # 1024 pages of a fresh mapping each time
     else:
         assert max(faults[6:]) < 64, faults       # reused heap pages
+
+
+_HUGE_PAGES_SCRIPT = r"""
+import json, os, sys, tempfile, warnings, torch
+from torch import nn
+import offload
+from offload import device as dev
+if sys.argv[1] == "late":
+    early = torch.ones(4)          # a CPU tensor first: torch has read its switch
+preferred = dev.prefer_huge_pages() if sys.argv[1] != "untouched" else None
+leaked = "THP_MEM_ALLOC_ENABLE" in os.environ and sys.argv[2] == "unset"
+cfg = {"optimizer": {"lr": 1e-3}, "offload_activations": {"device": "nvme", "nvme_path": tempfile.mkdtemp()}}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    eng = offload.initialize(nn.Linear(8, 8), cfg)
+eng.close()
+warned = [(str(w.message), w.filename) for w in caught if "4 KiB pages" in str(w.message)]
+print(json.dumps({"huge": dev.huge_pages_in_effect(), "preferred": preferred, "leaked": leaked, "warned": warned}))
+"""
+THP = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")     # MADV_HUGEPAGE is accepted
+
+
+@glibc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
+@pytest.mark.parametrize("order, setting, huge", [
+    ("untouched", "unset", False),  # torch's default: 4 KiB pages, and initialize says how to change it
+    ("early", "unset", THP),        # prefer_huge_pages before any tensor: torch advises huge pages
+    ("late", "unset", False),       # a tensor came first: too late, and initialize says so
+    ("early", "0", False),          # the user's 0 stands, and asks for no warning
+    ("untouched", "1", THP),        # the user's own 1 works without offload asking
+])
+def test_large_cpu_tensors_go_on_huge_pages_when_asked_before_the_first(order, setting, huge):
+    """With saved activations offloaded from a CPU device the heap stays bounded and every large
+    tensor faults in afresh (device.py ``prefer_huge_pages``): on 2 MiB pages 512 times fewer
+    faults. torch reads its switch once, at its first CPU allocation; ``prefer_huge_pages``
+    sets it for that allocation only (children do not inherit it), and a user's own setting
+    stands. A fresh process each time."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if setting != "unset":
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    res = subprocess.run([sys.executable, "-c", _HUGE_PAGES_SCRIPT, order, setting], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["huge"] is huge and out["leaked"] is False
+    if order != "untouched":
+        assert out["preferred"] is huge
+    if huge or setting == "0" or not dev._kernel_huge_pages():
+        assert out["warned"] == []
+    else:
+        [(message, filename)] = out["warned"]
+        assert "THP_MEM_ALLOC_ENABLE=1" in message and "the offload command sets it" in message
+        assert filename == "<string>"           # points at the user's initialize call
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
+@pytest.mark.parametrize("acts", ["nvme", "none"])
+def test_offload_train_asks_for_huge_pages_only_with_activations_offloaded(acts, tmp_path):
+    """The command reads its flags before any tensor exists, so with saved activations
+    offloaded it asks for huge pages in time (and says so); without, torch stays as it is."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    r = subprocess.run([sys.executable, "-m", "offload.cli", "train", "--steps", "1", "--out", str(tmp_path),
+                        "--offload-optimizer", "cpu", "--offload-param", "none", "--no-checkpoint",
+                        "--offload-activations", acts, "--nvme-path", str(tmp_path),
+                        "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+                        "--sample", "0", "--log-every", "0"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    tiers = next(ln for ln in r.stdout.splitlines() if "tiers:" in ln)
+    if acts == "none":
+        assert "activations" not in tiers and "huge pages" not in tiers
+    else:
+        assert ("activations -> nvme (large CPU tensors on huge pages)" in tiers) is THP, tiers
+        assert "4 KiB pages" not in r.stderr
+
+
+def test_huge_pages_probe_reads_the_mappings_flags():
+    """``_mapping_flags`` finds the mapping of an address and its flags (a tensor's memory is
+    readable and writable: ``rd`` and ``wr``); an address no mapping holds has none."""
+    t = torch.ones(1 << 20)
+    flags = dev._mapping_flags(t.data_ptr())
+    if not os.path.exists("/proc/self/smaps"):
+        assert flags == []
+    else:
+        assert "rd" in flags and "wr" in flags
+    assert dev._mapping_flags(0) == []

@@ -12,6 +12,7 @@ import time
 from typing import Optional
 
 from offload import config as config_mod
+from offload import device as dev
 from offload.cli.common import CLIError, add_gpt_args, format_summary
 
 
@@ -132,11 +133,14 @@ def cmd_train(args) -> int:
         gcfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     except ValueError as exc:
         raise CLIError(f"model: {exc}") from None
+    cfg, tmp_nvme = _train_config(args)     # validated before any model memory is allocated
+    huge = cfg.offload_activations.device != "none" and dev.prefer_huge_pages()   # before any tensor
     try:
         corpus = Corpus.load(args.corpus)
     except (FileNotFoundError, ValueError) as exc:
+        if tmp_nvme:
+            shutil.rmtree(tmp_nvme, ignore_errors=True)
         raise CLIError(f"--corpus: {exc}") from None
-    cfg, tmp_nvme = _train_config(args)     # validated before any model memory is allocated
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     say = print
@@ -160,7 +164,10 @@ def cmd_train(args) -> int:
             f"corpus {corpus.name} ({corpus.train.numel() / 1e3:.0f} KB), {args.steps} steps x "
             f"{args.batch_size}x{args.seq_len} tokens, precision {cfg.precision}, device {device}")
         say(f"  tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> "
-            f"{cfg.offload_param.device}" + (f", nvme path {tmp_nvme} (temporary)" if tmp_nvme else "")
+            f"{cfg.offload_param.device}" + (f", activations -> {cfg.offload_activations.device}"
+                                              + (" (large CPU tensors on huge pages)" if huge else "")
+                                              if cfg.offload_activations.device != "none" else "")
+            + (f", nvme path {tmp_nvme} (temporary)" if tmp_nvme else "")
             + f"; output {out}")
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({"engine": cfg.to_dict(), "model": gcfg.__dict__, "train": {
