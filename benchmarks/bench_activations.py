@@ -17,7 +17,7 @@ write-back.
   baseline sharing its process by 5-8% (measured: 4.62-4.79 s against 4.39-4.45 s a step),
   while a user without offload has malloc untouched; likewise only the offload process asks
   for huge pages (device.prefer_huge_pages, as the offload command does for activation
-  offload), which plain torch training here did not gain from. The claim holds "when the disk keeps
+  offload), which slowed plain torch training here (device.py). The claim holds "when the disk keeps
   up": a step's activation writes, at the disk's rate, fit in the forward's time without
   offload, and its reads in the backward's (the disk's rate: a probe in the offload
   process, before and after the rounds, writing and reading 512 MiB through an NVMe store

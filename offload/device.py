@@ -143,8 +143,8 @@ def prefer_huge_pages() -> bool:
     is a fresh mapping whose pages fault in on first touch. This machine takes 7-14 us a
     fault: 4 KiB pages cost about 0.6 s a GiB, huge pages 0.15 s (filling 1 GiB of fresh
     64 MiB tensors). bench_activations' step with activations on NVMe: 1.20x the step without
-    offload on 4 KiB pages, 1.03-1.11x on huge pages. A huge page is used only where a tensor
-    covers a whole aligned 2 MiB, so no tensor grows; a fresh tensor still faults its
+    offload on 4 KiB pages, 1.03-1.11x on huge pages (four runs). A huge page is used only
+    where a tensor covers a whole aligned 2 MiB, so no tensor grows; a fresh tensor still faults its
     unaligned ends in 4 KiB pages (about 512 faults each). The kernel's
     ``transparent_hugepage/enabled`` must be ``madvise`` or ``always``.
 
@@ -170,7 +170,7 @@ def huge_pages_in_effect() -> bool:
     global _huge_pages
     if _huge_pages is None:
         probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-        _huge_pages = _mapping_flags(probe.data_ptr()).count("hg") > 0
+        _huge_pages = "hg" in _mapping_flags(probe.data_ptr())
     return _huge_pages
 
 
@@ -206,7 +206,7 @@ def _warn_without_huge_pages() -> None:
     if os.environ.get(_THP_ENV) == "0" or not _kernel_huge_pages() or huge_pages_in_effect():
         return
     warnings.warn("saved activations leave a CPU device while large CPU tensors are on 4 KiB pages: each "
-                  "one faults in afresh, which cost about 0.15 of a step here (device.prefer_huge_pages). "
+                  "one faults in afresh, which cost 0.1-0.2 of a step here (device.prefer_huge_pages). "
                   f"Start the process with {_THP_ENV}=1 (torch reads it at its first CPU allocation; the "
                   f"offload command sets it), or {_THP_ENV}=0 to keep 4 KiB pages without this warning",
                   stacklevel=5)
