@@ -182,11 +182,12 @@ def test_arena_lends_ranges_within_its_budget_and_merges_them_back():
     a.close()
 
 
-def test_arena_trim_gives_free_pages_back():
+@pytest.mark.parametrize("huge", [False, True], ids=["4k", "huge"])
+def test_arena_trim_gives_free_pages_back(huge):
     import psutil
     from offload.storage import HostArena
     proc = psutil.Process()
-    a = HostArena(64 << 20, pin=False, name="trim")
+    a = HostArena(64 << 20, pin=False, name="trim", huge_pages=huge)
     buf = a.acquire(64 << 20)
     buf.view(torch.uint8, 64 << 20).fill_(1)                 # every page resident
     before = proc.memory_info().rss
@@ -198,3 +199,19 @@ def test_arena_trim_gives_free_pages_back():
     assert int(again.view(torch.uint8, 4096).sum()) == 0     # the pages come back as zeros
     again.release()
     a.close()
+
+
+def test_arena_asks_for_huge_pages_only_when_told():
+    """``huge_pages``: the arena's mapping carries the kernel's ``hg`` flag (MADV_HUGEPAGE),
+    which an arena without it does not; a pinned arena is never advised (CUDA locks its pages)."""
+    import mmap
+    import os
+    from offload import device as dev
+    from offload.storage import HostArena
+    supported = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    for huge in (False, True):
+        a = HostArena(8 << 20, pin=False, name="thp", huge_pages=huge)
+        buf = a.acquire(4096)
+        assert ("hg" in dev._mapping_flags(buf.view(torch.uint8, 4096).data_ptr())) is (huge and supported)
+        buf.release()
+        a.close()

@@ -660,7 +660,8 @@ class Engine:
                                         name="activations")
         from offload.storage.pinned_pool import HostArena
         pool = self.plan.pool("offload-activations")
-        self._act_pool = HostArena(pool.nbytes, pin=ac.pin_memory and dev.can_pin(), name=pool.name)
+        self._act_pool = HostArena(pool.nbytes, pin=ac.pin_memory and dev.can_pin(), name=pool.name,
+                                   huge_pages=True)      # unpinned, it is trimmed every step (activations.py)
         self.activations = ActivationOffload(model=self.module, device=self.device, tier=ac.device,
                                              min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
                                              pool=self._act_pool, store=self._act_store, telemetry=self.telemetry,

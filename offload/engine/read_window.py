@@ -5,8 +5,10 @@ On the CPU device a saved tensor read back from NVMe lands straight in the memor
 gets (activations.py). Fresh memory for every read costs a page fault per 4 KiB page (the
 kernel zeroes each page while the read pins it) and an unmap when autograd frees it: about
 0.25 s of kernel time per GiB read, taken from the cores the backward computes on. The
-window is one anonymous mapping (an unpinned ``HostArena``) whose ranges are reused within a
-backward, so its pages fault in once per backward at most.
+window is one anonymous mapping (an unpinned ``HostArena``, on transparent huge pages where
+the kernel allows them) whose ranges are reused within a backward, so its pages fault in once
+per backward at most, one fault per 2 MiB (bench_activations' step with activations on NVMe:
+1.04x the step without offload, against 1.09-1.11x with the window on 4 KiB pages).
 
 Lifetimes. ``lend`` hands out a range as a tensor with a storage of its own
 (``torch.from_numpy`` over the range): autograd frees it like any tensor, and the storage's
@@ -59,7 +61,7 @@ class ReadWindow:
             return
         if arena is not None:
             arena.close()
-        self._arena = HostArena(capacity, pin=False, name=self.name)
+        self._arena = HostArena(capacity, pin=False, name=self.name, huge_pages=True)   # trimmed every step
 
     def lend(self, nbytes: int) -> Optional[torch.Tensor]:
         """A 1-D uint8 tensor of ``nbytes`` starting on a 4 KiB page (an O_DIRECT read can land

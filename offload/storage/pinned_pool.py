@@ -43,8 +43,13 @@ class _HostMemory:
     optionally registered with CUDA as page-locked. ``data`` is a 1-D uint8 tensor over it;
     the mapping lives as long as any tensor derived from ``data``."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, pin: bool, huge_pages: bool = False):
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and not pin and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:              # 2 MiB pages where the kernel allows them: 512x fewer first-touch faults
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:   # a kernel without transparent huge pages: 4 KiB pages, as before
+                pass
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)  # 1D uint8, page-aligned
         self.pinned = False
         if pin:
@@ -259,9 +264,12 @@ class HostArena:
     given back merges with its free neighbours. For buffers whose sizes are known only at run
     time (saved activations); ``acquire`` / ``try_acquire`` / ``release`` as for HostPool, so
     the bytes on loan never exceed ``capacity_bytes`` (a multiple of 4096, at most the
-    budget asked: rounded down)."""
+    budget asked: rounded down). ``huge_pages``: an unpinned arena whose pages are given back
+    (``trim``) and faulted in again every step asks for transparent huge pages
+    (``MADV_HUGEPAGE``), one fault per 2 MiB instead of per 4 KiB."""
 
-    def __init__(self, budget_bytes: int, *, pin: bool | None = None, name: str = "arena"):
+    def __init__(self, budget_bytes: int, *, pin: bool | None = None, name: str = "arena",
+                 huge_pages: bool = False):
         self.name = name
         cap = int(budget_bytes) // PAGE * PAGE
         if cap <= 0:
@@ -271,7 +279,7 @@ class HostArena:
         if pin and not torch.cuda.is_available():
             raise ValueError(f"HostArena {name!r}: pin=True needs CUDA, which is not available; pass pin=None or False")
         self.pinned = bool(pin)
-        self._memory = _HostMemory(cap, self.pinned)
+        self._memory = _HostMemory(cap, self.pinned, huge_pages)
         self._cap = cap
         self._cond = threading.Condition()
         self._free = [(0, cap)]          # (offset, size) of free ranges, sorted by offset, never adjacent
