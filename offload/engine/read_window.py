@@ -8,7 +8,8 @@ kernel zeroes each page while the read pins it) and an unmap when autograd frees
 window is one anonymous mapping (an unpinned ``HostArena``, on transparent huge pages where
 the kernel allows them) whose ranges are reused within a backward, so its pages fault in once
 per backward at most, one fault per 2 MiB (bench_activations' step with activations on NVMe:
-1.04x the step without offload, against 1.09-1.11x with the window on 4 KiB pages).
+1.04x the step without offload, against 1.09-1.11x with this window and the copies' arena
+on 4 KiB pages).
 
 Lifetimes. ``lend`` hands out a range as a tensor with a storage of its own
 (``torch.from_numpy`` over the range): autograd frees it like any tensor, and the storage's
