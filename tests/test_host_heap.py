@@ -219,7 +219,7 @@ def test_offload_train_asks_for_huge_pages_only_with_activations_offloaded(acts,
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     r = subprocess.run([sys.executable, "-m", "offload.cli", "train", "--steps", "1", "--out", str(tmp_path),
                         "--offload-optimizer", "cpu", "--offload-param", "none", "--no-checkpoint",
-                        "--offload-activations", acts, "--nvme-path", str(tmp_path),
+                        "--offload-activations", acts,    # nvme: a temporary directory, as for the other tiers
                         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
                         "--sample", "0", "--log-every", "0"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -25,7 +25,8 @@ _ADAM_TYPES = ("AdamW", "Adam")
 
 def _train_config(args) -> tuple:
     """(Config, temporary NVMe dir or None). Without --config the train defaults apply
-    (parameters and optimizer state on NVMe, in a temporary directory unless --nvme-path)."""
+    (parameters and optimizer state on NVMe, in a temporary directory unless --nvme-path;
+    saved activations sent to NVMe without a path go there too)."""
     import copy
     import torch
     base = None if args.config else copy.deepcopy(TRAIN_DEFAULTS)
@@ -35,7 +36,7 @@ def _train_config(args) -> tuple:
     if "precision" not in d and not args.config:
         d["precision"] = "bf16" if torch.cuda.is_available() else "fp32"
     tmp = None
-    for tier in ("offload_optimizer", "offload_param"):
+    for tier in ("offload_optimizer", "offload_param", "offload_activations"):
         sec = d.get(tier) or {}
         if sec.get("device") == "nvme" and not sec.get("nvme_path"):
             if tmp is None:
