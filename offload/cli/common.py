@@ -208,3 +208,18 @@ def rss_prediction(args, spec, optimizer: str, param: str, device_is_host: bool,
                                                              "--host-lookahead-bytes"),
                              rule=getattr(args, "optimizer", None), state_dtype=getattr(args, "state_dtype", None),
                              **config)
+
+
+def prefer_huge_pages(cfg) -> bool:
+    """With saved activations offloaded, torch's large CPU tensors on huge pages
+    (``device.prefer_huge_pages``); to be called before the command allocates any tensor."""
+    from offload import device
+    return cfg.offload_activations.device != "none" and device.prefer_huge_pages()
+
+
+def activations_tier(cfg, huge: bool) -> str:
+    """The tiers line's part for saved activations ("" when they stay on the device)."""
+    acts = cfg.offload_activations.device
+    if acts == "none":
+        return ""
+    return f", activations -> {acts}" + (" (large CPU tensors on huge pages)" if huge else "")

@@ -19,8 +19,7 @@ import tempfile
 import time
 
 from offload import config as config_mod
-from offload import device as dev
-from offload.cli.common import CLIError, format_summary
+from offload.cli.common import CLIError, activations_tier, format_summary, prefer_huge_pages
 from offload.cli.progress import Progress
 
 # engine keys that TrainingArguments owns: (dotted key, FinetuneSpec field, rules it owns them for)
@@ -153,12 +152,9 @@ def cmd_finetune(args) -> int:
         raise CLIError(str(exc)) from None
     try:
         cfg = config_mod.build_config(d)   # validated before any model memory is allocated
-        acts = cfg.offload_activations.device
-        huge = acts != "none" and dev.prefer_huge_pages()        # before the model's tensors
+        huge = prefer_huge_pages(cfg)      # before the model's tensors
         say(f"tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> {cfg.offload_param.device}"
-            + (f", activations -> {acts}" + (" (large CPU tensors on huge pages)" if huge else "")
-               if acts != "none" else "")
-            + (f", nvme path {tmp} (temporary)" if tmp else ""))
+            + activations_tier(cfg, huge) + (f", nvme path {tmp} (temporary)" if tmp else ""))
         try:
             s = ft.finetune(spec, offload_config=d, progress=progress_callback(args.log_every), say=say)
         except (ft.FinetuneError, data_mod.DataError, VersionError) as exc:

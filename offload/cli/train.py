@@ -12,8 +12,7 @@ import time
 from typing import Optional
 
 from offload import config as config_mod
-from offload import device as dev
-from offload.cli.common import CLIError, add_gpt_args, format_summary
+from offload.cli.common import CLIError, activations_tier, add_gpt_args, format_summary, prefer_huge_pages
 
 
 
@@ -135,7 +134,7 @@ def cmd_train(args) -> int:
     except ValueError as exc:
         raise CLIError(f"model: {exc}") from None
     cfg, tmp_nvme = _train_config(args)     # validated before any model memory is allocated
-    huge = cfg.offload_activations.device != "none" and dev.prefer_huge_pages()   # before any tensor
+    huge = prefer_huge_pages(cfg)           # before any tensor
     try:
         corpus = Corpus.load(args.corpus)
     except (FileNotFoundError, ValueError) as exc:
@@ -165,9 +164,7 @@ def cmd_train(args) -> int:
             f"corpus {corpus.name} ({corpus.train.numel() / 1e3:.0f} KB), {args.steps} steps x "
             f"{args.batch_size}x{args.seq_len} tokens, precision {cfg.precision}, device {device}")
         say(f"  tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> "
-            f"{cfg.offload_param.device}" + (f", activations -> {cfg.offload_activations.device}"
-                                              + (" (large CPU tensors on huge pages)" if huge else "")
-                                              if cfg.offload_activations.device != "none" else "")
+            f"{cfg.offload_param.device}" + activations_tier(cfg, huge)
             + (f", nvme path {tmp_nvme} (temporary)" if tmp_nvme else "")
             + f"; output {out}")
         with open(os.path.join(out, "config.json"), "w") as f:
