@@ -55,3 +55,69 @@ def test_one_pool_hold_per_commit_released_when_the_last_job_ends(monkeypatch):
     finally:
         eng.close()
     assert calls["hold"] == calls["release"]
+
+
+@pytest.mark.skipif(offload.native_info()["backend"] != "native", reason="the native kernels' thread count")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(monkeypatch, overlap):
+    """While the updates of step() overlap the next forward on a CPU device, torch's team
+    and the native kernels share the cores (optim/thread_split.py); before backward, and
+    once every update has ended, both counts are the user's again, and a count the user
+    changed in between stays the user's."""
+    from offload.optim import get_num_threads as kernel_threads
+    from offload.optim import pipeline as pl
+    torch_before, kernels_before = torch.get_num_threads(), kernel_threads()
+    torch.set_num_threads(2)
+    gate = threading.Event()
+    update = pl.StepPipeline._update
+
+    def gated(self, block, args, at):
+        if block.index > 0:              # block 0 runs inline, inside step(): never gated
+            assert gate.wait(30), "the forward never opened the gate"
+        return update(self, block, args, at)
+    monkeypatch.setattr(pl.StepPipeline, "_update", gated)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"},
+                                     "overlap_step": overlap})
+    seen = []
+
+    def in_block0(module, args):          # after the engine's own pre-hook (registered first)
+        seen.append((torch.get_num_threads(), kernel_threads()))
+        gate.set()
+    model[0].register_forward_pre_hook(in_block0)
+    try:
+        x = torch.randn(4, 64)
+        gate.set()                        # the first step's updates are not gated
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        eng.synchronize()
+        for user_changes in (False, True):
+            gate.clear()
+            seen.clear()
+            if not overlap:
+                gate.set()                # step() waits for every update: nothing to gate
+            eng.backward(eng(x).square().mean())
+            assert eng.step() is True
+            if overlap:                   # blocks 1-3 wait behind the gate: the split holds
+                assert (torch.get_num_threads(), kernel_threads()) == (1, 1)
+            if user_changes:
+                torch.set_num_threads(3)
+            loss = eng(x).square().mean()
+            want = (3 if user_changes else (1 if overlap else 2), 1 if overlap else kernels_before)
+            assert seen[-1] == want, (seen, want)
+            eng.backward(loss)            # every core for backward, whatever is still in flight
+            assert torch.get_num_threads() == (3 if user_changes else 2)
+            eng.synchronize()
+            deadline = time.monotonic() + 10   # the last job ends in its future's callback
+            while kernel_threads() != kernels_before and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert kernel_threads() == kernels_before
+            eng.step()
+            eng.synchronize()
+            torch.set_num_threads(2)
+    finally:
+        gate.set()
+        eng.close()
+        torch.set_num_threads(torch_before)
+    assert kernel_threads() == kernels_before

@@ -41,6 +41,7 @@ from offload import device as dev
 from offload.engine.block_shard import BlockShard
 from offload.errors import BlockError, block_error
 from offload.optim.state import Residency, Tier
+from offload.optim.thread_split import ThreadSplit, openmp_backend
 from offload.engine.telemetry import Telemetry
 from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 
@@ -60,7 +61,7 @@ class StepArgs:
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
                  compute_device: torch.device, params, grad_sync=None,
-                 wait_timeout_s: float = DEFAULT_WAIT_S):
+                 wait_timeout_s: float = DEFAULT_WAIT_S, split_threads: bool = False):
         self.blocks = list(blocks)
         self.telemetry = telemetry
         self.device = compute_device
@@ -81,6 +82,9 @@ class StepPipeline:
         self._inline_next = False                 # submitting(inline_first): the next submit runs here
         self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
+        # a CPU compute device whose updates overlap the next forward: the cores are split
+        # between the two while jobs are in flight (optim/thread_split.py)
+        self._split = ThreadSplit() if split_threads and compute_device.type == "cpu" and openmp_backend() else None
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
@@ -230,6 +234,8 @@ class StepPipeline:
             if self._quiet_due:          # the first job to leave the main thread
                 self._quiet_due = False
                 _native.pool_handoff_quiet(L)
+                if self._split is not None:
+                    self._split.begin()
             try:
                 fut = self._pool.submit(self._job, block, args)
             except BaseException:
@@ -283,6 +289,15 @@ class StepPipeline:
             self._held_jobs -= 1
             if self._held_jobs == 0 and L is not None:
                 _native.pool_release(L)
+                if self._split is not None:
+                    self._split.end_kernels()
+
+    def settle_threads(self, force: bool = False) -> None:
+        """On the thread that submits and runs the forward: torch's thread count back to the
+        user's once no job is in flight (``force``: now, e.g. at backward, whose compute needs
+        every core)."""
+        if self._split is not None and self._split.split and (force or self._held_jobs == 0):
+            self._split.end_torch()
 
     def _job(self, block: BlockShard, args: StepArgs) -> None:
         """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
