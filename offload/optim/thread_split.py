@@ -13,8 +13,8 @@ threads and torch the rest: the native kernels run on at most ``k`` threads
 (``offload.optim.set_num_threads``' count) and the main thread's torch team on ``n - k``
 (``torch.set_num_threads``). ``k = max(1, n // 4)``: the update streams memory, and a
 quarter of the cores is assumed to keep up with it (measured on 2 cores only, where
-``k = 1``: bench_step's whole step 1.05-1.08x torch's with the split, 1.12-1.13x without, in
-the same runs).
+``k = 1``: bench_step's model trained in one process with and without the split, rounds
+interleaved, whole step 1.05-1.14x torch's with it, 1.12-1.19x without, in four runs).
 
 Lifecycle (one per commit): ``begin()`` when the first job leaves the submitting thread
 (the block updated inline on that thread ran on all threads, see StepPipeline.submitting);
