@@ -241,3 +241,34 @@ def test_huge_pages_probe_reads_the_mappings_flags():
     else:
         assert "rd" in flags and "wr" in flags
     assert dev._mapping_flags(0) == []
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_engine_host_buffers_ask_for_huge_pages_on_a_cpu_device(tier, tmp_path):
+    """On a CPU device the engine's host pools are unpinned and on huge pages: the optimizer
+    state's and the gradients' buffers (offload_optimizer cpu), the swap buffers the state is
+    read into (nvme), all streamed through at every step."""
+    import mmap
+    if dev.can_pin() or not hasattr(mmap, "MADV_HUGEPAGE") or not dev._kernel_huge_pages():
+        pytest.skip("unpinned host pools on a kernel with transparent huge pages")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3},
+                                     "offload_optimizer": {"device": tier, "nvme_path": str(tmp_path)}})
+    try:
+        x = torch.randn(4, 512)
+        eng.backward(eng(x).square().mean())
+        block = eng.blocks[0]
+        addresses = [block.grad.tensor.data_ptr()]
+        if tier == "cpu":
+            addresses.append(block.state.chunks[0].acquire(timeout=10).data_ptr())
+        else:
+            swap = eng._swap_pool.acquire(4096)
+            addresses.append(swap.view(torch.uint8, 4096).data_ptr())
+            swap.release()
+        for a in addresses:
+            assert "hg" in dev._mapping_flags(a), hex(a)
+        eng.step()
+        eng.synchronize()
+    finally:
+        eng.close()

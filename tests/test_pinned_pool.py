@@ -201,6 +201,22 @@ def test_arena_trim_gives_free_pages_back(huge):
     a.close()
 
 
+def test_pool_slots_ask_for_huge_pages_only_when_told():
+    """``HostPool(huge_pages=True)``: every slot's mapping carries the kernel's ``hg`` flag
+    (MADV_HUGEPAGE); without it, none does."""
+    import mmap
+    import os
+    from offload import device as dev
+    supported = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    for huge in (False, True):
+        pool = HostPool([4 << 20, 6 << 20], pin=False, name="thp", huge_pages=huge)
+        bufs = [pool.acquire(4 << 20), pool.acquire(6 << 20)]
+        for b in bufs:
+            assert ("hg" in dev._mapping_flags(b.view(torch.uint8, 4096).data_ptr())) is (huge and supported)
+            b.release()
+        pool.close()
+
+
 def test_arena_asks_for_huge_pages_only_when_told():
     """``huge_pages``: the arena's mapping carries the kernel's ``hg`` flag (MADV_HUGEPAGE),
     which an arena without it does not; a pinned arena is never advised (CUDA locks its pages)."""

@@ -425,9 +425,9 @@ class Engine:
         cfg, plan = self.config, self.plan
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
 
-        def pool(name):
+        def pool(name):       # unpinned (a CPU device): on huge pages, see HostPool
             pl = plan.pool(name)
-            return HostPool(list(pl.slots), pin=pin, name=name) if pl is not None else None
+            return HostPool(list(pl.slots), pin=pin, name=name, huge_pages=True) if pl is not None else None
         self._grad_pool = pool("offload-grads")
         self._host_pool = pool("offload-host")
         self._swap_slots = max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1)
@@ -530,7 +530,7 @@ class Engine:
         pin = pc.pin_memory and dev.can_pin()
 
         def pool(name):
-            return HostPool(list(plan.pool(name).slots), pin=pin, name=name)
+            return HostPool(list(plan.pool(name).slots), pin=pin, name=name, huge_pages=True)
         if home_device == "cpu":
             self._param_home_pool = pool("offload-param-home")
             return
