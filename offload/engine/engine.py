@@ -530,7 +530,7 @@ class Engine:
         pin = pc.pin_memory and dev.can_pin()
 
         def pool(name):
-            return HostPool(list(plan.pool(name).slots), pin=pin, name=name, huge_pages=True)
+            return HostPool(list(plan.pool(name).slots), pin=pin, name=name)
         if home_device == "cpu":
             self._param_home_pool = pool("offload-param-home")
             return
