@@ -6,7 +6,7 @@ same cores. Left alone, both take every core: torch's intra-op team (OpenMP; an 
 into one equal part per thread) and the kernel's threads. An op ends when its slowest part
 ends, and a part whose core is shared with a kernel thread runs at about half speed, so the
 whole team waits for it. On this project's 2-core machine the forward beside the updates
-took 50-57 ms against 33-38 ms alone, for 13-14 ms of updates (bench_step's 12 layers).
+took 50-67 ms against 30-44 ms alone, for 13-18 ms of updates (bench_step's 12 layers).
 
 So while updates are in flight, ``ThreadSplit`` gives the optimizer ``k`` of torch's ``n``
 threads and torch the rest: the native kernels run on at most ``k`` threads
@@ -14,7 +14,7 @@ threads and torch the rest: the native kernels run on at most ``k`` threads
 (``torch.set_num_threads``). ``k = max(1, n // 4)``: the update streams memory, and a
 quarter of the cores is assumed to keep up with it (measured on 2 cores only, where
 ``k = 1``: bench_step's model trained in one process with and without the split, rounds
-interleaved, whole step 1.05-1.14x torch's with it, 1.12-1.19x without, in four runs).
+interleaved, whole step 1.05-1.14x torch's with it, 1.12-1.19x without, in five runs).
 
 Lifecycle (one per commit): ``begin()`` when the first job leaves the submitting thread
 (the block updated inline on that thread ran on all threads, see StepPipeline.submitting);
