@@ -46,7 +46,7 @@ class ThreadSplit:
     def __init__(self):
         self._lock = threading.Lock()
         self._torch: Optional[tuple] = None      # (the user's count, the split's) while split
-        self._kernels: Optional[tuple] = None    # the same for the native kernels' count
+        self._kernels: Optional[tuple] = None    # (library, the user's count, the split's)
 
     @property
     def split(self) -> bool:
@@ -66,7 +66,7 @@ class ThreadSplit:
                 ours = min(k, user)
                 if ours != user:
                     _native.kernel_set_num_threads(L, ours)
-                    self._kernels = (user, ours)
+                    self._kernels = (L, user, ours)
         if self._torch is None:
             torch.set_num_threads(n - k)
             self._torch = (n, n - k)
@@ -77,9 +77,9 @@ class ThreadSplit:
             saved, self._kernels = self._kernels, None
             if saved is None:
                 return
-            L = _native.lib()
-            if L.offload_kernel_get_num_threads() == saved[1]:
-                _native.kernel_set_num_threads(L, saved[0])
+            L, user, ours = saved
+            if L.offload_kernel_get_num_threads() == ours:
+                _native.kernel_set_num_threads(L, user)
 
     def end_torch(self) -> None:
         """On the submitting thread: torch's team back to the user's count."""
