@@ -81,10 +81,12 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
     eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"},
                                      "overlap_step": overlap})
     seen = []
+    armed = [False]                       # only the forward after step() opens the gate
 
     def in_block0(module, args):          # after the engine's own pre-hook (registered first)
-        seen.append((torch.get_num_threads(), kernel_threads()))
-        gate.set()
+        if armed[0]:
+            seen.append((torch.get_num_threads(), kernel_threads()))
+            gate.set()
     model[0].register_forward_pre_hook(in_block0)
     try:
         x = torch.randn(4, 64)
@@ -99,6 +101,7 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
                 gate.set()                # step() waits for every update: nothing to gate
             eng.backward(eng(x).square().mean())
             assert eng.step() is True
+            armed[0] = True
             if overlap:                   # blocks 1-3 wait behind the gate: the split holds
                 assert (torch.get_num_threads(), kernel_threads()) == (1, 1)
             if user_changes:
@@ -106,6 +109,7 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
             loss = eng(x).square().mean()
             want = (3 if user_changes else (1 if overlap else 2), 1 if overlap else kernels_before)
             assert seen[-1] == want, (seen, want)
+            armed[0] = False
             eng.backward(loss)            # every core for backward, whatever is still in flight
             assert torch.get_num_threads() == (3 if user_changes else 2)
             eng.synchronize()
