@@ -141,8 +141,9 @@ def test_int8_state_in_chunks_matches_same_rule_in_torch(rule, tmp_path):
 
 def bf16_reference(data, fused, gas):
     """Plain torch in bf16 with fp32 master weights: torch's AdamW on fp32 copies of the
-    parameters, the bf16 model's gradients summed in fp32 over ``gas`` micro-steps, clipped to
-    1.0, the result rounded to bf16. Returns the masters by state_dict key."""
+    parameters, each micro-step's loss divided by ``gas`` (the engine's convention, DeepSpeed's)
+    and the bf16 model's gradients summed in fp32 over the ``gas`` micro-steps, clipped to 1.0,
+    the result rounded to bf16. Returns the masters by state_dict key."""
     model = make_model().to(torch.bfloat16)
     params = list(model.parameters())
     master = [p.detach().clone() for p in make_model().parameters()]     # from the fp32 values
@@ -150,7 +151,7 @@ def bf16_reference(data, fused, gas):
     for s in range(len(data) // gas):
         grads = [torch.zeros_like(m) for m in master]
         for x, y in data[gas * s:gas * s + gas]:
-            model(x, y).backward()
+            (model(x, y) / gas).backward()
             for g, p in zip(grads, params):
                 g += p.grad.float()
                 p.grad = None
@@ -178,15 +179,17 @@ def bf16_config(tmp_path, **kw):
                offload_param={"device": "nvme", "nvme_path": str(tmp_path / "p")}, **kw)
 
 
-def test_bf16_offloaded_params_with_clipping_and_accumulation(tmp_path):
+@pytest.mark.parametrize("gas", [1, 2])
+def test_bf16_offloaded_params_with_clipping_and_accumulation(tmp_path, gas):
     """The bench_scale placement: bf16 compute, parameters on NVMe (the new bf16 copy written
-    per chunk into the write-back buffer), clipping and accumulation 2, state in chunks.
-    Against plain torch in bf16 with fp32 master weights (``bf16_reference``), the fp32
-    masters (full_state_dict) compared, the bound twice the distance between torch's
+    per chunk into the write-back buffer), clipping, state in chunks; accumulation 2 (the
+    gradients summed in fp32) and 1 (they stay bf16 on the host; the clipping norm is still
+    fp32's). Against plain torch in bf16 with fp32 master weights (``bf16_reference``), the
+    fp32 masters (full_state_dict) compared, the bound twice the distance between torch's
     single-tensor and fused AdamW there plus 1e-6."""
     data = batches(2 * STEPS)
-    got = engine_run(bf16_config(tmp_path, gradient_accumulation_steps=2), data=data, check=chunked_as_planned)
-    check_bf16(got, data, 2)
+    got = engine_run(bf16_config(tmp_path, gradient_accumulation_steps=gas), data=data, check=chunked_as_planned)
+    check_bf16(got, data, gas)
 
 
 def test_write_back_target_is_decided_once_per_update(tmp_path, monkeypatch):

@@ -253,7 +253,9 @@ class StepControl:
     # ---- norm, clipping, loss scale --------------------------------------------------------------
     def _block_norms(self, block: BlockShard):
         """(parameter order, norm) of each parameter of ``block`` that got a gradient in
-        this window, as torch.nn.utils.clip_grad_norm_ computes them (it skips grad None)."""
+        this window, as torch.nn.utils.clip_grad_norm_ computes them on fp32 master gradients
+        (it skips grad None): in fp32 also where the window's gradients are bf16 (no
+        accumulation), whose norms in bf16 would carry 3 significant digits into the clip."""
         try:
             self.grad_sync.wait(block)
         except BaseException as exc:      # named for its block, raised from step()
@@ -264,7 +266,7 @@ class StepControl:
                  for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
         if not items:
             return []
-        norms = torch._foreach_norm([g for _, g in items], 2.0)
+        norms = torch._foreach_norm([g for _, g in items], 2.0, dtype=torch.float32)
         return [(o, n) for (o, _), n in zip(items, norms)]
 
     def _unscale_clip_coef(self):
@@ -291,7 +293,7 @@ class StepControl:
                     if r is not None:
                         per_param.append((self._param_order.get(id(s.param), 0), g[r[0] - s0:r[1] - s0]))
             per_param.sort(key=lambda t: t[0])
-            norms = torch._foreach_norm([g for _, g in per_param], 2.0)
+            norms = torch._foreach_norm([g for _, g in per_param], 2.0, dtype=torch.float32)
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0) if len(norms) \
             else torch.zeros(())
         if self.comm.active and self.grad_sync.stage >= 1:   # sqrt of the sum over ranks of the local squares
