@@ -81,6 +81,7 @@ class StepPipeline:
         self._held_jobs = 0                       # jobs in flight (and a submission loop) under the pool's hold
         self._inline_next = False                 # submitting(inline_first): the next submit runs here
         self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
+        self._split_due = False                   # submitting(): the thread split is still to begin
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
         # a CPU compute device whose updates overlap the next forward: the cores are split
         # between the two while jobs are in flight (optim/thread_split.py)
@@ -199,22 +200,30 @@ class StepPipeline:
         before the next one is submitted (a main thread preempted mid-loop): one registration
         per commit. Taken as a handoff (``_native.pool_hold``): the registration starts at once,
         and before the first job goes to a worker, torch's workers are sent from the long idle
-        spin of the main thread's last torch work to the short one.
+        spin of the main thread's last torch work to the short one. Not where the cores are
+        split and torch's team is left the main thread alone (2 threads,
+        ``ThreadSplit.leaves_torch_alone``): the forward then opens no parallel region and the
+        kernels run on one thread, which registers nothing, so the handoff's registration
+        (its threads started on the cores the first update runs on) and its wait only
+        lengthened step(): a plain hold there (measured on 2 cores, in one process, rounds
+        interleaved: exposed time 1.5-1.7 ms against 2.0-2.1 ms with the handoff).
 
         ``inline_first`` (a CPU compute device): the first block's update runs here, on the
         calling thread, before the others are queued. The next forward needs that block
         first, so it would wait for it anyway; run on the main thread, its kernel runs on
         torch's own team, whose workers are still spinning after backward (no worker thread
-        to wake, no GIL to hand over), while the registration's threads start."""
+        to wake, no GIL to hand over), while a handoff's registration threads start."""
         L = _native_lib()
-        self._phase_held(L)
+        handoff = L is not None and not (self._split is not None and self._split.leaves_torch_alone())
+        self._phase_held(L, handoff)
         self._inline_next = inline_first and self.device.type == "cpu"
-        self._quiet_due = L is not None
+        self._quiet_due = handoff
+        self._split_due = L is not None and self._split is not None
         try:
             yield
         finally:
             self._inline_next = False
-            self._quiet_due = False
+            self._quiet_due = self._split_due = False
             self._job_unheld(L)
 
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
@@ -234,8 +243,9 @@ class StepPipeline:
             if self._quiet_due:          # the first job to leave the main thread
                 self._quiet_due = False
                 _native.pool_handoff_quiet(L)
-                if self._split is not None:
-                    self._split.begin()
+            if self._split_due:
+                self._split_due = False
+                self._split.begin()
             try:
                 fut = self._pool.submit(self._job, block, args)
             except BaseException:
@@ -264,11 +274,11 @@ class StepPipeline:
             fut.set_result(None)
         return fut
 
-    def _phase_held(self, L) -> None:
+    def _phase_held(self, L, handoff: bool) -> None:
         """A commit's submission loop starts: it counts as a job in flight, so the first of
-        them takes the native pool's hold, as a handoff whose wait comes later
+        them takes the native pool's hold, with ``handoff`` as a handoff whose wait comes later
         (``_native.pool_hold_begin_handoff``; ``submit`` quiets torch's workers)."""
-        self._held(L, _native.pool_hold_begin_handoff)
+        self._held(L, _native.pool_hold_begin_handoff if handoff else _native.pool_hold)
 
     def _job_held(self, L) -> None:
         """A job is submitted: the first of the jobs in flight takes the pool hold (one

@@ -53,6 +53,13 @@ class ThreadSplit:
         """Whether torch's team is currently the split's (the forward's hooks ask per block)."""
         return self._torch is not None
 
+    @staticmethod
+    def leaves_torch_alone() -> bool:
+        """Whether the split, begun now, would leave torch's team the calling thread alone
+        (``n - k == 1``: 2 threads), which then opens no parallel region."""
+        n = torch.get_num_threads()
+        return n >= 2 and n - max(1, n // 4) == 1
+
     def begin(self) -> None:
         """The first job of a commit leaves the submitting thread: split the threads."""
         n = torch.get_num_threads()
