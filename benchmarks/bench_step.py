@@ -154,7 +154,7 @@ def main(argv=None):
                    help="rows per step, sets the compute per layer (default: 96 on a CPU, 16384 on CUDA, "
                         "so that forward and backward take longer than the optimizer)")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tier", choices=["cpu", "nvme"], default="cpu")
     p.add_argument("--sim-fwd-ms", type=float, default=3.0,
                    help="simulated compute: forward wait per layer (backward: twice that)")
