@@ -205,8 +205,11 @@ class StepPipeline:
         ``ThreadSplit.leaves_torch_alone``): the forward then opens no parallel region and the
         kernels run on one thread, which registers nothing, so the handoff's registration
         (its threads started on the cores the first update runs on) and its wait only
-        lengthened step(): a plain hold there (measured on 2 cores, in one process, rounds
-        interleaved: exposed time 1.5-1.7 ms against 2.0-2.1 ms with the handoff).
+        lengthened step(): a plain hold there. Measured on 2 cores, in one process, rounds
+        interleaved, in six runs: exposed time 1.48-1.68 ms against 1.84-2.17 ms with the
+        handoff, the whole step 1.03-1.09x torch's against 1.02-1.13x. The cost: torch's
+        worker, no longer quieted, spins out its long spin beside the first jobs, and a few
+        of them then take 2-6 ms instead of 0.9 (the forward rarely waits for them).
 
         ``inline_first`` (a CPU compute device): the first block's update runs here, on the
         calling thread, before the others are queued. The next forward needs that block
