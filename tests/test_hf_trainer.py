@@ -213,6 +213,17 @@ def test_untested_transformers_version_fails_clearly(monkeypatch):
         versions.check("transformers")
 
 
+def test_test_dependencies_install_the_tested_versions():
+    """pyproject's test extras pin transformers, peft and accelerate to versions.TESTED, so
+    that `make test` on a fresh machine installs what offload.hf accepts (an unpinned
+    accelerate once came in one release past the tested range and every HF test refused)."""
+    import re
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")).read()
+    extras = re.search(r"^test = \[(.*)\]", text, re.M).group(1)
+    bounds = {name: spec for name, spec in re.findall(r'"([a-z]+)(>=[0-9.]+,<[0-9.]+)"', extras)}
+    assert bounds == {n: f">={lo},<{hi}" for n, (lo, hi) in versions.TESTED.items()}, (bounds, versions.TESTED)
+
+
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """Under torchrun (2 ranks, gloo, ZeRO-2) on half batches: the same logged losses and
     weights as plain Trainer in one process on the full batch."""
