@@ -13,7 +13,7 @@ from importlib import metadata
 # package: (lowest tested, first untested). Update together with the tests in tests/test_hf_*.py.
 TESTED = {
     "transformers": ("5.24", "5.25"),
-    "accelerate": ("1.15", "1.16"),
+    "accelerate": ("1.15", "1.17"),
     "peft": ("0.21", "0.22"),
 }
 
