@@ -54,11 +54,16 @@ class ThreadSplit:
         return self._torch is not None
 
     @staticmethod
+    def kernel_share(n: int) -> int:
+        """``k``: the threads the kernels get of torch's ``n`` while split."""
+        return max(1, n // 4)
+
+    @staticmethod
     def leaves_torch_alone() -> bool:
         """Whether the split, begun now, would leave torch's team the calling thread alone
         (``n - k == 1``: 2 threads), which then opens no parallel region."""
         n = torch.get_num_threads()
-        return n >= 2 and n - max(1, n // 4) == 1
+        return n >= 2 and n - ThreadSplit.kernel_share(n) == 1
 
     def begin(self) -> None:
         """The first job of a commit leaves the submitting thread: split the threads."""
@@ -66,7 +71,7 @@ class ThreadSplit:
         L = _native.lib()
         if n < 2 or L is None:
             return
-        k = max(1, n // 4)
+        k = self.kernel_share(n)
         with self._lock:
             if self._kernels is None:
                 user = L.offload_kernel_get_num_threads()
