@@ -294,7 +294,7 @@ class StepControl:
                         per_param.append((self._param_order.get(id(s.param), 0), g[r[0] - s0:r[1] - s0]))
             per_param.sort(key=lambda t: t[0])
             norms = torch._foreach_norm([g for _, g in per_param], 2.0, dtype=torch.float32)
-        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0) if len(norms) \
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if len(norms) \
             else torch.zeros(())
         if self.comm.active and self.grad_sync.stage >= 1:   # sqrt of the sum over ranks of the local squares
             sq = (total.double() ** 2).reshape(1)

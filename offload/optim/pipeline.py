@@ -221,7 +221,7 @@ class StepPipeline:
         self._phase_held(L, handoff)
         self._inline_next = inline_first and self.device.type == "cpu"
         self._quiet_due = handoff
-        self._split_due = L is not None and self._split is not None
+        self._split_due = self._split is not None   # begun by the first job sent to a worker
         try:
             yield
         finally:
