@@ -231,3 +231,21 @@ def test_arena_asks_for_huge_pages_only_when_told():
         assert ("hg" in dev._mapping_flags(buf.view(torch.uint8, 4096).data_ptr())) is (huge and supported)
         buf.release()
         a.close()
+
+
+@pytest.mark.parametrize("kind", ["pool", "arena"])
+def test_closed_memory_goes_with_its_last_tensor(kind):
+    """close() frees what nothing views at once; a tensor still over a buffer keeps its
+    mapping (readable, never unmapped under it) until it goes, and ``mapped()`` says so."""
+    from offload.storage import HostArena
+    pool = HostPool([8192, 4096], pin=False) if kind == "pool" else HostArena(3 * 4096, pin=False)
+    buf = pool.acquire(4096)
+    kept = buf.view(torch.float32, 1024)
+    kept.fill_(3.0)
+    buf.release()
+    del buf
+    assert pool.mapped()
+    pool.close()
+    assert pool.mapped() and torch.equal(kept, torch.full((1024,), 3.0))
+    del kept
+    assert not pool.mapped()
