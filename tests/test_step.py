@@ -12,6 +12,7 @@ fused AdamW on the same run (measured here), plus 1e-6.
 """
 import ctypes
 import gc
+import weakref
 
 import psutil
 import pytest
@@ -273,6 +274,9 @@ def test_close_hands_the_host_memory_back_at_once(opt, prm, tmp_path):
         assert left < taken // 4, f"{left >> 20} of the {taken >> 20} MiB the engine took are still resident"
         assert {k: v.double().sum() for k, v in model.state_dict().items()} == sums
         assert eng.global_step == 2
+        gone = weakref.ref(model)
+        del model, eng                  # the user lets go of both: the model's memory goes too
+        assert gone() is None, "the closed engine's parts still hold the model"
     finally:
         gc.enable()
 

@@ -1067,8 +1067,8 @@ class Engine:
     def close(self, restore: Optional[bool] = None) -> None:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
         files, and destroy the process groups the engine made (the user's default group stays
-        theirs to destroy). The memory goes back at once, not when Python's cyclic collector
-        next runs: the closed engine keeps only its counters (``global_step``,
+        theirs to destroy). The memory goes back at once (one ``gc.collect()``), not when
+        Python's cyclic collector next runs: the closed engine keeps only its counters (``global_step``,
         ``micro_step``), ``config``, ``module``, ``optimizer``, ``telemetry`` and what
         describes it (``rule``, ``plan``, ``tier``, dtypes). Afterwards
         every engine method (the forward included) raises "this engine is closed"; the model
@@ -1092,7 +1092,6 @@ class Engine:
             return
         self._closed = True
         restored = None
-        pools: list = []
         prior = self.pipeline.failure()
         told = prior is not None and prior.reported      # an earlier call raised it already
         try:
@@ -1119,13 +1118,13 @@ class Engine:
                 if self.activations is not None:
                     self.activations.close()
                 self._own_master_params()
-                pools = self._release_storage()
+                self._release_storage()
                 self.comm.close()
             for seg, t in restored or ():
                 seg.param.data = t
         finally:
             restored = None
-            self._let_go(pools)
+            self._let_go()
 
     # What a closed engine keeps: its flag, the counters (``_StepCounters``), what the user
     # reaches through it (the model, the optimizer that LR schedulers hold, the config, the
@@ -1134,23 +1133,21 @@ class Engine:
     _KEPT_AFTER_CLOSE = ("_closed", "module", "optimizer", "config", "telemetry", "rule", "plan", "tier",
                          "state_dtype", "device", "dtype", "stage")
 
-    def _let_go(self, pools: list) -> None:
-        """Drop everything else the closed engine holds, so its memory goes now. Its parts
-        call back into it (hooks, pipeline callbacks), so the engine sits in reference cycles
-        with them, which only Python's cyclic collector frees, on its own schedule: closed
-        engines built one after another (a sweep, Trainer's ``model_init``) each kept their
-        host buffers until it ran (3 GiB each for 0.5 GiB of parameters, measured). A pool's
-        memory goes with its last tensor: if one is still mapped once the engine lets go
-        (tensors in a cycle of the parts), one collection frees it (0.1-0.2 s), as it does on
-        a CUDA device, whose memory no mapping tells about; memory that a tensor the user
-        holds views stays, as it must."""
+    def _let_go(self) -> None:
+        """Drop everything else the closed engine holds, and collect the cycles its parts
+        leave (one ``gc.collect()``, 0.1-0.2 s), so its memory goes now. The parts call back
+        into the engine (hooks, pipeline callbacks) and into each other, so they sit in
+        reference cycles that only Python's cyclic collector frees, on its own schedule,
+        keeping the pools' mappings (each goes with its last tensor), device memory and,
+        through the engine, the model alive until then: engines built and closed one after
+        another (a sweep, Trainer's ``model_init``) kept about 3 GiB each for 0.5 GiB of
+        parameters (measured). Memory that a tensor the user holds views stays, as it must."""
         counters = _StepCounters(self.control.global_step, self.control.micro_step) \
             if "control" in self.__dict__ else _StepCounters(0, 0)
         kept = {k: self.__dict__[k] for k in self._KEPT_AFTER_CLOSE if k in self.__dict__}
         self.__dict__.clear()
         self.__dict__.update(kept, control=counters)
-        if any(p.mapped() for p in pools) or self.device.type == "cuda":
-            gc.collect()
+        gc.collect()
 
     def _own_master_params(self) -> None:
         """Parameters that were views of the master (``_master_is_param``) get memory of
@@ -1184,9 +1181,7 @@ class Engine:
             po.release_all()
         return out
 
-    def _release_storage(self) -> list:
-        """Close the stores and free the pools; returns the pools closed (their memory goes
-        with its last tensor), none where a stuck request keeps them."""
+    def _release_storage(self) -> None:
         clean = True
         for r in (self._store, self._param_store, self._source_store, self._act_store):
             if r is not None:             # I/O stuck on a stalled disk is left behind, not waited for
@@ -1199,11 +1194,9 @@ class Engine:
         else:                             # a stuck request may still write into a pool buffer
             from offload.storage import nvme
             nvme.keep_alive(pools)
-            pools = []
         self._act_store = self._act_pool = self._source_store = None
         self._store = self._swap_pool = self._host_pool = self._param_store = self._grad_pool = None
         self._param_home_pool = self._param_stage_pool = self._param_write_pool = None
-        return pools
 
     def __enter__(self):
         return self

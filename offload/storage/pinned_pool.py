@@ -18,7 +18,6 @@ import bisect
 import mmap
 import threading
 import time
-import weakref
 from typing import Sequence
 
 import torch
@@ -42,7 +41,7 @@ def _fmt(nbytes: int) -> str:
 class _HostMemory:
     """One page-aligned anonymous mapping of exactly ``nbytes`` (a multiple of 4096),
     optionally registered with CUDA as page-locked. ``data`` is a 1-D uint8 tensor over it;
-    the mapping lives as long as any tensor derived from ``data`` (``mapped``)."""
+    the mapping lives as long as any tensor derived from ``data``."""
 
     def __init__(self, nbytes: int, pin: bool, huge_pages: bool = False):
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -52,7 +51,6 @@ class _HostMemory:
             except OSError:   # a kernel without transparent huge pages: 4 KiB pages, as before
                 pass
         self.data = torch.frombuffer(self._map, dtype=torch.uint8)  # 1D uint8, page-aligned
-        self._alive = weakref.ref(self._map)
         self.pinned = False
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
@@ -68,12 +66,6 @@ class _HostMemory:
         # The mapping itself goes when the last tensor over it is collected.
         self.data = None
         self._map = None
-
-    @property
-    def mapped(self) -> bool:
-        """Whether the mapping still exists: before ``free``, or after it while a tensor
-        over it is alive."""
-        return self._alive() is not None
 
 
 class HostBuffer:
@@ -187,7 +179,6 @@ class HostPool:
             raise ValueError(f"HostPool {name!r}: pin=True needs CUDA, which is not available; pass pin=None or False")
         self.pinned = bool(pin)
         self._memory: list[_HostMemory] = []
-        self._freed: list[_HostMemory] = []      # closed: each goes with its last tensor
         try:
             for cap in caps:
                 self._memory.append(_HostMemory(cap, self.pinned, huge_pages))
@@ -233,14 +224,8 @@ class HostPool:
         self._closed = True
         for m in getattr(self, "_memory", []):
             m.free()
-            self._freed.append(m)
         self._memory = []
         self._free = []
-
-    def mapped(self) -> bool:
-        """Whether any of the pool's memory is still mapped: before ``close``, or after it
-        while a tensor over a slot is alive."""
-        return any(m.mapped for m in (*getattr(self, "_memory", ()), *self._freed))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -298,7 +283,6 @@ class HostArena:
         if pin and not torch.cuda.is_available():
             raise ValueError(f"HostArena {name!r}: pin=True needs CUDA, which is not available; pass pin=None or False")
         self.pinned = bool(pin)
-        self._freed = None
         self._memory = _HostMemory(cap, self.pinned, huge_pages)
         self._cap = cap
         self._cond = threading.Condition()
@@ -359,14 +343,8 @@ class HostArena:
         self._closed = True
         if self._memory is not None:
             self._memory.free()
-            self._freed = self._memory
         self._memory = None
         self._free = []
-
-    def mapped(self) -> bool:
-        """Whether the arena's memory is still mapped: before ``close``, or after it while a
-        tensor over a range is alive."""
-        return any(m.mapped for m in (self._memory, self._freed) if m is not None)
 
     # -- internals ---------------------------------------------------------------------------
     def _check_size(self, nbytes: int) -> None:
