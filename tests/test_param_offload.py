@@ -337,14 +337,20 @@ def _assert_as_torch_adamw(base, xs, losses, got):
 
 class _DeferredWrite:
     """A parameter write that reaches the disk only ``delay`` seconds after it was submitted
-    (a slow disk): until then NVMe still holds the old bytes, so a read issued too early
-    would serve stale parameters."""
+    (a slow disk), and not before ``gate()`` opens (at most ``hold`` seconds after the
+    submission): until then NVMe still holds the old bytes, so a read issued too early would
+    serve stale parameters."""
 
-    def __init__(self, submit, key, src, delay, pending):
-        self.submit, self.key, self.src, self.pending = submit, key, src, pending
-        self.until = time.monotonic() + delay
+    def __init__(self, submit, key, src, delay, pending, gate=lambda: True, hold=0.0):
+        self.submit, self.key, self.src, self.pending, self.gate = submit, key, src, pending, gate
+        now = time.monotonic()
+        self.until, self.hold = now + delay, now + max(delay, hold)
         self.real = None
         pending[key] = pending.get(key, 0) + 1
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        return now >= self.until and (self.gate() or now >= self.hold)
 
     def _go(self):
         if self.real is None:
@@ -353,29 +359,29 @@ class _DeferredWrite:
             self.pending[self.key] -= 1
 
     def done(self):
-        if time.monotonic() < self.until:
+        if not self._due():
             return False
         self._go()
         return self.real.done()
 
     def wait(self, timeout=None):
-        left = self.until - time.monotonic()
-        if left > 0:
-            if timeout is not None and timeout < left:
-                time.sleep(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._due():
+            if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"write of key {self.key!r} not done after {timeout} s")
-            time.sleep(left)
+            time.sleep(0.002)
         self._go()
-        self.real.wait(timeout)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
-    """NVMe homes on a slow disk (each parameter write lands 30 ms after its submission): the
-    update jobs return with their writes in flight, and the user's loop (no synchronisation)
-    goes on. A block kept staged is served from its held buffer while its write goes on; any
-    other is read back only once its write has landed: no read of a home is ever issued
-    while a write of it is in flight, and training is plain torch AdamW's."""
+    """NVMe homes on a slow disk (each parameter write lands 30 ms after its submission; those
+    of the first and the last block of the forward not before the block's next use has
+    begun, or 1 s, so a use meets a write in flight however slow the machine): the update
+    jobs return with their writes in flight, and the user's loop (no synchronisation) goes on. A block kept staged is served from its held
+    buffer while its write goes on; any other is read back only once its write has landed:
+    no read of a home is ever issued while a write of it is in flight, and training is plain
+    torch AdamW's."""
     torch.manual_seed(0)
     base = Wide(layers=8, d=64)
     g = torch.Generator().manual_seed(5)
@@ -385,9 +391,15 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
                                               offload_param={"device_budget_bytes": 2 * (block + 4096)}))
     store = eng._param_store
     pending, early, served_in_flight, read_after_write = {}, [], [0], [0]
+    offloaded = [bp for bp in eng.param_offload.params if bp is not None]
+    gated = {p.key for bp in (offloaded[0], offloaded[-1]) for p in bp.parts}
+    used = set()                       # gated keys whose block's use began since their last write
     real_write, real_read = store.write, store.read
 
     def write(key, src):
+        if key in gated:
+            used.discard(key)
+            return _DeferredWrite(real_write, key, src, 0.03, pending, gate=lambda: key in used, hold=1.0)
         if key.endswith(".param"):
             return _DeferredWrite(real_write, key, src, 0.03, pending)
         return real_write(key, src)
@@ -401,9 +413,12 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
 
     def materialize(i):
         parts = eng.param_offload.params[i].parts
-        read_after_write[0] += any(p.state is ParamState.WRITING for p in parts)
+        waits = [p.key for p in parts if p.state is ParamState.WRITING]
+        read_after_write[0] += bool(waits)
+        used.update(waits)                 # the use waits for these writes: they may land now
         real_materialize(i)
         served_in_flight[0] += any(p.writing for p in parts)   # on the device, its write going on
+        used.update(p.key for p in parts)  # a kept block's write lands after its use
     eng.param_offload.materialize = materialize
     losses = []
     for x in xs:
