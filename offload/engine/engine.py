@@ -1068,11 +1068,11 @@ class Engine:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
         files, and destroy the process groups the engine made (the user's default group stays
         theirs to destroy). The memory goes back at once (one ``gc.collect()``), not when
-        Python's cyclic collector next runs: the closed engine keeps only its counters (``global_step``,
-        ``micro_step``), ``config``, ``module``, ``optimizer``, ``telemetry`` and what
-        describes it (``rule``, ``plan``, ``tier``, dtypes). Afterwards
-        every engine method (the forward included) raises "this engine is closed"; the model
-        itself stays usable, with its buffers untouched:
+        Python's cyclic collector next runs: the closed engine keeps only its counters
+        (``global_step``, ``micro_step``), ``config``, ``module``, ``optimizer``,
+        ``telemetry`` and what describes it (``rule``, ``plan``, ``tier``, dtypes).
+        Afterwards every engine method (the forward included) raises "this engine is
+        closed"; the model itself stays usable, with its buffers untouched:
 
         * parameters that were not offloaded (``offload_param.device: none``, ZeRO stages
           0-2) stay on the compute device, in the compute dtype, holding the trained values;
@@ -1123,7 +1123,6 @@ class Engine:
             for seg, t in restored or ():
                 seg.param.data = t
         finally:
-            restored = None
             self._let_go()
 
     # What a closed engine keeps: its flag, the counters (``_StepCounters``), what the user
