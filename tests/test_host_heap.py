@@ -247,7 +247,9 @@ def test_huge_pages_probe_reads_the_mappings_flags():
 def test_engine_host_buffers_ask_for_huge_pages_on_a_cpu_device(tier, tmp_path):
     """On a CPU device the engine's host pools are unpinned and on huge pages: the optimizer
     state's and the gradients' buffers (offload_optimizer cpu), the swap buffers the state is
-    read into (nvme), all streamed through at every step."""
+    read into and the buffers the gradients are lent from (nvme: a block's sum is parked on
+    NVMe as soon as it is complete, so its own buffer may already be back), all streamed
+    through at every step."""
     import mmap
     if dev.can_pin() or not hasattr(mmap, "MADV_HUGEPAGE") or not dev._kernel_huge_pages():
         pytest.skip("unpinned host pools on a kernel with transparent huge pages")
@@ -259,13 +261,14 @@ def test_engine_host_buffers_ask_for_huge_pages_on_a_cpu_device(tier, tmp_path):
         x = torch.randn(4, 512)
         eng.backward(eng(x).square().mean())
         block = eng.blocks[0]
-        addresses = [block.grad.tensor.data_ptr()]
         if tier == "cpu":
-            addresses.append(block.state.chunks[0].acquire(timeout=10).data_ptr())
+            addresses = [block.grad.tensor.data_ptr(), block.state.chunks[0].acquire(timeout=10).data_ptr()]
         else:
-            swap = eng._swap_pool.acquire(4096)
-            addresses.append(swap.view(torch.uint8, 4096).data_ptr())
-            swap.release()
+            addresses = []
+            for pool in (eng._grad_pool, eng._swap_pool):
+                buf = pool.acquire(4096, timeout=10)
+                addresses.append(buf.view(torch.uint8, 4096).data_ptr())
+                buf.release()
         for a in addresses:
             assert "hg" in dev._mapping_flags(a), hex(a)
         eng.step()
