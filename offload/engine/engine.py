@@ -1091,39 +1091,44 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._shut_down(restore)
+        finally:
+            self._let_go()
+
+    def _shut_down(self, restore: Optional[bool]) -> None:
+        """close()'s work: the updates and writes waited for, every hook, thread, buffer and
+        swap file released, the offloaded parameters restored when wanted."""
         restored = None
         prior = self.pipeline.failure()
         told = prior is not None and prior.reported      # an earlier call raised it already
         try:
             try:
-                try:
-                    self.pipeline.close()
-                    if self.param_offload is not None:
-                        self.param_offload.wait_writes()
-                        self.pipeline.raise_failure()
-                except Exception as exc:
-                    if not (told and exc is prior):
-                        raise
-                else:
-                    if self.param_offload is not None and self._restore_wanted(restore):
-                        restored = self._gather_offloaded_params()
-            finally:
-                self.pipeline.settle_threads(force=True)
-                if self._gatherer is not None:
-                    self._gatherer.shutdown(wait=True)
-                if self.hooks is not None:
-                    self.hooks.remove()
+                self.pipeline.close()
                 if self.param_offload is not None:
-                    self.param_offload.close()
-                if self.activations is not None:
-                    self.activations.close()
-                self._own_master_params()
-                self._release_storage()
-                self.comm.close()
-            for seg, t in restored or ():
-                seg.param.data = t
+                    self.param_offload.wait_writes()
+                    self.pipeline.raise_failure()
+            except Exception as exc:
+                if not (told and exc is prior):
+                    raise
+            else:
+                if self.param_offload is not None and self._restore_wanted(restore):
+                    restored = self._gather_offloaded_params()
         finally:
-            self._let_go()
+            self.pipeline.settle_threads(force=True)
+            if self._gatherer is not None:
+                self._gatherer.shutdown(wait=True)
+            if self.hooks is not None:
+                self.hooks.remove()
+            if self.param_offload is not None:
+                self.param_offload.close()
+            if self.activations is not None:
+                self.activations.close()
+            self._own_master_params()
+            self._release_storage()
+            self.comm.close()
+        for seg, t in restored or ():
+            seg.param.data = t
 
     # What a closed engine keeps: its flag, the counters (``_StepCounters``), what the user
     # reaches through it (the model, the optimizer that LR schedulers hold, the config, the
@@ -1141,8 +1146,7 @@ class Engine:
         through the engine, the model alive until then: engines built and closed one after
         another (a sweep, Trainer's ``model_init``) kept about 3 GiB each for 0.5 GiB of
         parameters (measured). Memory that a tensor the user holds views stays, as it must."""
-        counters = _StepCounters(self.control.global_step, self.control.micro_step) \
-            if "control" in self.__dict__ else _StepCounters(0, 0)
+        counters = _StepCounters(self.control.global_step, self.control.micro_step)
         kept = {k: self.__dict__[k] for k in self._KEPT_AFTER_CLOSE if k in self.__dict__}
         self.__dict__.clear()
         self.__dict__.update(kept, control=counters)
