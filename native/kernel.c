@@ -92,7 +92,10 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
     if (a->n == 0) return 0;
     if (!a->param || !a->grad) return -EINVAL;
     memset(j, 0, offsetof(struct kjob, hp));
+    const int out_of_place = a->param_src != NULL;
+    if (out_of_place && a->state_dtype == OFFLOAD_Q8) return -EINVAL;
     j->param = a->param;
+    j->sparam = out_of_place ? a->param_src : a->param;
     j->grad = a->grad;
     j->param_copy = a->param_copy;
     j->n = a->n;
@@ -103,8 +106,9 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
     j->isa = kernel_isa();
     j->chunks = kernel_chunking(a->n);
     for (int r = 0; r < a->nrows; r++) {
-        if (!a->state[r]) return -EINVAL;
+        if (!a->state[r] || out_of_place != (a->state_src[r] != NULL)) return -EINVAL;
         j->state[r] = a->state[r];
+        j->sstate[r] = out_of_place ? a->state_src[r] : a->state[r];
         if (a->state_dtype != OFFLOAD_Q8) continue;
         if (!a->absmax[r] || !a->qcode[r]) return -EINVAL;
         j->absmax[r] = a->absmax[r];
@@ -248,13 +252,14 @@ void kernel_q8_range(const struct kjob *j, int64_t begin, int64_t end,
     struct kjob copy = *j, *local = &copy;
     local->state_dtype = OFFLOAD_F32;
     local->copy_dtype = j->copy_dtype;
-    for (int r = 0; r < j->nrows; r++) local->state[r] = scratch[r];
+    for (int r = 0; r < j->nrows; r++) local->state[r] = scratch[r], local->sstate[r] = scratch[r];
     const int gsize = dtype_size(j->grad_dtype), csize = dtype_size(j->copy_dtype);
     for (int64_t b0 = begin; b0 < end; b0 += KERNEL_Q8_BLOCK) {
         const int64_t nb = end - b0 < KERNEL_Q8_BLOCK ? end - b0 : KERNEL_Q8_BLOCK;
         q8_prefetch(j, b0 + Q8_PREFETCH_BLOCKS * KERNEL_Q8_BLOCK, end, gsize);
         for (int r = 0; r < j->nrows; r++) q8_dequant(j, r, b0, nb, scratch[r]);
         local->param = j->param + b0;
+        local->sparam = local->param;     /* q8 steps in place only (kernel_job_init) */
         local->grad = (const char *)j->grad + b0 * gsize;
         local->param_copy = j->param_copy ? (char *)j->param_copy + b0 * csize : NULL;
         local->n = nb;

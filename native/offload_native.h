@@ -39,6 +39,10 @@ enum offload_isa { OFFLOAD_ISA_AUTO = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AV
  *   param_copy  copy_dtype (bf16|f16|f32) [n], or NULL with OFFLOAD_DTYPE_NONE: written with the
  *               updated param rounded to nearest even (f32: the updated param itself, so that
  *               it lands where it goes next without a second pass over the master).
+ *   param_src, state_src[r]   NULL: the step is in place. Otherwise the step reads the param and
+ *               the rows from these (same dtype and length, not overlapping param / state) and
+ *               writes param and state[r] only: an update computed into a second buffer, the
+ *               first left as it was. Not with q8 state (-EINVAL).
  * Runs on the calling thread plus the pool's workers; returns when all are done. */
 typedef struct offload_step_args {
     float *param;
@@ -49,6 +53,8 @@ typedef struct offload_step_args {
     void *param_copy;
     int64_t n;
     int32_t grad_dtype, state_dtype, copy_dtype, nrows;
+    const float *param_src;
+    const void *state_src[2];
 } offload_step_args;
 
 /* Each rule's .c file defines its hparams struct (its per-call fp32 scalars) and, through

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -110,7 +110,8 @@ class StepArgs(ctypes.Structure):
     _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("state", ctypes.c_void_p * 2),
                 ("absmax", ctypes.c_void_p * 2), ("qcode", ctypes.c_void_p * 2), ("param_copy", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("grad_dtype", ctypes.c_int32), ("state_dtype", ctypes.c_int32),
-                ("copy_dtype", ctypes.c_int32), ("nrows", ctypes.c_int32)]
+                ("copy_dtype", ctypes.c_int32), ("nrows", ctypes.c_int32),
+                ("param_src", ctypes.c_void_p), ("state_src", ctypes.c_void_p * 2)]
 
 
 def _declare_kernels(lib: ctypes.CDLL) -> None:

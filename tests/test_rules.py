@@ -206,6 +206,63 @@ def test_isa_variants_equal_scalar(name, group, state_dtype, monkeypatch):
         _native.kernel_set_isa(L, None)
 
 
+def _kernel_run_alternating(rule, group, n, g_dtype, state_dtype, copy_dtype, offset=0, row_offset=0, steps=3):
+    """``_kernel_run`` stepping from one buffer into a second and back (``cpu_step(src=...)``,
+    optim/ahead.py), the params ``offset`` and the rows ``row_offset`` elements into their
+    storage; each step leaves its source as it was."""
+    gen = torch.Generator().manual_seed(3)
+    p = _view(n, F32, offset)
+    p.copy_(torch.randn(n, generator=gen))
+    bufs = []
+    for k in range(2):
+        state = rule.init_state(p, group, state_dtype)
+        if state_dtype != "int8":
+            for name, t in list(state.items()):
+                v = _view(n, t.dtype, row_offset)
+                v.copy_(t)
+                state[name] = v
+        bufs.append((p if k == 0 else _view(n, F32, offset).fill_(float("nan")), state))
+    copy_t = None if copy_dtype is None else _view(n, copy_dtype, offset)
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen)
+        g[::5] *= 1e-37
+        (sp, ss), (dp, ds) = bufs[(step - 1) % 2], bufs[step % 2]
+        before = [sp.clone()] + [t.clone() for t in ss.values()]
+        rule.cpu_step(dp, g.to(g_dtype), ds, group, step, param_copy=copy_t, grad_scale=0.5, src=(sp, ss))
+        for a, b in zip([sp] + list(ss.values()), before):
+            assert torch.equal(a, b), "the source of an out-of-place step changed"
+    p, state = bufs[steps % 2]
+    return [p.clone()] + [t.clone() for t in state.values()] + ([] if copy_t is None else [copy_t.clone()])
+
+
+@pytest.mark.parametrize("name,group", KERNEL_RULES, ids=[f"{r}{i}" for i, (r, _) in enumerate(KERNEL_RULES)])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_step_into_a_second_buffer_equals_the_step_in_place(name, group, state_dtype, backend):
+    """update_ahead's step reads the committed state and writes a second buffer: the same bits
+    as the step in place, every rule, state dtype and (native) instruction set. Natively in
+    one pass, its stores streamed where param, rows and copy align together (sizes from
+    4096 elements; the same offset everywhere, with a head, or rows offset otherwise: plain
+    stores); int8 state and the torch fallback copy the source over first."""
+    rule = get_rule(name)
+    L = _native.lib() if backend == "native" else None
+    isas = [None] if L is None else [n for c, n in sorted(_native.ISA_NAMES.items()) if c <= L.offload_kernel_best_isa()]
+    cases = ((F32, None, 1023, 0, 0), (BF16, BF16, 5000, 0, 0), (F32, F32, 33, 0, 0), (F32, F32, 70001, 3, 3),
+             (F16, BF16, 9000, 3, 3), (BF16, F32, 9000, 1, 0))
+    try:
+        for isa in isas:
+            if L is not None:
+                _native.kernel_set_isa(L, isa)
+            for g_dtype, c_dtype, n, off, row_off in cases:
+                want = _kernel_run(rule, group, n, g_dtype, state_dtype, c_dtype, off)
+                got = _kernel_run_alternating(rule, group, n, g_dtype, state_dtype, c_dtype, off,
+                                              off if state_dtype == "int8" else row_off)
+                for a, b in zip(got, want):
+                    assert torch.equal(a, b), (isa, name, state_dtype, g_dtype, c_dtype, n, off, row_off)
+    finally:
+        if L is not None:
+            _native.kernel_set_isa(L, None)
+
+
 @pytest.mark.parametrize("name,group", KERNEL_RULES[2:4], ids=["Lion", "SGD"])
 def test_native_equals_torch_fallback_every_state_dtype(name, group, monkeypatch):
     """Lion and SGD use only operations torch's CPU kernels perform identically (fused

@@ -140,12 +140,16 @@ class UpdateRule:
 
     def cpu_step(self, param: torch.Tensor, grad: torch.Tensor, state: State, group: dict, step: int, *,
                  param_copy: Optional[torch.Tensor] = None, grad_scale: float = 1.0,
-                 shape: Optional[Sequence[int]] = None) -> None:
+                 shape: Optional[Sequence[int]] = None, src: Optional[tuple] = None) -> None:
         """One step of a flat CPU shard in place. param: fp32; grad: fp32 / bf16 / fp16 (read
         only); state: this rule's rows (any of its state dtypes); param_copy: None or bf16 /
         fp16, receives the new param rounded to nearest even, or fp32, receives the new param
         itself (in the same pass). ``shape``: the parameter's shape
-        (factored rules). Native kernel when loaded, else the reference in torch."""
+        (factored rules). ``src``: None, or (param, state) before the step, laid out as
+        ``param`` / ``state`` and not overlapping them: the step reads those and writes
+        ``param`` / ``state`` (an update into a second buffer, optim/ahead.py); the native
+        kernel reads them in its one pass, elsewhere they are copied over first. Native
+        kernel when loaded, else the reference in torch."""
         rows = self.rows(group, shape)
         n = param.numel()
         _check_flat("param", param, (torch.float32,), n)
@@ -155,7 +159,11 @@ class UpdateRule:
         dtype = state_dtype_of(state, rows)
         with _profiler_range(self.name):
             L = _native.lib() if self.kernel else None
-            if L is None or not all(r.elementwise for r in rows):
+            native = L is not None and all(r.elementwise for r in rows)
+            if src is not None and (not native or dtype == "int8"):
+                _copy_state(src, param, state)    # then in place
+                src = None
+            if not native:
                 with torch.no_grad():
                     self._torch_step(param, grad, state, rows, group, step, param_copy, grad_scale, shape)
                 return
@@ -164,8 +172,15 @@ class UpdateRule:
                                     copy_dtype=_native.DTYPE_NONE if param_copy is None else COPY_DTYPES[param_copy.dtype],
                                     param_copy=None if param_copy is None else param_copy.data_ptr())
             args.state_dtype = _native.DTYPE_Q8 if dtype == "int8" else _NATIVE_DTYPE[_TORCH_DTYPE[dtype]]
+            if src is not None:
+                _check_flat("src param", src[0], (torch.float32,), n)
+                args.param_src = src[0].data_ptr()
             for r, row in enumerate(rows):
                 args.state[r] = state[row.name].data_ptr()
+                if src is not None:
+                    from_row = src[1][row.name]
+                    _check_flat(f"src {row.name}", from_row, (state[row.name].dtype,), n)
+                    args.state_src[r] = from_row.data_ptr()
                 if dtype == "int8":
                     args.absmax[r] = state[row.name + "_absmax"].data_ptr()
                     args.qcode[r] = quant.dynamic_map(row.signed).data_ptr()
@@ -187,6 +202,13 @@ class UpdateRule:
         the reference per tensor; rules with torch kernels override it."""
         for p, g, s, step in zip(params, grads, states, steps):
             self.reference(p, g, s, group, step)
+
+
+def _copy_state(src: tuple, param: torch.Tensor, state: State) -> None:
+    """``src``'s param and every row (int8 scales included) over ``param`` / ``state``."""
+    param.copy_(src[0])
+    for name, t in state.items():
+        t.copy_(src[1][name])
 
 
 # ---- state rows ---------------------------------------------------------------------------------
