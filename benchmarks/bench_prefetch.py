@@ -149,7 +149,8 @@ def engine_cfg(args, nvme_dir: str, block: int, lookahead) -> dict:
     cfg = {"optimizer": {"lr": 1e-4},
            "offload_param": {"device": "nvme", "nvme_path": nvme_dir},
            "offload_optimizer": {"device": args.optimizer_tier,
-                                 "nvme_path": nvme_dir if args.optimizer_tier == "nvme" else None}}
+                                 "nvme_path": nvme_dir if args.optimizer_tier == "nvme" else None,
+                                 "update_ahead": args.update_ahead}}
     if lookahead == "off":
         cfg["prefetch"] = {"enabled": False}
     elif lookahead != "default":
@@ -224,6 +225,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu")
+    p.add_argument("--update-ahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="offload_optimizer.update_ahead (optimizer state on cpu)")
     p.add_argument("--k", type=int, default=2048, help="CUDA: matmul size of the real compute")
     p.add_argument("--batch", type=int, default=2048, help="CUDA: rows of the real compute")
     p.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir)")

@@ -1,7 +1,7 @@
 """One failure-injection run, in its own process (tests/test_failures.py runs it under a timeout,
 so a hang fails the test instead of hanging CI).
 
-    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked | noprefetch]
+    python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked | noprefetch | ahead]
 
 ``chunked``: the optimizer state moves in chunks (offload_optimizer.state_chunk_bytes below
 block TARGET's state); the failure hits its second chunk. ``noprefetch``: prefetch off (NVMe
@@ -71,8 +71,9 @@ def main():
     stage, opt, prm, clip, nvme = sys.argv[1:6]
     chunked = sys.argv[6:7] == ["chunked"]
     noprefetch = sys.argv[6:7] == ["noprefetch"]
+    ahead = sys.argv[6:7] == ["ahead"]
     cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2,
-                                 "state_chunk_bytes": 100_000 if chunked else None},
+                                 "state_chunk_bytes": 100_000 if chunked else None, "update_ahead": ahead},
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
            "gradient_clipping": float(clip), "aio": {"backend": "native", "block_size": 1 << 16},
            "wait_timeout_s": 5.0 if stage == "stall" else 60.0, "prefetch": {"enabled": not noprefetch}}

@@ -156,6 +156,12 @@ def test_deepspeed_fp16_loss_scaler_translated():
     ({"loss_scaler": {"growth_factor": 0.5}}, "growth_factor", "> 1"),
     ({"optimizer_workers": 0}, "optimizer_workers", "> 0"),
     ({"offload_optimizer": "nvme"}, "offload_optimizer", "mapping"),
+    ({"offload_optimizer": {"update_ahead": "yes"}}, "offload_optimizer.update_ahead", "true or false"),
+    ({"offload_optimizer": {"device": "none", "update_ahead": True}}, "offload_optimizer.device='none'",
+     "set update_ahead to false"),
+    ({"offload_optimizer": {"update_ahead": True}, "gradient_clipping": 1.0}, "gradient_clipping=1.0",
+     "global norm"),
+    ({"offload_optimizer": {"update_ahead": True}, "precision": "fp16"}, "precision='fp16'", "overflow"),
 ])
 def test_invalid_value_names_key_and_fix(cfg, key, fix):
     msg = err(cfg)

@@ -46,6 +46,26 @@ def test_cuda_fp32_parity(tier, clip, tmp_path):
     check_parity(ref, ref_fused, got)
 
 
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_cuda_update_ahead_parity(param, tmp_path):
+    """offload_optimizer.update_ahead on CUDA: each block's update computed on the host during
+    the device's backward (parameters staged in pinned memory, copied in at step()), against
+    torch on the device, with no synchronisation between steps."""
+    base = make_model()
+    data = on_cuda(batches(8))
+    ref = reference_run(clone(base).cuda(), data, clip=0.0)
+    ref_fused = reference_run(clone(base).cuda(), data, clip=0.0, fused=True)
+    eng = offload.initialize(clone(base), cfg("cpu", tmp_path, clip=0.0, offload_optimizer={"device": "cpu", "update_ahead": True},
+                                              offload_param={"device": param, "nvme_path": str(tmp_path) if param == "nvme" else None}))
+    for x, y in data:
+        eng.backward(eng(x, y))
+        eng.step()
+    got = {k: v.cpu() for k, v in eng.full_state_dict().items()}
+    assert eng.telemetry.counters["updates_ahead"] == len(data) * len(eng.blocks)
+    eng.close()
+    check_parity([{k: v.cpu() for k, v in ref[-1].items()}], [{k: v.cpu() for k, v in ref_fused[-1].items()}], [got])
+
+
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 def test_cuda_param_offload_bit_exact(param, tmp_path):
     base = make_model()

@@ -81,6 +81,21 @@ def test_failed_asynchronous_parameter_write_back(path, tmp_path):
     assert r["close"] == "returned" and r["close_s"] < 10.0 and r["dirs_left"] == [], r
 
 
+@pytest.mark.parametrize("prm", ["none", "nvme"])
+def test_failed_update_ahead_names_block_and_stage(prm, tmp_path):
+    """offload_optimizer.update_ahead: the kernel fails in block 2's update computed during
+    backward. The user's next call raises it naming the block and "adam (update ahead)",
+    every later call again; nothing stays on loan and close() returns."""
+    r = run_worker("adam", "cpu", prm, 0.0, tmp_path, "ahead")
+    assert r["fired"], r
+    assert r["raised_by"] in ("forward", "backward", "step", "synchronize"), r
+    assert r["stage"] == "adam (update ahead)" and r["block"] == "2 (layers.0)", r
+    assert "adam (update ahead) of block 2 (layers.0) failed" in r["text"] and r["latency"] < 10.0, r
+    assert r["after"] == r["text"], r
+    assert all(v == 0 for v in r["in_use"].values()), r
+    assert r["close"] == "returned" and r["close_s"] < 10.0 and r["dirs_left"] == [], r
+
+
 def test_stalled_read_times_out_naming_block(tmp_path):
     """A read that never completes: the wait is bounded (wait_timeout_s = 5 s here; short
     enough for a test, long enough that the other blocks' real I/O never trips it on a loaded

@@ -6,6 +6,7 @@ skip and halve; growth after ``growth_interval`` clean steps), gradients unscale
 multiplying with 1 / scale. The loop does not synchronise between steps. Tolerances: twice
 the distance between torch's single-tensor and fused AdamW running the same reference.
 """
+import pytest
 import torch
 
 import offload
@@ -51,9 +52,9 @@ def reference(base, data, dtype, *, fused, scaler=None):
     return torch.stack(losses), committed, {names[id(p)]: m for p, m in zip(params, masters)}, scales
 
 
-def engine_run(base, data, precision, tmp_path, scaler=None):
+def engine_run(base, data, precision, tmp_path, scaler=None, ahead=False):
     cfg = {"optimizer": {"type": "AdamW", "lr": LR, "weight_decay": WD}, "precision": precision,
-           "offload_optimizer": {"device": "cpu"}}
+           "offload_optimizer": {"device": "cpu", "update_ahead": ahead}}
     if scaler:
         cfg["loss_scaler"] = dict(scaler)
     eng = offload.initialize(clone(base), cfg)
@@ -65,6 +66,7 @@ def engine_run(base, data, precision, tmp_path, scaler=None):
         committed.append(eng.step())
         losses.append(loss.detach().float())
     sd = eng.full_state_dict()
+    assert eng.telemetry.counters["updates_ahead"] == (len(data) * len(eng.blocks) if ahead else 0)
     eng.close()
     return torch.stack(losses), committed, sd, scales
 
@@ -73,10 +75,10 @@ def diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def check(base, data, dtype, precision, tmp_path, scaler=None):
+def check(base, data, dtype, precision, tmp_path, scaler=None, ahead=False):
     ref_l, ref_c, ref_m, ref_s = reference(base, data, dtype, fused=False, scaler=scaler)
     fus_l, _, fus_m, _ = reference(base, data, dtype, fused=True, scaler=scaler)
-    got_l, got_c, got_sd, got_s = engine_run(base, data, precision, tmp_path, scaler)
+    got_l, got_c, got_sd, got_s = engine_run(base, data, precision, tmp_path, scaler, ahead)
     assert got_c == ref_c and got_s == ref_s
     loss_bound = 2 * (ref_l - fus_l).abs().max().item() + 1e-6
     assert (got_l - ref_l).abs().max().item() <= loss_bound
@@ -87,9 +89,12 @@ def check(base, data, dtype, precision, tmp_path, scaler=None):
     return ref_c
 
 
-def test_bf16_matches_mixed_precision_reference(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "update_ahead"])
+def test_bf16_matches_mixed_precision_reference(ahead, tmp_path):
+    """bf16 parameters, fp32 masters; with update_ahead the new bf16 parameters are staged
+    during backward and copied in by step()."""
     base = make_model()
-    check(base, batches(8), torch.bfloat16, "bf16", tmp_path)
+    check(base, batches(8), torch.bfloat16, "bf16", tmp_path, ahead=ahead)
 
 
 def test_fp16_matches_dynamic_loss_scaling_reference(tmp_path):

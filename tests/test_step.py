@@ -24,7 +24,9 @@ import offload
 
 VOCAB, D, LR, WD = 64, 32, 1e-3, 0.01
 PLACEMENTS = [(o, p) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
-CASES = [pytest.param(o, p, c, id=f"opt-{o}-param-{p}-clip{c}") for o, p in PLACEMENTS for c in (0.0, 0.5)]
+CASES = [pytest.param(o, p, c, False, id=f"opt-{o}-param-{p}-clip{c}") for o, p in PLACEMENTS for c in (0.0, 0.5)] + [
+    # offload_optimizer.update_ahead: each block's update computed during backward, committed by step()
+    pytest.param("cpu", p, 0.0, True, id=f"opt-cpu-param-{p}-ahead") for p in ("none", "cpu", "nvme")]
 
 
 class OutsideReads(nn.Module):
@@ -57,9 +59,9 @@ def batches(n, seed=1):
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
 
 
-def cfg(opt, prm, clip, tmp_path, **kw):
+def cfg(opt, prm, clip, tmp_path, ahead=False, **kw):
     c = {"optimizer": {"type": "AdamW", "lr": LR, "weight_decay": WD}, "gradient_clipping": clip,
-         "offload_optimizer": {"device": opt}, "offload_param": {"device": prm}}
+         "offload_optimizer": {"device": opt, "update_ahead": ahead}, "offload_param": {"device": prm}}
     for section, tier, sub in (("offload_optimizer", opt, "opt"), ("offload_param", prm, "param")):
         if tier == "nvme":
             (tmp_path / sub).mkdir(parents=True, exist_ok=True)
@@ -115,15 +117,17 @@ def train(eng, data, backwards=1):
     return losses
 
 
-@pytest.mark.parametrize("opt,prm,clip", CASES)
-def test_unsynchronised_parity_and_close(opt, prm, clip, tmp_path):
+@pytest.mark.parametrize("opt,prm,clip,ahead", CASES)
+def test_unsynchronised_parity_and_close(opt, prm, clip, ahead, tmp_path):
     """Five steps with the next forward trailing the optimizer; then close(): the model keeps
     the trained values and buffers and runs alone; every engine entry point refuses."""
     model = make_model()
-    eng = offload.initialize(model, cfg(opt, prm, clip, tmp_path))
+    eng = offload.initialize(model, cfg(opt, prm, clip, tmp_path, ahead))
     losses = train(eng, batches(5))
     final = eng.full_state_dict()
     check(torch.stack(losses), final, clip, 5)
+    # with update_ahead every block's update was computed during backward and committed
+    assert eng.telemetry.counters["updates_ahead"] == (5 * len(eng.blocks) if ahead else 0)
 
     eng.close()
     sd = model.state_dict()
@@ -145,14 +149,14 @@ def test_unsynchronised_parity_and_close(opt, prm, clip, tmp_path):
     eng.close()                                       # a second close is a no-op
 
 
-@pytest.mark.parametrize("opt,prm,clip", CASES)
-def test_interrupted_window_changes_nothing(opt, prm, clip, tmp_path):
+@pytest.mark.parametrize("opt,prm,clip,ahead", CASES)
+def test_interrupted_window_changes_nothing(opt, prm, clip, ahead, tmp_path):
     """A backward without its step() (the loop stopped) leaves weights, optimizer state and
     counters at the previous step, also in a checkpoint saved then; zero_grad() (the
     engine's or its optimizer's) discards its gradients and training goes on as if it never happened."""
     data = batches(4)
     stray = batches(1, seed=9)[0]
-    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path))
+    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path, ahead))
     losses = train(eng, data[:2])
     before = eng.full_state_dict()
     eng.backward(eng(*stray))                         # interrupted: no step()
@@ -167,7 +171,7 @@ def test_interrupted_window_changes_nothing(opt, prm, clip, tmp_path):
     check(torch.stack(losses), eng.full_state_dict(), clip, 4)
     eng.close()
 
-    resumed = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path / "again"))
+    resumed = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path / "again", ahead))
     resumed.load_checkpoint(str(tmp_path / "ck"))
     assert (resumed.global_step, resumed.micro_step) == (2, 2)
     rest = train(resumed, data[2:])
@@ -175,21 +179,24 @@ def test_interrupted_window_changes_nothing(opt, prm, clip, tmp_path):
     resumed.close()
 
 
-@pytest.mark.parametrize("opt,prm,clip", CASES)
-def test_two_backwards_one_step(opt, prm, clip, tmp_path):
+@pytest.mark.parametrize("opt,prm,clip,ahead", CASES)
+def test_two_backwards_one_step(opt, prm, clip, ahead, tmp_path):
     """Two backward() calls then one step(): one update on the summed gradients, as torch."""
-    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path))
+    eng = offload.initialize(make_model(), cfg(opt, prm, clip, tmp_path, ahead))
     losses = train(eng, batches(6), backwards=2)
     assert (eng.global_step, eng.micro_step) == (3, 3)
     check(torch.stack(losses), eng.full_state_dict(), clip, 3, backwards=2)
     eng.close()
 
 
-def test_accumulation_window_commits_at_its_last_step(tmp_path):
+@pytest.mark.parametrize("clip,ahead", [(0.5, False), (0.0, True)], ids=["clip", "ahead"])
+def test_accumulation_window_commits_at_its_last_step(clip, ahead, tmp_path):
     """gradient_accumulation_steps=2, two backward() calls in each micro-step: the update
     comes at every second step(), on the window's summed gradients (each loss / 2); the
-    loop that skips step() inside the window is warned about."""
-    eng = offload.initialize(make_model(), cfg("cpu", "none", 0.5, tmp_path, gradient_accumulation_steps=2))
+    loop that skips step() inside the window is warned about. With update_ahead, only the
+    window's last backward computes updates ahead (the one before it in the same micro-step
+    is dropped when the next one adds to its gradients)."""
+    eng = offload.initialize(make_model(), cfg("cpu", "none", clip, tmp_path, ahead, gradient_accumulation_steps=2))
     data, losses = batches(8), []
     with pytest.warns(UserWarning, match="call step\\(\\) after every backward"):
         for s in range(4):
@@ -200,6 +207,7 @@ def test_accumulation_window_commits_at_its_last_step(tmp_path):
             assert eng.step() is (s % 2 == 1)
     assert (eng.global_step, eng.micro_step) == (2, 4)
     got = eng.full_state_dict()
+    assert eng.telemetry.counters["updates_ahead"] == (2 * len(eng.blocks) if ahead else 0)
     eng.close()
     # torch: four batches' gradients, each loss / 2, then one step; twice
     model = make_model()
@@ -215,7 +223,50 @@ def test_accumulation_window_commits_at_its_last_step(tmp_path):
                 loss = model(x, y)
                 (loss / 2).backward()
                 ref_losses.append(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            opt.zero_grad()
+        runs.append((torch.stack(ref_losses), model.state_dict()))
+    (ref_l, ref_sd), (fus_l, fus_sd) = runs
+    assert (torch.stack(losses) - ref_l).abs().max() <= 2 * (ref_l - fus_l).abs().max() + 1e-6
+    assert max_diff(ref_sd, got) <= 2 * max_diff(ref_sd, fus_sd) + 1e-6
+
+
+def test_update_ahead_takes_a_learning_rate_set_before_step(tmp_path):
+    """update_ahead: a learning rate set between backward() and step() (a loop that schedules
+    it there) is the one applied: the update computed ahead with the old one is dropped and
+    step() computes it again; a step whose rate did not change commits what was computed
+    ahead."""
+    def lr_at(s):
+        return LR * (s + 1) if s % 2 else None     # set before steps 1 and 3
+
+    eng = offload.initialize(make_model(), cfg("cpu", "nvme", 0.0, tmp_path, True))
+    data, losses = batches(4), []
+    for s, (x, y) in enumerate(data):
+        loss = eng(x, y)
+        eng.backward(loss)
+        losses.append(loss.detach())
+        if lr_at(s):
+            for g in eng.optimizer.param_groups:
+                g["lr"] = lr_at(s)
+        assert eng.step() is True
+    got = eng.full_state_dict()
+    assert eng.telemetry.counters["updates_ahead"] == 2 * len(eng.blocks)   # steps 0 and 2
+    eng.close()
+    runs = []
+    for fused in (False, True):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
+                                **({"fused": True} if fused else {"foreach": False}))
+        ref_losses = []
+        for s, (x, y) in enumerate(data):
+            loss = model(x, y)
+            loss.backward()
+            ref_losses.append(loss.detach())
+            if lr_at(s):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(s)
             opt.step()
             opt.zero_grad()
         runs.append((torch.stack(ref_losses), model.state_dict()))

@@ -62,6 +62,7 @@ _SWITCHES = (  # (flag, dotted key, value)
     ("--no-checksum", "aio.checksum", False),
     ("--no-overlap-step", "overlap_step", False),
     ("--no-prefetch", "prefetch.enabled", False),
+    ("--update-ahead", "offload_optimizer.update_ahead", True),
 )
 
 

@@ -185,6 +185,15 @@ class OffloadOptimizerConfig:
     # chunks of at most this many bytes, so each of the buffer_count swap buffers holds a
     # chunk, not the largest block (an embedding). None: whole blocks.
     state_chunk_bytes: Optional[int] = 256 << 20
+    # cpu: compute each block's update while backward goes on, as soon as the block's
+    # gradients are in, into a second state buffer and a staged parameter copy; step()
+    # commits them (swaps the buffers, writes the parameters back), so the next forward waits
+    # for write-backs, not for the optimizer. Backward still changes nothing a checkpoint
+    # records. Costs a second copy of the optimizer state and one of the trainable
+    # parameters in host memory (pool offload-host). Needs one rank, no clipping, no fp16
+    # loss scaling and every gradient in host memory: each of those waits for the whole
+    # backward before any update.
+    update_ahead: bool = False
 
     def __post_init__(self):
         _check_finite(self, "offload_optimizer.")
@@ -192,6 +201,8 @@ class OffloadOptimizerConfig:
         _check_positive("offload_optimizer.buffer_count", self.buffer_count)
         _check_positive("offload_optimizer.grad_host_bytes", self.grad_host_bytes)
         _check_positive("offload_optimizer.state_chunk_bytes", self.state_chunk_bytes)
+        if not isinstance(self.update_ahead, bool):
+            raise ConfigError(f"offload_optimizer.update_ahead={self.update_ahead!r} must be true or false")
         if self.device == "nvme":
             _require_nvme_path("offload_optimizer.nvme_path", self.nvme_path)
 
@@ -352,6 +363,8 @@ class Config:
         _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)
         _check_positive("optimizer_workers", self.optimizer_workers)
         _check_positive("wait_timeout_s", self.wait_timeout_s)
+        if self.offload_optimizer.update_ahead:
+            _check_update_ahead(self)
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
 
@@ -400,6 +413,23 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+def _check_update_ahead(cfg: "Config") -> None:
+    """``offload_optimizer.update_ahead`` steps each block as its gradients come in: refused
+    where the update needs something only the whole backward gives."""
+    why = []
+    if cfg.offload_optimizer.device != "cpu":
+        why.append(f"offload_optimizer.device={cfg.offload_optimizer.device!r} (it needs 'cpu': the second "
+                   "state buffer lives in host memory)")
+    if cfg.gradient_clipping > 0:
+        why.append(f"gradient_clipping={cfg.gradient_clipping} (the clip needs the global norm, known only "
+                   "after the whole backward)")
+    if cfg.precision == "fp16":
+        why.append("precision='fp16' (the loss scale's overflow check needs every gradient)")
+    if why:
+        raise ConfigError("offload_optimizer.update_ahead=True cannot be used with " + "; ".join(why)
+                          + ": set update_ahead to false, or change those keys")
 
 
 def _build(cls, d: Mapping[str, Any], prefix: str):

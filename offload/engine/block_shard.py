@@ -21,7 +21,8 @@ from offload.optim.state import OptimState
 
 class BlockShard:
     def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state: OptimState,
-                 grad: GradBuffer, shard: tuple, params=None, landing: Optional[GradBuffer] = None):
+                 grad: GradBuffer, shard: tuple, params=None, landing: Optional[GradBuffer] = None,
+                 ahead=None):
         self.layout = layout
         self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
         self.params = params              # BlockParams when the parameters are offloaded (then
@@ -33,6 +34,7 @@ class BlockShard:
         self.pending: Optional[Future] = None
         self.update_event = None          # H2D copy of the new parameters (CUDA)
         self.stepped = 0                  # optimizer steps applied (bias correction)
+        self.ahead = ahead                # AheadSlot (update_ahead): the update computed during backward
 
     @property
     def index(self) -> int:

@@ -21,7 +21,9 @@ post-accumulate-grad hook. The commit queues every block's update in forward ord
 update (a forward pre-hook on the modules that hold its parameters, and for a parameter
 read elsewhere in the forward, outside_reads.py), so the CPU step runs under the next
 forward. In the backward that is expected to close the window, the optimizer state is
-read back from NVMe ahead and the per-block gradient norms are computed as blocks land.
+read back from NVMe ahead and the per-block gradient norms are computed as blocks land;
+with ``offload_optimizer.update_ahead`` each block's update itself is computed then, into a
+second state buffer that the commit swaps in (optim/ahead.py).
 ``close()`` leaves the model usable (see its docstring).
 
 Across ranks (``torch.distributed``, ``zero_optimization.stage``; one rank is the same path
@@ -57,6 +59,7 @@ from offload.engine.memory_plan import GradHome
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
+from offload.optim.ahead import AheadSlot
 from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params.writeback import ParamWriteBack
@@ -306,6 +309,7 @@ class Engine:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             gradient_clipping=config.gradient_clipping, param_order=self._param_order,
             read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
+            ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
             on_block_complete=self.hooks.post_backward)   # every participant's post_backward
 
     # The counters a checkpoint records (StepControl owns them; they move at step() only).
@@ -431,6 +435,10 @@ class Engine:
         what each pool holds)."""
         from offload.storage.pinned_pool import HostPool
         cfg, plan = self.config, self.plan
+        if cfg.offload_optimizer.update_ahead and self.comm.active:
+            raise ValueError(f"offload_optimizer.update_ahead=True needs one rank ({self.comm.world} here): with "
+                             "several, a block's update waits for its gradient collective and the all-gather "
+                             "after it; set update_ahead to false")
         pin = cfg.offload_optimizer.pin_memory and dev.can_pin()
 
         def pool(name):       # unpinned (a CPU device): on huge pages, see HostPool
@@ -757,7 +765,7 @@ class Engine:
                 landing = GradBuffer(None, len(lay.segments), numel=lay.padded_numel, dtype=grad_dtype,
                                      device=self.device)
             self.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
-                                          landing=landing))
+                                          landing=landing, ahead=self._ahead_slot(nbytes, s1 - s0, params)))
             del full, master
             # this block's transient copies are freed: give their pages back now. A heap left
             # with free space by the model's construction (accelerate's init_empty_weights
@@ -766,6 +774,18 @@ class Engine:
             # free; one block after another they made the load's peak RSS grow with depth
             dev.trim_host_heap(dev.step_trim_bytes())
         self._build_units()
+
+    def _ahead_slot(self, nbytes: int, numel: int, params) -> Optional[AheadSlot]:
+        """``offload_optimizer.update_ahead``: the block's second state buffer and, unless
+        its parameters are resident fp32 (copied from the master), its staged parameters."""
+        if not self.config.offload_optimizer.update_ahead:
+            return None
+        spare = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
+        out = None
+        if params is not None or self.dtype != torch.float32:
+            esize = torch.empty((), dtype=self.dtype).element_size()
+            out = self._host_pool.acquire(numel * esize).view(self.dtype, numel)
+        return AheadSlot(spare, out)
 
     def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
         """Whether a block's device parameters can be the fp32 master itself: the compute
@@ -882,17 +902,32 @@ class Engine:
         self._check_open()
         self.control.zero_grad()
 
+    def _groups(self) -> tuple:
+        keys = self.optimizer.defaults     # the rule's hyper-parameters, as each group holds them now
+        return tuple({k: g[k] for k in keys} for g in self.optimizer.param_groups)
+
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
         if not self.comm.active and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
+            if block.ahead is not None:
+                block.ahead.drop(self.config.wait_timeout_s, block.name)
             return
-        keys = self.optimizer.defaults     # the rule's hyper-parameters, as each group holds them now
-        groups = tuple({k: g[k] for k in keys} for g in self.optimizer.param_groups)
-        args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
+        args = StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule, grad_scale=grad_scale,
                         compute_done=dev.record_event(dev.current_stream(self.device)))
+        if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:
+            # computed ahead with other hyper-parameters (set between backward and step):
+            # dropped, and the update runs now
+            block.ahead.drop(self.config.wait_timeout_s, block.name)
         fut = self.pipeline.submit(block, args)
         if self._gatherer is not None:    # then every rank's updated shard to every rank
             block.pending = self._gatherer.submit(self._gather_params, block, fut)
+
+    def _submit_ahead(self, block: BlockShard) -> None:
+        """``offload_optimizer.update_ahead``: ``block``'s gradients of the window's last
+        backward are in; its update starts now, into its ahead slot (optim/ahead.py)."""
+        if not block.grad.close_window(block.layout.segments):
+            return                        # no gradient: step() skips the block, as torch does
+        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule))
 
     def _gather_params(self, block: BlockShard, job) -> None:
         """On the gather thread, in submission order (the same on every rank): wait for the

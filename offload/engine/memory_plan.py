@@ -8,6 +8,7 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
 
   offload-host         gradient buffers of every block (when they all stay in host memory)
                        and, with ``offload_optimizer.device: cpu``, the optimizer state
+                       (with ``update_ahead``, twice, and the trainable parameters staged)
   offload-grads        gradient buffers lent per block while it collects gradients and
                        while its update reads them: ``offload_optimizer.grad_host_bytes``
                        (or max(buffer_count, workers + 2) buffers). Between uses (the window
@@ -296,6 +297,13 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         host_slots += grad_sizes
     if oc.device == "cpu":
         host_slots += [b.state_bytes for b in trained]
+    if getattr(oc, "update_ahead", False):
+        # each block's update computed during backward (optim/ahead.py): a second state
+        # buffer, and the new parameters staged until step() writes them back (none where
+        # the parameters are resident fp32: they are copied from the master)
+        host_slots += [b.state_bytes for b in trained]
+        if param_home_device(config) != "none" or config.precision != "fp32":
+            host_slots += [(b.shard[1] - b.shard[0]) * p for b in trained]
     if host_slots:
         pools.append(Pool("offload-host", tuple(host_slots), "gradients of every block; cpu optimizer state"))
     swap_slots = max(oc.buffer_count, config.optimizer_workers + 1)

@@ -31,8 +31,18 @@ backward that is expected to close the window: reading optimizer state back from
 optimizer workers as its gradients land. A further backward() in the same micro-step
 discards those norms (they are recomputed at the commit).
 
+With ``offload_optimizer.update_ahead`` the update itself moves earlier too, without
+changing anything the contract protects: in the backward expected to close the window each
+block's update starts as the block completes, computed into a second state buffer and a
+staged parameter copy (optim/ahead.py); the commit then queues, per block, the swap and the
+parameter write-back instead of the update. A further backward() in the window, zero_grad()
+and a checkpoint load drop what was computed ahead (``_drop_ahead``), as does a
+hyper-parameter changed before step() (the engine's ``_submit``); the commit then computes
+those blocks' updates itself.
+
 Synchronization: the commit's jobs read the gradient buffers until they finish; the next
-backward() waits for every job in flight before it lands anything (``BlockShard.wait_update``).
+backward() waits for every job in flight before it lands anything (``BlockShard.wait_update``),
+and for the updates computed ahead before it adds to their gradients (``_drop_ahead``).
 """
 from __future__ import annotations
 
@@ -72,7 +82,8 @@ class StepControl:
                  scaler: LossScaler, telemetry: Telemetry, gradient_accumulation_steps: int,
                  gradient_clipping: float, param_order: dict, read_ahead: bool,
                  submit: Callable[[BlockShard, float], None],
-                 on_block_complete: Optional[Callable[[int], None]] = None):
+                 on_block_complete: Optional[Callable[[int], None]] = None,
+                 ahead: Optional[Callable[[BlockShard], None]] = None):
         self.blocks = list(blocks)
         self.pipeline = pipeline
         self.grad_sync = grad_sync
@@ -85,6 +96,7 @@ class StepControl:
         self._read_ahead = read_ahead         # optimizer state on NVMe: read it during backward
         self._submit = submit
         self._on_complete = on_block_complete
+        self._ahead = ahead                   # update_ahead: start a block's update as it completes
         self.state = Window.EMPTY
         self.global_step = 0                  # commits (fp16 overflow skips excluded)
         self.micro_step = 0                   # step() calls
@@ -126,6 +138,7 @@ class StepControl:
         for b in self.blocks:
             if b.pending is not None:         # the last commit's jobs still read the grad buffers
                 b.wait_update()
+        self._drop_ahead()                    # computed from gradients this backward adds to
         if self.state is Window.ACCUMULATED:  # another backward joins this micro-step
             self._drop_norms()
             self.grad_sync.reopen()
@@ -178,6 +191,8 @@ class StepControl:
                 # the global norm needs every block: compute this block's share now, on a
                 # worker, while backward goes on (read-only; dropped if another backward comes)
                 self._norms.append(self.pipeline.run(self._block_norms, b))
+            elif self._ahead is not None and self._boundary:
+                self._ahead(b)                # its update, computed now, committed by step()
 
     # ---- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -239,11 +254,17 @@ class StepControl:
 
     def _discard(self) -> None:
         self._drop_norms()
+        self._drop_ahead()
         self.grad_sync.discard()
         for b in self.blocks:
             b.grad.reset_window()
             if b.landing is not None:
                 b.landing.reset_window()
+
+    def _drop_ahead(self) -> None:
+        for b in self.blocks:                 # updates computed ahead (optim/ahead.py): discarded
+            if b.ahead is not None:
+                b.ahead.drop(self.pipeline.wait_timeout_s, f"block {b.index} ({b.name})")
 
     def _drop_norms(self) -> None:
         norms, self._norms = self._norms, []

@@ -5,6 +5,11 @@ One update job per block shard::
     read state (NVMe, ahead) -> the update rule with fused unscale/clip -> parameter write-back
     (params/writeback.py) -> write state back (NVMe) -> gradient window reset
 
+With ``offload_optimizer.update_ahead`` a block's update is computed during backward
+(``submit_ahead``: the rule's step from the committed state into the block's spare buffer,
+optim/ahead.py) and its commit job only trades the buffers and writes the parameters back
+(``_commit_ahead``).
+
 A state in chunks (optim/state.py: a shard larger than ``state_chunk_bytes`` on NVMe) is read,
 stepped and written chunk by chunk inside its job: the parameter write-back follows the
 last chunk; the read-ahead walks chunks, so a pool buffer holds one chunk at a time.
@@ -337,6 +342,9 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
+        ahead = block.ahead.pending_for(args.step, args.groups) if block.ahead is not None else None
+        if ahead is not None:
+            return self._commit_ahead(block, args, ahead, at)
         chunks = block.state.chunks
         out = grad = master = None
         rule = args.rule
@@ -387,6 +395,89 @@ class StepPipeline:
         at[0] = "gradient reset"
         block.grad.reset_window()
 
+    # ---- updates computed ahead (optim/ahead.py) ------------------------------------------
+    def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
+        """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
+        backward: its gradients of the window are all in). Nothing committed changes."""
+        L = _native_lib()
+        if L is not None:
+            self._job_held(L)
+        try:
+            fut = self._pool.submit(self._ahead_job, block, args)
+        except BaseException:
+            if L is not None:
+                self._job_unheld(L)
+            raise
+        if L is not None:
+            fut.add_done_callback(lambda _: self._job_unheld(L))
+        block.ahead.start(args.step, args.groups, fut)
+
+    def _ahead_job(self, block: BlockShard, args: StepArgs) -> None:
+        at = ["gradient landing (update ahead)"]
+        try:
+            self._compute_ahead(block, args, at)
+        except BaseException as exc:          # the slot holds no shared buffer: nothing to give back
+            err = self._record(block, at[0], exc)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def _compute_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
+        """The rule's step from the committed state into the slot's spare buffer (the
+        kernel reads one and writes the other in its one pass); the new parameters into the
+        slot's staged copy (``out``)."""
+        slot, rule = block.ahead, args.rule
+        c, = block.state.chunks                  # a HOST state: one chunk, always resident
+        block.grad.wait_landed()
+        grad = block.grad_shard()
+        at[0] = "state read (update ahead)"
+        src_master, src_rows = c.views(c.acquire(timeout=self.wait_timeout_s))
+        master, rows = slot.views(c.layout)
+        at[0] = "adam (update ahead)"
+        with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}_ahead", "adam",
+                                 2 * c.nbytes + grad.numel() * grad.element_size()):
+            for (g, a, b, shape, state), (*_, src_state) in zip(_pieces(block, c, rows),
+                                                                _pieces(block, c, src_rows)):
+                rule.cpu_step(master[a:b], grad[a:b], state, args.groups[g], args.step,
+                              param_copy=None if slot.out is None else slot.out[a:b],
+                              grad_scale=args.grad_scale, shape=shape, src=(src_master[a:b], src_state))
+
+    def _commit_ahead(self, block: BlockShard, args: StepArgs, ahead: Future, at: list) -> None:
+        """step()'s half of an update computed ahead: the slot's state becomes the block's,
+        its staged parameters are written back."""
+        slot = block.ahead
+        at[0] = "adam (update ahead)"
+        with self.telemetry.span("offload::wait_ahead"):
+            try:
+                ahead.result(self.wait_timeout_s)
+            except BaseException:
+                if ahead.done():
+                    raise                         # its own error, recorded against this block
+                raise TierTimeout(f"the update computed ahead did not finish within {self.wait_timeout_s} s")
+        c, = block.state.chunks
+        at[0] = "state commit (update ahead)"
+        buf = c.acquire(timeout=self.wait_timeout_s)
+        master = c.views(buf)[0]
+        if block.param_flat is not None and block.param_flat.data_ptr() == master.data_ptr():
+            with self.telemetry.span("offload::ahead_copy"):
+                buf.copy_(slot.spare)             # the parameters are views of this master
+        else:
+            slot.swap(c.trade(slot.spare))
+            master = c.views(c.acquire(timeout=self.wait_timeout_s))[0]
+        slot.take()
+        self.telemetry.count("updates_ahead")
+        at[0] = "parameter write-back"
+        out = slot.out
+        if out is not None and block.params is not None:   # assembled where the home copy goes
+            target = self._params.target(block)
+            with self.telemetry.span("offload::ahead_params"):
+                target.copy_(out)
+            out = target
+        self._params.commit(block, master, out, args.compute_done)
+        block.stepped = args.step
+        at[0] = "gradient reset"
+        block.grad.reset_window()
+
     def _step_chunk(self, block: BlockShard, c, master, rows: dict, grad, out, args: StepArgs) -> None:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
         ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
@@ -427,6 +518,14 @@ class StepPipeline:
                 b.wait_update()
             except BaseException as exc:  # keep draining; re-raise the first error
                 err = err or exc
+            fut = b.ahead.future if b.ahead is not None else None
+            if fut is not None:           # computed ahead: kept for the commit, its error recorded
+                try:
+                    fut.result(self.wait_timeout_s)
+                except BaseException as exc:
+                    if not fut.done():
+                        err = err or TierTimeout(f"block {b.index} ({b.name}): the update computed ahead did "
+                                                 f"not finish within {self.wait_timeout_s} s")
         with self._lock:
             while self._writing:
                 self._reclaim(block=True)

@@ -142,6 +142,11 @@ class StateChunk:
             raise
         self._loan.commit()
 
+    def trade(self, data: torch.Tensor) -> torch.Tensor:
+        """A HOST or DEVICE chunk's bytes become ``data`` (an update computed ahead into a
+        second buffer, optim/ahead.py); returns the old buffer."""
+        return self._loan.replace_resident(data)
+
     def commit(self) -> None:
         """The chunk was modified: start writing it back (READY -> WRITING)."""
         self._loan.commit()

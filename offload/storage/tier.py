@@ -178,6 +178,15 @@ class Loan:
         loan.state = LoanState.RESIDENT
         return loan
 
+    def replace_resident(self, data: torch.Tensor) -> torch.Tensor:
+        """A RESIDENT loan's bytes become ``data`` (as many bytes); returns the old bytes."""
+        new = data.view(-1).view(torch.uint8)
+        with self._lock:
+            assert self.state is LoanState.RESIDENT, f"{self.what}: only a resident loan trades its bytes"
+            assert new.numel() == self.nbytes, f"{self.what}: {new.numel()} bytes for {self.nbytes}"
+            old, self._bytes = self._bytes, new
+        return old
+
     @property
     def in_memory(self) -> bool:
         return self.state is not LoanState.ON_TIER
