@@ -105,6 +105,33 @@ def check(got_losses, got_sd, clip, steps, backwards=1):
     assert max_diff(ref_sd, make_model().state_dict()) > 1e-3       # the weights really moved
 
 
+def check_windows(windows, got_losses, got_sd, *, clip=0.0, loss_div=1, before_step=None):
+    """Against plain PyTorch, single-tensor and fused AdamW (their distance the tolerance):
+    per window (a list of batches) the batches' gradients summed (each loss / ``loss_div``),
+    clipped, ``before_step(s, optimizer)``, one step."""
+    runs = []
+    for fused in (False, True):
+        model = make_model()
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, **({"fused": True} if fused else {"foreach": False}))
+        ref_losses = []
+        for s, window in enumerate(windows):
+            for x, y in window:
+                loss = model(x, y)
+                (loss / loss_div).backward()
+                ref_losses.append(loss.detach())
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            if before_step is not None:
+                before_step(s, opt)
+            opt.step()
+            opt.zero_grad()
+        runs.append((torch.stack(ref_losses), model.state_dict()))
+    (ref_l, ref_sd), (fus_l, fus_sd) = runs
+    assert (torch.stack(got_losses) - ref_l).abs().max() <= 2 * (ref_l - fus_l).abs().max() + 1e-6
+    assert max_diff(ref_sd, got_sd) <= 2 * max_diff(ref_sd, fus_sd) + 1e-6
+
+
 def train(eng, data, backwards=1):
     """The user's loop: forward, backward (``backwards`` batches), step; no synchronisation."""
     losses = []
@@ -210,27 +237,7 @@ def test_accumulation_window_commits_at_its_last_step(clip, ahead, tmp_path):
     assert eng.telemetry.counters["updates_ahead"] == (2 * len(eng.blocks) if ahead else 0)
     eng.close()
     # torch: four batches' gradients, each loss / 2, then one step; twice
-    model = make_model()
-    params = list(model.parameters())
-    runs = []
-    for fused in (False, True):
-        model = make_model()
-        params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, **({"fused": True} if fused else {"foreach": False}))
-        ref_losses = []
-        for s in range(2):
-            for x, y in data[4 * s:4 * s + 4]:
-                loss = model(x, y)
-                (loss / 2).backward()
-                ref_losses.append(loss.detach())
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            opt.zero_grad()
-        runs.append((torch.stack(ref_losses), model.state_dict()))
-    (ref_l, ref_sd), (fus_l, fus_sd) = runs
-    assert (torch.stack(losses) - ref_l).abs().max() <= 2 * (ref_l - fus_l).abs().max() + 1e-6
-    assert max_diff(ref_sd, got) <= 2 * max_diff(ref_sd, fus_sd) + 1e-6
+    check_windows([data[:4], data[4:]], losses, got, clip=clip, loss_div=2)
 
 
 def test_update_ahead_takes_a_learning_rate_set_before_step(tmp_path):
@@ -254,25 +261,12 @@ def test_update_ahead_takes_a_learning_rate_set_before_step(tmp_path):
     got = eng.full_state_dict()
     assert eng.telemetry.counters["updates_ahead"] == 2 * len(eng.blocks)   # steps 0 and 2
     eng.close()
-    runs = []
-    for fused in (False, True):
-        model = make_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
-                                **({"fused": True} if fused else {"foreach": False}))
-        ref_losses = []
-        for s, (x, y) in enumerate(data):
-            loss = model(x, y)
-            loss.backward()
-            ref_losses.append(loss.detach())
-            if lr_at(s):
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(s)
-            opt.step()
-            opt.zero_grad()
-        runs.append((torch.stack(ref_losses), model.state_dict()))
-    (ref_l, ref_sd), (fus_l, fus_sd) = runs
-    assert (torch.stack(losses) - ref_l).abs().max() <= 2 * (ref_l - fus_l).abs().max() + 1e-6
-    assert max_diff(ref_sd, got) <= 2 * max_diff(ref_sd, fus_sd) + 1e-6
+
+    def set_lr(s, opt):
+        if lr_at(s):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s)
+    check_windows([[b] for b in data], losses, got, before_step=set_lr)
 
 
 @pytest.mark.parametrize("prm", ["cpu", "nvme"])
