@@ -206,6 +206,11 @@ def test_plan_from_saved_profile(capsys, tmp_path):
                           "--device-memory", "24GiB", "--nvme-path", str(tmp_path)], capsys)
     assert code == 0, err
     assert "best placement that fits" in out or "no placement fits" in out
+    # update_ahead: the optimizer-on-cpu placements counted and timed with it
+    code, ahead, err = run(["plan", "--profile", prof, "--params", "7e9", "--largest-layer", "2e8",
+                            "--device-memory", "24GiB", "--nvme-path", str(tmp_path), "--update-ahead"], capsys)
+    assert code == 0, err
+    assert "optimizer AdamW with fp32 state, update_ahead" in ahead and ahead != out
 
 
 def test_plan_bad_profile(capsys, tmp_path):

@@ -121,12 +121,14 @@ def test_formulas_by_hand():
     assert r.device == 8 * B and r.nvme >= 14 * P
 
 
-@pytest.mark.parametrize("opt,param,clip,gas,precision", [
-    ("cpu", "none", 0.0, 1, "fp32"), ("cpu", "cpu", 1.0, 2, "fp32"), ("nvme", "none", 0.0, 1, "bf16"),
-    ("nvme", "nvme", 1.0, 1, "fp32"), ("nvme", "nvme", 0.0, 4, "bf16"), ("nvme", "nvme", 1.0, 4, "fp16")])
-def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, tmp_path, monkeypatch):
+@pytest.mark.parametrize("opt,param,clip,gas,precision,ahead", [
+    ("cpu", "none", 0.0, 1, "fp32", False), ("cpu", "cpu", 1.0, 2, "fp32", False), ("nvme", "none", 0.0, 1, "bf16", False),
+    ("nvme", "nvme", 1.0, 1, "fp32", False), ("nvme", "nvme", 0.0, 4, "bf16", False), ("nvme", "nvme", 1.0, 4, "fp16", False),
+    ("cpu", "nvme", 0.0, 2, "bf16", True), ("cpu", "none", 0.0, 1, "fp32", True)])
+def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, ahead, tmp_path, monkeypatch):
     """The estimate's host and NVMe bytes are the engine's own: a real engine on a small
-    model allocates exactly the pools and swap space the estimate of that model lists."""
+    model allocates exactly the pools and swap space the estimate of that model lists
+    (update_ahead's second state and staged parameters included)."""
     import tempfile
     from _models import make_model
     import offload
@@ -136,12 +138,19 @@ def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, tmp
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     spec = est.spec_from_module(model)
     r = est.placement_bytes(spec, opt, param, precision, buffer_count=2, gradient_clipping=clip,
-                            gradient_accumulation_steps=gas)
-    cfg = est.plan_config(opt, param, precision, 2, clip, gas)
+                            gradient_accumulation_steps=gas, update_ahead=ahead)
+    cfg = est.plan_config(opt, param, precision, 2, clip, gas, update_ahead=ahead)
     eng = offload.initialize(model, cfg)
     tiers = eng.stats()["tier_bytes"]
     link = 2 * 2 * spec.largest_block * est.BYTES_PER_PARAM[precision]
     assert r.pinned - link == tiers["host"] and r.nvme == tiers["nvme"]
+    if ahead:                          # the second state and the staged parameters, on top
+        plain = est.placement_bytes(spec, opt, param, precision, buffer_count=2, gradient_clipping=clip,
+                                    gradient_accumulation_steps=gas)
+        page = lambda n: -(-n // 4096) * 4096   # noqa: E731 - pool slots are whole pages
+        staged = 0 if (param, precision) == ("none", "fp32") else sum(
+            page(b.ahead.out.numel() * b.ahead.out.element_size()) for b in eng.blocks)
+        assert r.pinned - plain.pinned == sum(page(b.state.nbytes) for b in eng.blocks) + staged > 0
     eng.close()
 
 

@@ -71,6 +71,17 @@ def test_update_hides_behind_the_next_forward_only():
     assert glob.step_s == plain.step_s == pytest.approx(2.0 + 4.0 + 1.0 / 10)
 
 
+def test_update_ahead_hides_behind_backward_and_the_next_forward():
+    ahead = plan.predict(SPEC, "cpu", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16", update_ahead=True)
+    # adam 4 s from the first block's gradients on: behind the 2 s backward and the 1 s forward
+    assert ahead.mode == "ahead"
+    assert ahead.step_s == pytest.approx(4.0 + 3.0 / 10)
+    nvme = plan.predict(SPEC, "nvme", "none", profile(adam_params_per_s=0.25e9), GPU, "bf16", update_ahead=True)
+    assert nvme.mode == "global"          # the optimizer on nvme does not take it
+    with pytest.raises(est.EstimateError, match="update_ahead.*gradient_clipping"):
+        plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16", clipping=True, update_ahead=True)
+
+
 def test_serial_adds_everything():
     p = plan.predict(SPEC, "cpu", "none", profile(), GPU, "bf16", overlap_step=False)
     assert p.mode == "serial" and p.step_s == pytest.approx(3.0 + 1.0 + 0.1 + 0.1)

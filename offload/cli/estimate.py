@@ -18,7 +18,8 @@ def cmd_estimate(args) -> int:
                         activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
                         host_available=machine.host_available,
                         device_budget_bytes=parse_size(args.device_budget_bytes, "--device-budget-bytes"),
-                        host_lookahead_bytes=parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes"))
+                        host_lookahead_bytes=parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes"),
+                        update_ahead=args.update_ahead)
     rss = None
     if args.placement:
         o, _, prm = args.placement.partition("/")
@@ -32,7 +33,7 @@ def cmd_estimate(args) -> int:
                              grad_host_bytes=parse_size(args.grad_host_bytes, "--grad-host-bytes"),
                              world_size=args.world_size, activations=args.offload_activations,
                              activation_host_bytes=parse_size(args.activation_host_bytes, "--activation-host-bytes"),
-                             host_available=machine.host_available)
+                             host_available=machine.host_available, update_ahead=args.update_ahead)
     if args.json:
         out = {"model": {k: v for k, v in spec.__dict__.items() if k != "plan_blocks"}, "machine": machine.__dict__,
                "placements": [{**r.__dict__, "fit": est.check_fit(r, machine)} for r in rows],
@@ -43,6 +44,7 @@ def cmd_estimate(args) -> int:
         return 0
     print(spec.describe() + f"; precision {args.precision}, world size {args.world_size}, "
           f"optimizer {args.optimizer} with {args.state_dtype} state"
+          + (", update_ahead (optimizer on cpu)" if args.update_ahead else "")
           + ("" if spec.exact else "; largest layer assumed params/12 (give --largest-layer)"))
     acts = ("activations come on top, on the device" if args.offload_activations == "none" else
             f"the {args.offload_activations} activation pool is in pinned, the device keeps what is not offloaded")
@@ -99,6 +101,9 @@ def register(sub) -> None:
     e.add_argument("--activation-host-bytes", metavar="SIZE",
                    help="offload_activations.host_bytes (default: nvme twice the lookahead, cpu half the "
                         "available host memory)")
+    e.add_argument("--update-ahead", action="store_true",
+                   help="offload_optimizer.update_ahead: count its second optimizer state and staged parameters "
+                        "(placements with the optimizer on cpu)")
     e.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
     e.add_argument("--nvme-path", metavar="DIR", help="where the NVMe tier would live (free space is checked)")
     e.add_argument("--deepspeed", action="store_true", help="also print DeepSpeed's estimator figures")

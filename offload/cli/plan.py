@@ -94,9 +94,10 @@ def cmd_plan(args) -> int:
     lookahead = parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes")
     ranked = plan.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
                        args.gradient_clipping > 0, buffer_count=args.buffer_count, rule=args.optimizer,
-                       state_dtype=args.state_dtype, device_budget_bytes=budget, host_lookahead_bytes=lookahead)
+                       state_dtype=args.state_dtype, device_budget_bytes=budget, host_lookahead_bytes=lookahead,
+                       update_ahead=args.update_ahead)
     print(spec.describe() + f"; {tokens} tokens per micro-step, precision {args.precision}, optimizer "
-          f"{args.optimizer} with {args.state_dtype} state")
+          f"{args.optimizer} with {args.state_dtype} state" + (", update_ahead" if args.update_ahead else ""))
     print(f"compute (forward+backward) {compute.total_s * 1e3:.1f} ms per micro-step, "
           + ("measured on the device without offload" if compute.measured
              else "from 6 x params x tokens at the measured matmul rate"))
@@ -133,7 +134,7 @@ def cmd_plan(args) -> int:
         mem = rss_prediction(args, spec, chosen[0], chosen[1], device_is_host, args.batch_size, args.seq_len,
                              buffer_count=args.buffer_count, gradient_clipping=args.gradient_clipping,
                              gradient_accumulation_steps=args.gradient_accumulation_steps,
-                             host_available=machine.host_available)
+                             host_available=machine.host_available, update_ahead=args.update_ahead)
         where = "the device is this process's heap" if device_is_host else "device memory not included"
         print(f"peak host RSS of the training process at optimizer={chosen[0]} param={chosen[1]} ({where}):")
         for line in mem.lines():
@@ -206,6 +207,8 @@ def register(sub) -> None:
     p.add_argument("--device-memory", metavar="SIZE", help="accelerator memory per rank, e.g. 24GiB")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--gradient-clipping", type=float, default=0.0)
+    p.add_argument("--update-ahead", action="store_true",
+                   help="offload_optimizer.update_ahead for the placements with the optimizer on cpu")
     p.add_argument("--nvme-path", metavar="DIR", help="where to measure NVMe bandwidth (default: the temp dir)")
     p.add_argument("--profile", metavar="FILE", help="read the machine profile instead of measuring")
     p.add_argument("--save-profile", metavar="FILE", help="save the measured profile as JSON")

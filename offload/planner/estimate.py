@@ -344,10 +344,11 @@ def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_coun
                 grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
                 world_size: int = 1, activations: str = "none", activation_host_bytes: Optional[int] = None,
                 host_lookahead_bytes: Optional[int] = None, rule: Optional[str] = None,
-                state_dtype: Optional[str] = None):
+                state_dtype: Optional[str] = None, update_ahead: bool = False):
     """The engine config of one placement (NVMe paths point at the temp dir: the plan reads
     no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2.
-    A rule / state dtype the engine refuses for every placement raises EstimateError."""
+    ``update_ahead`` applies to the placements with the optimizer on cpu (the only ones that
+    take it). A rule / state dtype the engine refuses for every placement raises EstimateError."""
     from offload.config import Config, ConfigError
     tmp = tempfile.gettempdir()
     stage = 0 if world_size == 1 else (3 if param != "none" else 2)
@@ -355,7 +356,8 @@ def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_coun
          "precision": precision, "gradient_clipping": gradient_clipping,
          "gradient_accumulation_steps": gradient_accumulation_steps,
          "offload_optimizer": {"device": optimizer, "nvme_path": tmp if optimizer == "nvme" else None,
-                               "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes},
+                               "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes,
+                               "update_ahead": update_ahead and optimizer == "cpu"},
          "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
                            "device_budget_bytes": device_budget_bytes},
          "offload_activations": {"device": activations, "nvme_path": tmp if activations == "nvme" else None,
@@ -372,7 +374,8 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
                     gradient_accumulation_steps: int = 1, grad_host_bytes: Optional[int] = None, *,
                     rule: Optional[str] = None, state_dtype: Optional[str] = None, activations: str = "none",
                     activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None,
-                    device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None) -> Placement:
+                    device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None,
+                    update_ahead: bool = False) -> Placement:
     """Bytes per tier for one placement (see the module docstring for the formulas): host
     pools and NVMe from the engine's own memory plan (engine/memory_plan.py), so the host
     budget keys (buffer_count, grad_host_bytes) and clipping / accumulation count as the
@@ -391,7 +394,7 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     cfg = plan_config(optimizer, param, precision, buffer_count, gradient_clipping, gradient_accumulation_steps,
                       grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
                       activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
-                      rule=rule, state_dtype=state_dtype)
+                      rule=rule, state_dtype=state_dtype, update_ahead=update_ahead)
     from offload.engine.engine import placement_refusal
     plan = mp.plan(spec_blocks(spec, precision), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
                    host_available=host_available)
@@ -419,14 +422,15 @@ def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buff
              grad_host_bytes: Optional[int] = None, *, rule: Optional[str] = None,
              state_dtype: Optional[str] = None, activations: str = "none",
              activation_host_bytes: Optional[int] = None, host_available: Optional[int] = None,
-             device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None) -> List[Placement]:
+             device_budget_bytes: Optional[int] = None, host_lookahead_bytes: Optional[int] = None,
+             update_ahead: bool = False) -> List[Placement]:
     """All nine placements, least offload first (the optimizer's bytes from ``rule`` /
-    ``state_dtype``: default AdamW, fp32 state)."""
+    ``state_dtype``: default AdamW, fp32 state; ``update_ahead`` for the optimizer on cpu)."""
     return [placement_bytes(spec, o, p, precision, world_size, buffer_count, gradient_clipping,
                             gradient_accumulation_steps, grad_host_bytes, rule=rule, state_dtype=state_dtype,
                             activations=activations, activation_host_bytes=activation_host_bytes,
                             host_available=host_available, device_budget_bytes=device_budget_bytes,
-                            host_lookahead_bytes=host_lookahead_bytes)
+                            host_lookahead_bytes=host_lookahead_bytes, update_ahead=update_ahead)
             for o in TIERS for p in TIERS]
 
 

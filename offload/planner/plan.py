@@ -44,6 +44,11 @@ group) and the tier-none Adam on the engine's CPU workers (CPU group). The step 
     overlapped (CPU-only compute, or no offload): everything shares one resource or runs on
       the device; the pipeline over blocks hides all but one block's share of the rest:
                    step = max(groups) + (sum(groups) - max(groups)) / n
+    ahead (offload_optimizer.update_ahead, optimizer on cpu): each block's update starts as
+      its gradients land, so the CPU step overlaps the backward and the next forward:
+                   step = max(device, rest) + min(device, rest) / n
+      (its out-of-place pass streams twice the state memory: 1.5x the in-place time on
+      this project's machine, not modelled; the profile's Adam rate is the in-place one);
     serial (overlap_step false): every term adds up.
 
 The ``(sum - max) / n`` is the exposed part: the first block's fetch and the last block's
@@ -395,7 +400,8 @@ class Prediction:
 def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compute: Compute,
             precision: str = "fp32", gradient_accumulation_steps: int = 1, clipping: bool = False,
             overlap_step: bool = True, *, rule: str = "AdamW", state_dtype: str = "fp32",
-            trainable: Optional[int] = None, device_budget_bytes: Optional[int] = None) -> Prediction:
+            trainable: Optional[int] = None, device_budget_bytes: Optional[int] = None,
+            update_ahead: bool = False) -> Prediction:
     """Predicted seconds per optimizer step for one placement (module docstring). The optimizer
     state's NVMe bytes per parameter come from the update rule (offload/optim).
     ``trainable``: parameters that train (LoRA: the adapters; default ``spec.trained``); the
@@ -424,7 +430,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     from offload.engine import memory_plan as mp
     from offload.planner.estimate import plan_config
     cfg = plan_config(optimizer, param, precision, gradient_clipping=1.0 if clipping else 0.0,
-                      gradient_accumulation_steps=gas)
+                      gradient_accumulation_steps=gas, update_ahead=update_ahead)
     S = mp.state_bytes_per_param(cfg, rule, state_dtype)
     park = mp.grad_home(cfg, 1, 1) is mp.GradHome.SPILL
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
@@ -467,6 +473,12 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     top = max(groups, key=groups.get)
     if not overlap_step:
         mode, step = "serial", sum(t.values())
+    elif update_ahead and optimizer == "cpu" and not compute.shares_cpu:
+        # the update of each block starts in backward, as the block's gradients land, and
+        # the next forward of block k waits for its commit (a swap and a write-back)
+        mode = "ahead"
+        r = max((v for k, v in groups.items() if k != dev_key), default=0.0)
+        step = max(groups[dev_key], r) + min(groups[dev_key], r) / n
     elif offload_opt and not compute.shares_cpu:
         # step() commits after backward (the update never runs inside backward); the CPU step
         # overlaps the next forward. (Clipping and fp16 cost nothing more: their norms are
@@ -499,16 +511,19 @@ def rank(spec: ModelSpec, profile: Profile, compute: Compute, machine: Machine, 
          gradient_accumulation_steps: int = 1, clipping: bool = False, world_size: int = 1,
          buffer_count: int = 4, placements: Optional[Sequence[Tuple[str, str]]] = None, *,
          rule: str = "AdamW", state_dtype: str = "fp32", device_budget_bytes: Optional[int] = None,
-         host_lookahead_bytes: Optional[int] = None) -> List[RankedPlacement]:
+         host_lookahead_bytes: Optional[int] = None, update_ahead: bool = False) -> List[RankedPlacement]:
     """All placements, fitting ones first, each group fastest first (the optimizer state's
-    bytes from ``rule`` / ``state_dtype``; a placement the engine refuses never fits)."""
+    bytes from ``rule`` / ``state_dtype``; ``update_ahead`` for the optimizer on cpu; a
+    placement the engine refuses never fits)."""
     out = []
     for o, prm in placements or [(o, prm) for o in TIERS for prm in TIERS]:
         pred = predict(spec, o, prm, profile, compute, precision, gradient_accumulation_steps, clipping,
-                       rule=rule, state_dtype=state_dtype, device_budget_bytes=device_budget_bytes)
+                       rule=rule, state_dtype=state_dtype, device_budget_bytes=device_budget_bytes,
+                       update_ahead=update_ahead)
         mem = placement_bytes(spec, o, prm, precision, world_size, buffer_count, 1.0 if clipping else 0.0,
                               gradient_accumulation_steps, rule=rule, state_dtype=state_dtype,
-                              device_budget_bytes=device_budget_bytes, host_lookahead_bytes=host_lookahead_bytes)
+                              device_budget_bytes=device_budget_bytes, host_lookahead_bytes=host_lookahead_bytes,
+                              update_ahead=update_ahead)
         out.append(RankedPlacement(pred, mem, check_fit(mem, machine)))
     out.sort(key=lambda r: (not r.fits, r.prediction.step_s))
     return out
