@@ -254,13 +254,19 @@ class StepPipeline:
             if self._split_due:
                 self._split_due = False
                 self._split.begin()
-            try:
-                fut = self._pool.submit(self._job, block, args)
-            except BaseException:
-                self._job_unheld(L)
-                raise
-            fut.add_done_callback(lambda _: self._job_unheld(L))
+            fut = self._held_submit(L, self._job, block, args)
         block.pending = fut
+        return fut
+
+    def _held_submit(self, L, fn, *args) -> Future:
+        """``fn(*args)`` on a worker, under the pool hold the caller took (``_job_held``),
+        released as the job ends (run, failed or cancelled)."""
+        try:
+            fut = self._pool.submit(fn, *args)
+        except BaseException:
+            self._job_unheld(L)
+            raise
+        fut.add_done_callback(lambda _: self._job_unheld(L))
         return fut
 
     def _run_inline(self, block: BlockShard, args: StepArgs) -> Future:
@@ -400,16 +406,11 @@ class StepPipeline:
         """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
         backward: its gradients of the window are all in). Nothing committed changes."""
         L = _native_lib()
-        if L is not None:
-            self._job_held(L)
-        try:
+        if L is None:
             fut = self._pool.submit(self._ahead_job, block, args)
-        except BaseException:
-            if L is not None:
-                self._job_unheld(L)
-            raise
-        if L is not None:
-            fut.add_done_callback(lambda _: self._job_unheld(L))
+        else:
+            self._job_held(L)
+            fut = self._held_submit(L, self._ahead_job, block, args)
         block.ahead.start(args.step, args.groups, fut)
 
     def _ahead_job(self, block: BlockShard, args: StepArgs) -> None:
