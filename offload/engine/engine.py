@@ -909,9 +909,7 @@ class Engine:
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
         if not self.comm.active and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
-            if block.ahead is not None:
-                block.ahead.drop(self.config.wait_timeout_s, block.name)
-            return
+            return                        # (nor was an update computed ahead: _submit_ahead)
         args = StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule, grad_scale=grad_scale,
                         compute_done=dev.record_event(dev.current_stream(self.device)))
         if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:

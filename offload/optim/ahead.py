@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from offload.storage.tier import TierTimeout
+
 
 class Ahead(enum.Enum):
     IDLE = "idle"          # nothing computed ahead: step() runs the update itself
@@ -84,24 +86,27 @@ class AheadSlot:
         with self._lock:
             self.state, self.future = Ahead.IDLE, None
 
-    def drop(self, timeout: float, what: str) -> None:
-        """Discard what was computed ahead; a running job is waited for, at most ``timeout``
-        seconds (its error, if any, is the pipeline's to report)."""
+    def settle(self, timeout: float, what: str) -> Optional[BaseException]:
+        """Wait for the job, if any, at most ``timeout`` seconds (TierTimeout past that);
+        returns its error (recorded against the block by the pipeline) or None."""
         fut = self.future
-        if fut is not None:
-            try:
-                fut.result(timeout)
-            except BaseException:   # noqa: BLE001 - recorded against the block by the pipeline
-                pass
-            if not fut.done():
-                raise TimeoutError(f"the update of {what} computed ahead did not finish within {timeout} s")
+        if fut is None:
+            return None
+        try:
+            fut.result(timeout)
+        except BaseException as exc:   # noqa: BLE001 - the caller decides whether to raise it
+            if fut.done():
+                return exc
+            raise TierTimeout(f"the update of {what} computed ahead did not finish within {timeout} s") from None
+        return None
+
+    def drop(self, timeout: float, what: str) -> None:
+        """Discard what was computed ahead (a running job is waited for: ``settle``)."""
+        fut = self.future
+        self.settle(timeout, what)
         with self._lock:
             if self.future is fut:
                 self.state, self.future = Ahead.IDLE, None
-
-    def swap(self, spare: torch.Tensor) -> None:
-        """After a commit that traded buffers: ``spare`` is the old state buffer."""
-        self.spare = spare
 
 
 def _same(a: tuple, b: tuple) -> bool:

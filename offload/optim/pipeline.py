@@ -348,9 +348,8 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        ahead = block.ahead.pending_for(args.step, args.groups) if block.ahead is not None else None
-        if ahead is not None:
-            return self._commit_ahead(block, args, ahead, at)
+        if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is not None:
+            return self._commit_ahead(block, args, at)
         chunks = block.state.chunks
         out = grad = master = None
         rule = args.rule
@@ -443,28 +442,25 @@ class StepPipeline:
                               param_copy=None if slot.out is None else slot.out[a:b],
                               grad_scale=args.grad_scale, shape=shape, src=(src_master[a:b], src_state))
 
-    def _commit_ahead(self, block: BlockShard, args: StepArgs, ahead: Future, at: list) -> None:
+    def _commit_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
         """step()'s half of an update computed ahead: the slot's state becomes the block's,
         its staged parameters are written back."""
         slot = block.ahead
         at[0] = "adam (update ahead)"
         with self.telemetry.span("offload::wait_ahead"):
-            try:
-                ahead.result(self.wait_timeout_s)
-            except BaseException:
-                if ahead.done():
-                    raise                         # its own error, recorded against this block
-                raise TierTimeout(f"the update computed ahead did not finish within {self.wait_timeout_s} s")
+            err = slot.settle(self.wait_timeout_s, f"block {block.index} ({block.name})")
+        if err is not None:
+            raise err                             # its own error, recorded against this block
         c, = block.state.chunks
         at[0] = "state commit (update ahead)"
         buf = c.acquire(timeout=self.wait_timeout_s)
-        master = c.views(buf)[0]
-        if block.param_flat is not None and block.param_flat.data_ptr() == master.data_ptr():
+        if block.param_flat is not None and block.param_flat.data_ptr() == buf.data_ptr():
             with self.telemetry.span("offload::ahead_copy"):
                 buf.copy_(slot.spare)             # the parameters are views of this master
         else:
-            slot.swap(c.trade(slot.spare))
-            master = c.views(c.acquire(timeout=self.wait_timeout_s))[0]
+            slot.spare = c.trade(slot.spare)      # the old buffer is the next update's spare
+            buf = c.acquire(timeout=self.wait_timeout_s)
+        master = c.views(buf)[0]
         slot.take()
         self.telemetry.count("updates_ahead")
         at[0] = "parameter write-back"
@@ -519,14 +515,11 @@ class StepPipeline:
                 b.wait_update()
             except BaseException as exc:  # keep draining; re-raise the first error
                 err = err or exc
-            fut = b.ahead.future if b.ahead is not None else None
-            if fut is not None:           # computed ahead: kept for the commit, its error recorded
+            if b.ahead is not None:       # computed ahead: kept for the commit, its error recorded
                 try:
-                    fut.result(self.wait_timeout_s)
-                except BaseException as exc:
-                    if not fut.done():
-                        err = err or TierTimeout(f"block {b.index} ({b.name}): the update computed ahead did "
-                                                 f"not finish within {self.wait_timeout_s} s")
+                    b.ahead.settle(self.wait_timeout_s, f"block {b.index} ({b.name})")
+                except TierTimeout as exc:
+                    err = err or exc
         with self._lock:
             while self._writing:
                 self._reclaim(block=True)
