@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.optim import optimizer as _torch_optimizer
 
 from offload.engine import blocks as blk
 from offload import device as dev
@@ -151,9 +152,13 @@ class _ParamGroups(torch.optim.Optimizer):
 def _torch_step_hooks(kind: str) -> tuple:
     """The optimizer step hooks registered for every optimizer (torch.optim.optimizer's
     register_optimizer_step_{pre,post}_hook), or none where a torch version keeps them
-    elsewhere."""
-    from torch.optim import optimizer as torch_optimizer
-    return tuple(getattr(torch_optimizer, f"_global_optimizer_{kind}_hooks", {}).values())
+    elsewhere. torch registers and removes them in place in one dict per kind, looked up once
+    (an import inside step() ran cold right after the commit's kernels: ~30 us a step)."""
+    return tuple(_TORCH_STEP_HOOKS[kind].values())
+
+
+_TORCH_STEP_HOOKS = {kind: getattr(_torch_optimizer, f"_global_optimizer_{kind}_hooks", {})
+                     for kind in ("pre", "post")}
 
 
 def _check_group(where: str, group: dict, rule, defaults: dict) -> None:
@@ -910,8 +915,9 @@ class Engine:
         if not self.comm.active and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
             return                        # (nor was an update computed ahead: _submit_ahead)
-        args = StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule, grad_scale=grad_scale,
-                        compute_done=dev.record_event(dev.current_stream(self.device)))
+        groups, done = self._commit_inputs
+        args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
+                        compute_done=done)
         if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:
             # computed ahead with other hyper-parameters (set between backward and step):
             # dropped, and the update runs now
@@ -954,8 +960,12 @@ class Engine:
         forward of each block waits for that block's update alone; otherwise it returns
         once every update is applied."""
         self._check_ok()
-        if self.param_offload is not None and self.control.at_boundary():
-            self.param_offload.plan_write_through()   # before the updates are queued
+        if self.control.at_boundary():
+            if self.param_offload is not None:
+                self.param_offload.plan_write_through()   # before the updates are queued
+            # what every block's update of this commit shares (_submit): the hyper-parameters
+            # as the groups hold them now, and the point of the compute stream after backward
+            self._commit_inputs = (self._groups(), dev.record_event(dev.current_stream(self.device)))
         if not self.control.step():
             if self.device.type == "cpu":
                 # inside the window too: a heap with free space (the model's construction can

@@ -88,6 +88,10 @@ class StepPipeline:
         self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
         self._split_due = False                   # submitting(): the thread split is still to begin
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
+        # the native library for the pool's holds, looked up once: per submit, the lookup
+        # (OFFLOAD_NATIVE read, a lock) ran cold right after backward, ~25 us of step()
+        self._lib = _native_lib()
+        self._nvme_state = any(c.tier is Tier.NVME for b in self.blocks for c in b.state.chunks)
         # a CPU compute device whose updates overlap the next forward: the cores are split
         # between the two while jobs are in flight (optim/thread_split.py)
         self._split = ThreadSplit() if split_threads and compute_device.type == "cpu" and openmp_backend() else None
@@ -102,6 +106,8 @@ class StepPipeline:
         self.prefetch()
 
     def prefetch(self) -> None:
+        if not self._nvme_state:        # nothing to read ahead nor to reclaim (after every job)
+            return
         with self._lock:
             self._reclaim(block=False)
             fetched = sum(1 for b in self.blocks for c in b.state.chunks
@@ -221,7 +227,7 @@ class StepPipeline:
         first, so it would wait for it anyway; run on the main thread, its kernel runs on
         torch's own team, whose workers are still spinning after backward (no worker thread
         to wake, no GIL to hand over), while a handoff's registration threads start."""
-        L = _native_lib()
+        L = self._lib
         handoff = L is not None and not (self._split is not None and self._split.leaves_torch_alone())
         self._phase_held(L, handoff)
         self._inline_next = inline_first and self.device.type == "cpu"
@@ -239,7 +245,7 @@ class StepPipeline:
         if self._inline_next:            # submitting(inline_first): this block's job runs here
             self._inline_next = False
             return self._run_inline(block, args)
-        L = _native_lib()
+        L = self._lib
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
@@ -404,7 +410,7 @@ class StepPipeline:
     def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
         """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
         backward: its gradients of the window are all in). Nothing committed changes."""
-        L = _native_lib()
+        L = self._lib
         if L is None:
             fut = self._pool.submit(self._ahead_job, block, args)
         else:
