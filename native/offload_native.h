@@ -96,6 +96,11 @@ OFFLOAD_API int64_t offload_pool_handoffs_quieted(void);
  * (returns 1 when it quieted them). The main thread may run work between the two. */
 OFFLOAD_API void offload_pool_hold_begin_handoff(void);
 OFFLOAD_API int offload_pool_handoff_quiet(void);
+/* The calling thread's OpenMP team (torch's) sent out of its idle spin: omp_pause_resource_all
+ * (soft) where the runtime has it, outside every region (threadpool.c). Returns 1 when it
+ * paused; offload_pool_teams_paused counts them. */
+OFFLOAD_API int offload_pool_pause_team(void);
+OFFLOAD_API int64_t offload_pool_teams_paused(void);
 /* Calls that a pool worker, idle between two of them while a hold was taken, found during its
  * yielding poll instead of asleep (threadpool.c worker_wait_spin). */
 OFFLOAD_API int64_t offload_pool_held_spin_calls(void);

@@ -197,6 +197,7 @@ static void *worker_main(void *arg) {
 /* ---- registration with the process's OpenMP runtime (see the header comment) --------- */
 typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 typedef int (*omp_thread_num_fn)(void);
+typedef int (*omp_pause_fn)(int kind);
 
 static struct {
     pthread_once_t once;
@@ -204,9 +205,10 @@ static struct {
     omp_thread_num_fn thread_num;
     omp_thread_num_fn level;       /* omp_get_level: 0 outside every parallel region */
     omp_thread_num_fn max_threads; /* omp_get_max_threads: the calling thread's team size (torch's) */
+    omp_pause_fn pause;            /* omp_pause_resource_all (OpenMP 5.0), or NULL */
     const char *name; /* the runtime's soname, or NULL: never register, never run on a team */
     int team_off;     /* a forked child: the parent's team threads do not exist here */
-} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, NULL, NULL, 0};
+} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, NULL, NULL, NULL, 0};
 
 #define DEFAULT_LINGER_MS 0L /* holds bridge the gaps a phase of kernels has (see the header) */
 static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
@@ -233,6 +235,7 @@ static void find_openmp(void) {
             OMP.thread_num = num;
             OMP.level = level;
             OMP.max_threads = max;
+            OMP.pause = (omp_pause_fn)dlsym(h, "omp_pause_resource_all");
             OMP.name = names[i];
             return; /* the handle stays open: the runtime outlives the pool */
         }
@@ -429,6 +432,30 @@ OFFLOAD_API void offload_pool_hold_handoff(void) {
     offload_pool_hold_begin_handoff();
     offload_pool_handoff_quiet();
 }
+
+/* The calling thread's own team (torch's intra-op workers, when it is the thread that runs
+ * torch's ops) sent out of its idle spin now: omp_pause_resource_all(omp_pause_soft), where
+ * the runtime has it (libgomp ends the team's threads, LLVM's puts them to sleep; the next
+ * parallel region starts them again). For the engine's thread split (optim/thread_split.py):
+ * once torch's team is cut to leave cores to the kernels, the workers it no longer uses
+ * would spin out the long spin of the last region on exactly those cores. On the 2-CPU VM
+ * the optimizer worker, woken beside that spin, started its first kernel 3-4 ms late and ran
+ * it 5x slower, and the next forward waited for it in 20-30% of steps; the pause takes
+ * ~0.1 ms, and the forward's first op on more than one thread ~0.1 ms more to start them.
+ * Outside every parallel region only, never in a forked child (the parent's team threads do
+ * not exist there). Returns 1 when it paused. */
+static long PAUSED; /* atomic: teams paused */
+
+OFFLOAD_API int offload_pool_pause_team(void) {
+    pthread_once(&OMP.once, find_openmp);
+    if (OMP.pause == NULL || OMP.parallel == NULL || __atomic_load_n(&OMP.team_off, __ATOMIC_RELAXED)) return 0;
+    if (OMP.level() != 0) return 0;
+    if (OMP.pause(1 /* omp_pause_soft */) != 0) return 0;
+    __atomic_add_fetch(&PAUSED, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+OFFLOAD_API int64_t offload_pool_teams_paused(void) { return __atomic_load_n(&PAUSED, __ATOMIC_RELAXED); }
 
 OFFLOAD_API int64_t offload_pool_handoffs_quieted(void) { return __atomic_load_n(&QUIETED, __ATOMIC_RELAXED); }
 

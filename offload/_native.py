@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -138,6 +138,8 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_handoff_quiet.argtypes, lib.offload_pool_handoff_quiet.restype = [], i32
     lib.offload_pool_held_spin_calls.argtypes, lib.offload_pool_held_spin_calls.restype = [], i64
     lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
+    lib.offload_pool_pause_team.argtypes, lib.offload_pool_pause_team.restype = [], i32
+    lib.offload_pool_teams_paused.argtypes, lib.offload_pool_teams_paused.restype = [], i64
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -267,6 +269,18 @@ def pool_handoff_quiet(L: ctypes.CDLL) -> bool:
     long idle spin to the short one, once per registration. Returns whether it did; a
     no-op off the main thread."""
     return bool(L.offload_pool_handoff_quiet())
+
+
+def pool_pause_team(L: ctypes.CDLL) -> bool:
+    """The calling thread's OpenMP team (torch's intra-op workers) out of its idle spin now
+    (``omp_pause_resource_all``, soft; the next parallel region starts it again). Outside
+    every parallel region only; returns whether it paused (threadpool.c: why)."""
+    return bool(L.offload_pool_pause_team())
+
+
+def pool_teams_paused(L: ctypes.CDLL) -> int:
+    """Teams ``pool_pause_team`` paused since the library loaded."""
+    return L.offload_pool_teams_paused()
 
 
 def pool_release(L: ctypes.CDLL) -> None:

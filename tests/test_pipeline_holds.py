@@ -96,8 +96,11 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
             seen.append((torch.get_num_threads(), kernel_threads()))
             gate.set()
     model[0].register_forward_pre_hook(in_block0)
+    L = _native.lib()
+    x = torch.randn(4, 64)
+    model(x)                              # torch's team has run: pausing it is possible now
+    can_pause = _native.pool_pause_team(L)   # whether torch's OpenMP runtime has omp_pause_resource_all
     try:
-        x = torch.randn(4, 64)
         gate.set()                        # the first step's updates are not gated
         eng.backward(eng(x).square().mean())
         eng.step()
@@ -108,10 +111,13 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
             if not overlap:
                 gate.set()                # step() waits for every update: nothing to gate
             eng.backward(eng(x).square().mean())
+            paused = _native.pool_teams_paused(L)
             assert eng.step() is True
             armed[0] = True
             if overlap:                   # blocks 1-3 wait behind the gate: the split holds
                 assert (torch.get_num_threads(), kernel_threads()) == (1, 1)
+            # the split ends the idle spin of torch's team once per commit (thread_split.py)
+            assert _native.pool_teams_paused(L) - paused == (1 if overlap and can_pause else 0)
             if user_changes:
                 torch.set_num_threads(3)
             loss = eng(x).square().mean()

@@ -418,20 +418,29 @@ def test_cpu_device_gradients_do_not_outlive_backward(tmp_path):
     allocated once) as it lands and autograd's tensor is freed at once: after backward() the
     heap holds nothing of the step (no fresh allocation per parameter kept until the update,
     which made glibc grow and trim the heap every step), and the next backward reuses that
-    memory. Against torch, whose .grad tensors stay allocated until zero_grad()."""
+    memory. Against torch, whose .grad tensors stay allocated until zero_grad().
+    On one torch thread: with more, the commit's thread split pauses torch's OpenMP team
+    (optim/thread_split.py), and the worker re-created by the next step's first ops
+    allocates its own buffers again (0.4 MB here; plain torch after omp_pause_resource_all
+    alike): the thread's, not the step's gradients."""
     def model():
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
-    x = torch.randn(8, 256)
-    grad_bytes = 4 * 256 * 256
-    ref = model()
-    before = _heap_in_use()
-    ref(x).square().mean().backward()
-    assert _heap_in_use() - before >= 4 * grad_bytes     # torch: every .grad still allocated
-    eng = offload.initialize(model(), {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
-    for _ in range(3):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(8, 256)
+        grad_bytes = 4 * 256 * 256
+        ref = model()
         before = _heap_in_use()
-        eng.backward(eng(x).square().mean())
-        assert _heap_in_use() - before < grad_bytes
-        eng.step()
-    eng.close()
+        ref(x).square().mean().backward()
+        assert _heap_in_use() - before >= 4 * grad_bytes     # torch: every .grad still allocated
+        eng = offload.initialize(model(), {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
+        for _ in range(3):
+            before = _heap_in_use()
+            eng.backward(eng(x).square().mean())
+            assert _heap_in_use() - before < grad_bytes
+            eng.step()
+        eng.close()
+    finally:
+        torch.set_num_threads(threads)

@@ -218,9 +218,10 @@ class StepPipeline:
         (its threads started on the cores the first update runs on) and its wait only
         lengthened step(): a plain hold there. Measured on 2 cores, in one process, rounds
         interleaved, in six runs: exposed time 1.48-1.68 ms against 1.84-2.17 ms with the
-        handoff, the whole step 1.03-1.09x torch's against 1.02-1.13x. The cost: torch's
-        worker, no longer quieted, spins out its long spin beside the first jobs, and a few
-        of them then take 2-6 ms instead of 0.9 (the forward rarely waits for them).
+        handoff, the whole step 1.03-1.09x torch's against 1.02-1.13x. Its worker, not
+        quieted by a registration there, is sent out of its long spin by the split itself
+        (``ThreadSplit.begin``, which pauses torch's team): left to spin beside the first
+        jobs, it made them start 3-4 ms late and the next forward wait for them.
 
         ``inline_first`` (a CPU compute device): the first block's update runs here, on the
         calling thread, before the others are queued. The next forward needs that block

@@ -17,7 +17,15 @@ quarter of the cores is assumed to keep up with it (measured on 2 cores only, wh
 interleaved, whole step 1.05-1.14x torch's with it, 1.12-1.19x without, in five runs).
 
 Lifecycle (one per commit): ``begin()`` when the first job leaves the submitting thread
-(the block updated inline on that thread ran on all threads, see StepPipeline.submitting);
+(the block updated inline on that thread ran on all threads, see StepPipeline.submitting),
+which also ends the idle spin of torch's team (``_native.pool_pause_team``): after the
+inline block's region its workers spin for 2-4 ms, those left out of the smaller team on
+the very cores the kernels get. Measured on 2 cores (bench_step's model, 8 fresh engines
+x 10 steps): without it the optimizer worker, woken beside the spin, started 3-4 ms late
+and ran its first kernel 5x slower, and the next forward waited for it 4-5 ms in 20-30% of
+steps; with it, in 2 steps of 80 (0.3 and 1.1 ms), for ~0.1 ms of ``step()`` (the pause),
+and the next step's first ops re-create the worker, which allocates its own buffers again
+(0.4-1.8 MB for 256-1024-wide layers, freed when it is paused);
 ``end_kernels()`` when the last job in flight ends (any thread); ``end_torch()`` on the
 submitting thread, the one the forward runs on (torch's thread count is that thread's), at
 the first forward pre-hook that finds no job in flight, or at backward(), synchronize(),
@@ -82,6 +90,10 @@ class ThreadSplit:
         if self._torch is None:
             torch.set_num_threads(n - k)
             self._torch = (n, n - k)
+            # torch's workers left out of the smaller team would spin out the last region's
+            # long idle spin on the cores just given to the kernels: ended now (the next
+            # region with more threads starts them again)
+            _native.pool_pause_team(L)
 
     def end_kernels(self) -> None:
         """The last job in flight has ended: the kernels' count back to the user's."""
