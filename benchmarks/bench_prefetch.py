@@ -223,7 +223,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--mib", type=int, default=16, help="parameter MiB per layer")
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of every configuration; the claims are medians of per-round ratios")
     p.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu")
     p.add_argument("--update-ahead", action=argparse.BooleanOptionalAction, default=False,
                    help="offload_optimizer.update_ahead (optimizer state on cpu)")
