@@ -101,6 +101,15 @@ OFFLOAD_API int offload_pool_handoff_quiet(void);
  * paused; offload_pool_teams_paused counts them. */
 OFFLOAD_API int offload_pool_pause_team(void);
 OFFLOAD_API int64_t offload_pool_teams_paused(void);
+/* Helping: while set_helpable(1), a kernel call on one thread is published so that another
+ * thread (waiting for that update) can join it: offload_pool_help claims the remaining
+ * chunks of the call in progress, if any and if its caller's tag (offload_pool_set_tag,
+ * per thread) is `tag` (any call for a negative tag), and returns 1 when it joined one
+ * (threadpool.c). offload_pool_helped counts the joins. */
+OFFLOAD_API void offload_pool_set_helpable(int on);
+OFFLOAD_API void offload_pool_set_tag(int64_t tag);
+OFFLOAD_API int offload_pool_help(int64_t tag);
+OFFLOAD_API int64_t offload_pool_helped(void);
 /* Calls that a pool worker, idle between two of them while a hold was taken, found during its
  * yielding poll instead of asleep (threadpool.c worker_wait_spin). */
 OFFLOAD_API int64_t offload_pool_held_spin_calls(void);

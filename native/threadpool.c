@@ -109,9 +109,10 @@ static struct {
     int active;   /* workers in the current call */
     int started;  /* workers running: indices 1..started */
     int threads;  /* configured total, caller included; 0 = not set yet (use the CPU count) */
+    int64_t tag;  /* the caller's offload_pool_set_tag when it published the call */
     unsigned mxcsr; /* the caller's FP control word: workers round and flush like the caller */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
+       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, -1, 0};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void);
@@ -615,20 +616,70 @@ static void team_run(pool_chunk_fn fn, void *ctx, long nchunks, int threads) {
 
 OFFLOAD_API int64_t offload_pool_team_runs(void) { return __atomic_load_n(&TEAM_RUNS, __ATOMIC_RELAXED); }
 
+/* Helping (offload_pool_set_helpable / offload_pool_help). While the engine's thread split
+ * leaves the kernels one thread, the thread that runs the forward waits, now and then, for
+ * a block's update that one thread is still computing: its own core idles meanwhile. With
+ * helping on, such single-thread calls are published like pooled ones (no worker woken,
+ * no registration) so that the waiting thread can join the call in progress and claim its
+ * remaining chunks, as a worker would, then go back to its wait. Each call is tagged with
+ * its caller's offload_pool_set_tag (the engine: the block), and a helper joins only the
+ * calls of the block it waits for, never the next block's (measured: a helper that joined
+ * whatever call was open delayed the forward by 2-3 ms helping a block not yet needed).
+ * Published calls run one at a time (run_lock): with several optimizer workers their
+ * single-thread kernels take turns while helping is on. */
+static int HELPABLE; /* atomic: single-thread calls are published for offload_pool_help */
+static long HELPED;  /* atomic: calls a waiting thread joined */
+static __thread int64_t CALL_TAG = -1; /* what this thread's calls are for (the engine: a block) */
+
+OFFLOAD_API void offload_pool_set_tag(int64_t tag) { CALL_TAG = tag; }
+
+OFFLOAD_API void offload_pool_set_helpable(int on) { __atomic_store_n(&HELPABLE, on != 0, __ATOMIC_RELAXED); }
+
+OFFLOAD_API int offload_pool_help(int64_t tag) {
+    pthread_mutex_lock(&P.lock);
+    if (!P.open || !__atomic_load_n(&HELPABLE, __ATOMIC_RELAXED) || (tag >= 0 && P.tag != tag)) {
+        pthread_mutex_unlock(&P.lock);
+        return 0;
+    }
+    __atomic_add_fetch(&P.active, 1, __ATOMIC_RELAXED);
+    pool_chunk_fn fn = P.fn;
+    void *ctx = P.ctx;
+    long nchunks = P.nchunks;
+#ifdef HAVE_MXCSR
+    unsigned mxcsr = P.mxcsr, own = _mm_getcsr();
+#endif
+    pthread_mutex_unlock(&P.lock);
+#ifdef HAVE_MXCSR
+    if (own != mxcsr) _mm_setcsr(mxcsr);
+#endif
+    claim_chunks(fn, ctx, nchunks);
+#ifdef HAVE_MXCSR
+    if (own != mxcsr) _mm_setcsr(own);
+#endif
+    pthread_mutex_lock(&P.lock);
+    if (__atomic_sub_fetch(&P.active, 1, __ATOMIC_RELEASE) == 0 && !P.open) pthread_cond_signal(&P.done);
+    pthread_mutex_unlock(&P.lock);
+    __atomic_add_fetch(&HELPED, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+OFFLOAD_API int64_t offload_pool_helped(void) { return __atomic_load_n(&HELPED, __ATOMIC_RELAXED); }
+
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
-    if (threads <= 1 || nchunks <= 1) {
+    int alone = threads <= 1; /* published only for a helper (HELPABLE): no worker, no registration */
+    if (nchunks <= 1 || (alone && !__atomic_load_n(&HELPABLE, __ATOMIC_RELAXED))) {
         for (long c = 0; c < nchunks; c++) fn(ctx, c);
         return 0;
     }
     pthread_once(&atfork_once, register_atfork);
-    if (on_main_team(threads)) {
+    if (!alone && on_main_team(threads)) {
         team_run(fn, ctx, nchunks, threads);
         return 0;
     }
-    reg_enter();
+    if (!alone) reg_enter();
     pthread_mutex_lock(&P.run_lock);
-    int helpers = (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
+    int helpers = alone ? 0 : (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
     if (P.started < helpers) start_workers(helpers);
     if (helpers > P.started) helpers = P.started; /* thread creation failed: fewer helpers */
 
@@ -639,11 +690,14 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     __atomic_store_n(&P.next, 0, __ATOMIC_RELAXED);
     P.open = 1;
     P.helpers = helpers;
+    P.tag = CALL_TAG;
 #ifdef HAVE_MXCSR
     P.mxcsr = _mm_getcsr();
 #endif
-    __atomic_store_n(&P.generation, P.generation + 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&P.wake);
+    if (helpers > 0) { /* a call alone leaves the workers where they are */
+        __atomic_store_n(&P.generation, P.generation + 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&P.wake);
+    }
     pthread_mutex_unlock(&P.lock);
 
     claim_chunks(fn, ctx, nchunks);
@@ -657,6 +711,6 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     while (P.active > 0) pthread_cond_wait(&P.done, &P.lock);
     pthread_mutex_unlock(&P.lock);
     pthread_mutex_unlock(&P.run_lock);
-    reg_exit();
+    if (!alone) reg_exit();
     return 0;
 }

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -140,6 +140,10 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
     lib.offload_pool_pause_team.argtypes, lib.offload_pool_pause_team.restype = [], i32
     lib.offload_pool_teams_paused.argtypes, lib.offload_pool_teams_paused.restype = [], i64
+    lib.offload_pool_set_helpable.argtypes, lib.offload_pool_set_helpable.restype = [i32], None
+    lib.offload_pool_help.argtypes, lib.offload_pool_help.restype = [i64], i32
+    lib.offload_pool_set_tag.argtypes, lib.offload_pool_set_tag.restype = [i64], None
+    lib.offload_pool_helped.argtypes, lib.offload_pool_helped.restype = [], i64
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -281,6 +285,42 @@ def pool_pause_team(L: ctypes.CDLL) -> bool:
 def pool_teams_paused(L: ctypes.CDLL) -> int:
     """Teams ``pool_pause_team`` paused since the library loaded."""
     return L.offload_pool_teams_paused()
+
+
+def pool_set_helpable(L: ctypes.CDLL, on: bool) -> None:
+    """While on, a kernel call on one thread can be joined by a thread that waits for it
+    (``pool_help``); the thread split turns it on while the kernels have one thread."""
+    L.offload_pool_set_helpable(1 if on else 0)
+
+
+def pool_set_tag(L: ctypes.CDLL, tag: int) -> None:
+    """What the calling thread's next kernel calls are for (the engine: a block's index; -1:
+    nothing), so that a thread waiting for that work joins only them (``pool_help``)."""
+    L.offload_pool_set_tag(tag)
+
+
+def pool_help(L: ctypes.CDLL, tag: int = -1) -> bool:
+    """Join the kernel call in progress, if one can be joined (``pool_set_helpable``) and it
+    is for ``tag`` (any, when negative), and claim its remaining chunks; returns whether it
+    joined one (threadpool.c)."""
+    return bool(L.offload_pool_help(tag))
+
+
+def pool_help_until(done, tag: int) -> None:
+    """A thread about to block until ``done()`` (the update of block ``tag``) first joins
+    that update's kernel calls (``pool_help``) while ``done()`` is false: its core would
+    idle otherwise."""
+    try:
+        L = lib()
+    except ImportError:
+        return
+    while L is not None and not done() and L.offload_pool_help(tag):
+        pass
+
+
+def pool_helped(L: ctypes.CDLL) -> int:
+    """Calls ``pool_help`` joined since the library loaded."""
+    return L.offload_pool_helped()
 
 
 def pool_release(L: ctypes.CDLL) -> None:

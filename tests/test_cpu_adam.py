@@ -423,6 +423,52 @@ def test_gil_released(native):
     assert ticks > 1000, f"the main thread ran only {ticks} loop iterations during the kernel"
 
 
+def test_a_waiting_thread_helps_only_the_call_it_waits_for(native):
+    """While helping is on (the engine's thread split), a kernel call on one thread can be
+    joined: a thread that waits for it (pool_help with the caller's tag) claims chunks of
+    it, and the result is bit for bit the one-thread result. A call for another tag is
+    never joined, nor any call while helping is off (native/threadpool.c)."""
+    n = 1 << 24
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    saved = get_num_threads()
+
+    def run(tag: int, helpable: bool):
+        p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
+        done = threading.Event()
+
+        def worker():
+            _native.pool_set_tag(native, 7)
+            try:
+                for step in range(1, 4):
+                    adam_step(p, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+            finally:
+                _native.pool_set_tag(native, -1)
+                done.set()
+        _native.pool_set_helpable(native, helpable)
+        joined = _native.pool_helped(native)
+        t = threading.Thread(target=worker)
+        try:
+            t.start()
+            while not done.is_set():          # as a forward waiting for this update would
+                _native.pool_help(native, tag)
+            t.join()
+        finally:
+            _native.pool_set_helpable(native, False)
+        return (p, m, v), _native.pool_helped(native) - joined
+
+    try:
+        set_num_threads(1)
+        alone, joins_off = run(7, False)
+        helped, joins = run(7, True)
+        other, joins_other = run(8, True)
+    finally:
+        set_num_threads(saved)
+    assert joins_off == 0 and joins_other == 0
+    assert joins > 0, "the waiting thread never joined the calls of the tag it waited for"
+    for a, b, c in zip(alone, helped, other):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_concurrent_callers(backend):
     """Several Python threads calling at once (the native pool serializes them)."""
     n = 300001

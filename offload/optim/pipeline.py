@@ -344,6 +344,10 @@ class StepPipeline:
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
         at = ["state read"]                      # the stage the job is in, for its error
+        if self._split is not None and self._lib is not None:
+            # this job's kernels are the block's: a forward waiting for it joins them alone
+            # (ThreadSplit: the kernels have k threads; BlockShard.wait_update helps)
+            _native.pool_set_tag(self._lib, block.index)
         try:
             self._update(block, args, at)
         except BaseException as exc:
