@@ -88,9 +88,12 @@ class StepPipeline:
         self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
         self._split_due = False                   # submitting(): the thread split is still to begin
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
-        # the native library for the pool's holds, looked up once: per submit, the lookup
-        # (OFFLOAD_NATIVE read, a lock) ran cold right after backward, ~25 us of step()
-        self._lib = _native_lib()
+        # the native library for the pool's holds, looked up once (_pool_lib): per submit, the
+        # lookup (OFFLOAD_NATIVE read, a lock) ran cold right after backward, ~25 us of step().
+        # At the first commit, not here: loading the library at initialize changed the heap
+        # the user's own first allocations see (a 4 MiB tensor allocated again and again
+        # faulted its pages in for 6 rounds instead of 2-3; tests/test_host_heap.py)
+        self._lib = _UNRESOLVED
         self._nvme_state = any(c.tier is Tier.NVME for b in self.blocks for c in b.state.chunks)
         # a CPU compute device whose updates overlap the next forward: the cores are split
         # between the two while jobs are in flight (optim/thread_split.py)
@@ -104,6 +107,13 @@ class StepPipeline:
             self._order = [(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))]
             self._cursor = 0
         self.prefetch()
+
+    def _pool_lib(self):
+        """The native library for the pool's holds (``_native_lib``), looked up once."""
+        L = self._lib
+        if L is _UNRESOLVED:
+            L = self._lib = _native_lib()
+        return L
 
     def prefetch(self) -> None:
         if not self._nvme_state:        # nothing to read ahead nor to reclaim (after every job)
@@ -228,7 +238,7 @@ class StepPipeline:
         first, so it would wait for it anyway; run on the main thread, its kernel runs on
         torch's own team, whose workers are still spinning after backward (no worker thread
         to wake, no GIL to hand over), while a handoff's registration threads start."""
-        L = self._lib
+        L = self._pool_lib()
         handoff = L is not None and not (self._split is not None and self._split.leaves_torch_alone())
         self._phase_held(L, handoff)
         self._inline_next = inline_first and self.device.type == "cpu"
@@ -246,7 +256,7 @@ class StepPipeline:
         if self._inline_next:            # submitting(inline_first): this block's job runs here
             self._inline_next = False
             return self._run_inline(block, args)
-        L = self._lib
+        L = self._pool_lib()
         if L is None:
             fut = self._pool.submit(self._job, block, args)
         else:
@@ -344,7 +354,7 @@ class StepPipeline:
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
         at = ["state read"]                      # the stage the job is in, for its error
-        if self._split is not None and self._lib is not None:
+        if self._split is not None and self._pool_lib() is not None:
             # this job's kernels are the block's: a forward waiting for it joins them alone
             # (ThreadSplit: the kernels have k threads; BlockShard.wait_update helps)
             _native.pool_set_tag(self._lib, block.index)
@@ -415,7 +425,7 @@ class StepPipeline:
     def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
         """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
         backward: its gradients of the window are all in). Nothing committed changes."""
-        L = self._lib
+        L = self._pool_lib()
         if L is None:
             fut = self._pool.submit(self._ahead_job, block, args)
         else:
@@ -588,6 +598,9 @@ def _device_step(rule, p, g, state: dict, group: dict, step: int, shape) -> None
     for k, v in state.items():
         if wide[k] is not v:
             v.copy_(wide[k])
+
+
+_UNRESOLVED = object()     # StepPipeline._lib before the first commit looks it up
 
 
 def _native_lib():
