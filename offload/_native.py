@@ -314,7 +314,7 @@ def pool_help_until(done, tag: int) -> None:
         L = lib()
     except ImportError:
         return
-    while L is not None and not done() and L.offload_pool_help(tag):
+    while L is not None and not done() and pool_help(L, tag):
         pass
 
 

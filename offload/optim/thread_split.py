@@ -93,7 +93,7 @@ class ThreadSplit:
                     _native.kernel_set_num_threads(L, ours)
                     self._kernels = (L, user, ours)
             if not self._helpable:
-                _native.pool_set_helpable(L, True)   # a forward that waits helps (help_wait)
+                _native.pool_set_helpable(L, True)   # a forward that waits helps (BlockShard.wait_update)
                 self._helpable = L
         if self._torch is None:
             torch.set_num_threads(n - k)
