@@ -98,9 +98,9 @@ class GradSync:
                     b.landing.reset_window()
             else:
                 g = b.grad
-                g.wait_landed()
                 if not self.comm.active:
-                    return
+                    return                    # no collective: the update waits for the landing
+                g.wait_landed()
                 g.fill_missing(segs)
                 full = g.tensor
                 if self.stage == 0:
