@@ -107,9 +107,13 @@ OFFLOAD_API int64_t offload_pool_teams_paused(void);
  * per thread) is `tag` (any call for a negative tag), and returns 1 when it joined one
  * (threadpool.c). offload_pool_helped counts the joins. */
 OFFLOAD_API void offload_pool_set_helpable(int on);
+OFFLOAD_API int offload_pool_helpable(void);
 OFFLOAD_API void offload_pool_set_tag(int64_t tag);
 OFFLOAD_API int offload_pool_help(int64_t tag);
 OFFLOAD_API int64_t offload_pool_helped(void);
+/* The rest of such a wait: help the calls tagged `tag` and spin between them until *done is
+ * set (returns 1) or spin_ns pass with none to join (returns 0; the caller blocks then). */
+OFFLOAD_API int offload_pool_help_wait(int64_t tag, const int *done, int64_t spin_ns);
 /* Calls that a pool worker, idle between two of them while a hold was taken, found during its
  * yielding poll instead of asleep (threadpool.c worker_wait_spin). */
 OFFLOAD_API int64_t offload_pool_held_spin_calls(void);

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -144,6 +144,9 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_help.argtypes, lib.offload_pool_help.restype = [i64], i32
     lib.offload_pool_set_tag.argtypes, lib.offload_pool_set_tag.restype = [i64], None
     lib.offload_pool_helped.argtypes, lib.offload_pool_helped.restype = [], i64
+    lib.offload_pool_helpable.argtypes, lib.offload_pool_helpable.restype = [], i32
+    lib.offload_pool_help_wait.argtypes = [i64, ctypes.POINTER(ctypes.c_int), i64]
+    lib.offload_pool_help_wait.restype = i32
 
 
 _kernels: dict = {}  # name -> the checked C entry point
@@ -306,16 +309,26 @@ def pool_help(L: ctypes.CDLL, tag: int = -1) -> bool:
     return bool(L.offload_pool_help(tag))
 
 
-def pool_help_until(done, tag: int) -> None:
-    """A thread about to block until ``done()`` (the update of block ``tag``) first joins
-    that update's kernel calls (``pool_help``) while ``done()`` is false: its core would
-    idle otherwise."""
+HELP_SPIN_S = 1e-3   # pool_help_until: how long a waiter spins with no call of its block to join
+
+
+def pool_help_until(fut, tag: int) -> None:
+    """A thread about to block until ``fut`` (the update of block ``tag``) is done first
+    joins that update's kernel calls (``pool_help``), and between them spins, at most
+    ``HELP_SPIN_S`` with none to join, rather than sleep (``offload_pool_help_wait``: a
+    waiter that slept through the update's last ~0.3 ms could need 1.5-3 ms to get a core
+    back on a busy machine). Only while helping is on (the thread split: the kernels leave
+    the waiter's core free); otherwise it returns at once and the caller blocks."""
     try:
         L = lib()
     except ImportError:
         return
-    while L is not None and not done() and pool_help(L, tag):
-        pass
+    if L is None or fut.done() or not L.offload_pool_helpable():
+        return
+    flag = ctypes.c_int(0)
+    # runs on the worker right after the result is set (or here, when it is set already)
+    fut.add_done_callback(lambda _f: setattr(flag, "value", 1))
+    L.offload_pool_help_wait(tag, ctypes.byref(flag), int(HELP_SPIN_S * 1e9))
 
 
 def pool_helped(L: ctypes.CDLL) -> int:

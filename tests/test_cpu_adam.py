@@ -938,3 +938,51 @@ def test_pool_runtime_can_be_plain_pthreads():
     assert out.returncode == 0, out.stderr
     if offload.native_info()["backend"] == "native":
         assert out.stdout.strip() == "pthread"
+
+
+def test_a_waiter_helps_and_spins_until_the_update_is_done(native, monkeypatch):
+    """``_native.pool_help_until``: while helping is on, the waiting thread joins the update's
+    calls and between them spins (no sleep) until the update's future is done, within
+    ``HELP_SPIN_S`` with nothing to join (set long here: the return is then the done flag
+    seen, not the spin running out); while helping is off it returns at once and the
+    caller blocks as before."""
+    from concurrent.futures import Future
+    monkeypatch.setattr(_native, "HELP_SPIN_S", 30.0)
+    n = 1 << 22
+    g = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    saved = get_num_threads()
+
+    def update(fut, p, m, v):
+        _native.pool_set_tag(native, 5)
+        try:
+            for step in range(1, 4):
+                adam_step(p, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+            fut.set_result(step)
+        finally:
+            _native.pool_set_tag(native, -1)
+
+    def run(helpable):
+        p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
+        fut = Future()
+        _native.pool_set_helpable(native, helpable)
+        joined = _native.pool_helped(native)
+        t = threading.Thread(target=update, args=(fut, p, m, v))
+        try:
+            t.start()
+            _native.pool_help_until(fut, 5)
+            done_on_return = fut.done()
+            t.join()
+        finally:
+            _native.pool_set_helpable(native, False)
+        return done_on_return, _native.pool_helped(native) - joined, (p, m, v)
+
+    try:
+        set_num_threads(1)
+        done_off, joins_off, alone = run(False)
+        done_on, joins_on, helped = run(True)
+    finally:
+        set_num_threads(saved)
+    assert not done_off and joins_off == 0     # helping off: no wait here at all
+    assert done_on and joins_on > 0
+    for a, b in zip(alone, helped):
+        assert torch.equal(a, b)
