@@ -57,6 +57,7 @@ from offload.config import Config
 from offload.engine.grads import GradBuffer
 from offload.engine.hooks import Hooks
 from offload.engine.memory_plan import GradHome
+from offload.engine.landing_copier import LandingCopier
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
@@ -99,8 +100,8 @@ class _UpdateAndGrads:
         grad = param.grad
         buf = block.landing or block.grad    # full-size either way: land at the flat offset
         with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
-            buf.land(k, seg.offset, grad, e._d2h)
-        param.grad = None   # device gradient memory is freed (the D2H holds it via record_stream)
+            buf.land(k, seg.offset, grad, e._d2h, e._landing)
+        param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream, LandingEvent)
         if buf.complete:
             e.control.on_block_complete(block)
 
@@ -308,6 +309,8 @@ class Engine:
                                                            wait_timeout_s=config.wait_timeout_s,
                                                            keep_staged=self._keeps_staged))
         self._d2h = dev.new_stream(self.device)
+        # a CPU device's landings: copied off the backward's thread (engine/landing_copier.py)
+        self._landing = LandingCopier.create() if self.device.type == "cpu" else None
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
             scaler=self.scaler, telemetry=self.telemetry,
@@ -887,8 +890,15 @@ class Engine:
         Hugging Face Trainer does), so it is not divided again (DeepSpeed's argument)."""
         self._check_ok()
         self.pipeline.settle_threads(force=True)
-        self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
-        self.hooks.end_backward()         # blocks without gradients (frozen only) end theirs
+        if self._landing is not None:
+            self._landing.backward_begins()
+        try:
+            self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
+            self.hooks.end_backward()     # blocks without gradients (frozen only) end theirs
+        finally:
+            if self._landing is not None:
+                self._landing.drain()     # no gradient of autograd's outlives backward()
+                self._landing.measure()
 
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Whether the next step() closes the accumulation window (True) or not (False),
@@ -1159,6 +1169,8 @@ class Engine:
                     restored = self._gather_offloaded_params()
         finally:
             self.pipeline.settle_threads(force=True)
+            if getattr(self, "_landing", None) is not None:
+                self._landing.close()         # after the updates: none reads a landing now
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
             if self.hooks is not None:

@@ -17,7 +17,9 @@ Landing copies, also on a CPU device, and the caller frees autograd's tensor rig
 just freed, still in cache. Keeping autograd's tensors until the update instead (read where
 they are, no copy) kept one fresh allocation per parameter alive through the step: glibc grew
 the heap for them in every backward and trimmed it as the updates freed them, 1,000-5,000
-page faults a backward, more than the copy costs.
+page faults a backward, more than the copy costs. After a backward that left the cores idle,
+a CPU landing goes to the LandingCopier (engine/landing_copier.py) and its event joins
+``events`` like a CUDA copy's.
 
 Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
 ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
@@ -99,8 +101,10 @@ class GradBuffer:
     def complete(self) -> bool:
         return self.arrived == self.num_segments
 
-    def land(self, index: int, offset: int, grad: torch.Tensor, stream) -> None:
-        """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
+    def land(self, index: int, offset: int, grad: torch.Tensor, stream, copier=None) -> None:
+        """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``.
+        ``copier`` (a CPU device's LandingCopier, engine/landing_copier.py): a first landing
+        into a buffer of this object's own is copied there off this thread."""
         flat = grad.detach().reshape(-1)
         if self._parking is not None:
             self._wait_parking()                      # the park of the last micro-step first
@@ -109,13 +113,19 @@ class GradBuffer:
         dst = self.tensor[offset:offset + flat.numel()]
         if not self._seen[index]:
             if dst.device == flat.device:
-                dst.copy_(flat)
+                own = self._loan is None and self._device is None   # not a pool's, not transient
+                ev = copier.copy(dst, flat) if copier is not None and own else None
+                if ev is None:
+                    dst.copy_(flat)
+                else:
+                    self.events.append(ev)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:
                     self.events.append(ev)
             self._seen[index] = True
         elif dst.device == flat.device:
+            self.wait_landed()                        # a copy of this window may be in flight
             dst.add_(flat)
         else:
             # Accumulating a device gradient into host memory: bring it over, then add.
@@ -275,6 +285,7 @@ class GradBuffer:
         landing overwrites, later ones add."""
         if self.tensor is None:
             self._borrow()
+        self.wait_landed()
         if not any(self._seen):
             self.tensor.copy_(src)
         else:
@@ -285,6 +296,7 @@ class GradBuffer:
         """After the optimizer consumed the buffer: the next landing overwrites (a borrowed
         buffer goes back to the pool)."""
         self._wait_parking()
+        self.wait_landed()                            # no copy writes into the next window
         self._seen = [False] * self.num_segments
         self.spill, self._zero_on_return = Spill.NONE, None
         if self._loan is None and self._device is not None:

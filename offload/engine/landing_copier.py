@@ -1,0 +1,122 @@
+"""The CPU compute device's gradient landings, off the thread that runs backward.
+
+On CUDA a gradient lands in host memory through an asynchronous copy on the D2H stream
+(engine/grads.py). On a CPU device the landing is a memcpy into the block's gradient buffer;
+done inline it sat on the backward's path, 2-3 ms per 16 MiB on this project's 2-core
+machine. ``LandingCopier`` hands it to the native copy engine (native/copier.c): a worker
+under SCHED_IDLE copies while a core has nothing else to run (a backward waiting for an
+accelerator, for I/O), and whoever needs the bytes first (the next landing, the update, the
+end of backward) finishes the copy on its own thread. Never slower than inline by more than
+one 256 KiB piece; never a core taken from torch's team or the optimizer (an idle-policy
+thread gives way to any other at once: measured, a normal-priority copy thread beside
+bench_step's real compute made the whole step 1.18x torch's against 1.03x inline).
+
+One copy in flight: ``copy`` first completes the last one, so at most one of autograd's
+gradients outlives its landing, and only until the next landing or the end of backward
+(``drain``). A copy returns its event (``synchronize()``, as a CUDA event), which the
+gradient buffer keeps with its others (``GradBuffer.wait_landed``).
+
+Used only where it helps and is safe: the native library loads, the worker runs under
+SCHED_IDLE, both tensors are contiguous and of one dtype, the copy is at least ``MIN_BYTES``
+(a smaller one costs less inline than its hand-over), and the last backward left the cores
+idle (``measure``: its thread spent less than ``IDLE_SHARE`` of it on the CPU, waiting for
+an accelerator, for parameters coming from NVMe, for a simulated device). A backward that
+keeps torch's team working gains nothing from moving the copy, and loses by it even under
+SCHED_IDLE: measured on bench_step's real compute, 1.12-1.23x torch's step with the copier
+against 1.03-1.12x inline (the copier's memcpy runs in the team's short gaps, against its
+caches and memory bandwidth). Nothing measured yet (the first backward): inline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from offload import _native
+
+MIN_BYTES = 1 << 20
+IDLE_SHARE = 0.35    # a backward on the CPU for less than this share of its time left cores idle
+
+
+class LandingEvent:
+    """One landing copy; ``synchronize()`` returns once the bytes are in the buffer."""
+    __slots__ = ("_copier", "_job", "_src", "_dst")
+
+    def __init__(self, copier: "LandingCopier", job, src: torch.Tensor, dst: torch.Tensor):
+        self._copier, self._job, self._src, self._dst = copier, job, src, dst
+
+    def synchronize(self) -> None:
+        job = self._job
+        if job is None:
+            return
+        _native.copy_wait(self._copier.handle, job)
+        self._job = self._src = self._dst = None    # autograd's gradient is freed here
+
+
+class LandingCopier:
+    def __init__(self, handle: int):
+        self.handle = handle
+        self.use = False                 # the last backward left the cores idle (measure)
+        self.copies = 0                  # copies handed to the worker
+        self._last: Optional[LandingEvent] = None
+        self._lock = threading.Lock()
+        self._since: Optional[tuple] = None
+
+    def backward_begins(self) -> None:
+        """On the thread that runs backward, as it starts (``measure`` ends the interval)."""
+        self._since = (time.perf_counter(), time.thread_time())
+
+    def measure(self) -> None:
+        """As backward ends: whether the next backward's landings go to the worker (``use``)."""
+        since, self._since = self._since, None
+        if since is not None:
+            wall = time.perf_counter() - since[0]
+            self.use = wall > 0 and time.thread_time() - since[1] < IDLE_SHARE * wall
+
+    @classmethod
+    def create(cls) -> Optional["LandingCopier"]:
+        """The copier, or None where landings stay inline (no native library, no idle policy)."""
+        try:
+            if _native.lib() is None:
+                return None
+            handle, idle = _native.copier_create()
+        except (ImportError, OSError):
+            return None
+        if not idle:
+            _native.copier_destroy(handle)
+            return None
+        return cls(handle)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[LandingEvent]:
+        """Start copying ``src`` into ``dst`` (host tensors); None when it is to be done inline."""
+        nbytes = src.numel() * src.element_size()
+        if (not self.use or self.handle is None or nbytes < MIN_BYTES or src.dtype != dst.dtype or src.numel() != dst.numel()
+                or not src.is_contiguous() or not dst.is_contiguous()):
+            return None
+        with self._lock:
+            self._finish_last()
+            job = _native.CopyJob(dst=dst.data_ptr(), src=src.data_ptr(), nbytes=nbytes)
+            ev = LandingEvent(self, job, src, dst)
+            _native.copier_submit(self.handle, job)
+            self._last = ev
+            self.copies += 1
+        return ev
+
+    def _finish_last(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            last.synchronize()
+
+    def drain(self) -> None:
+        """Complete the copy in flight (the end of backward: no gradient outlives it)."""
+        with self._lock:
+            self._finish_last()
+
+    def close(self) -> None:
+        with self._lock:
+            self._finish_last()
+            handle, self.handle = self.handle, None
+        if handle is not None:
+            _native.copier_destroy(handle)
