@@ -132,10 +132,6 @@ OFFLOAD_API void offload_copy_wait(offload_copier *c, offload_copy *j) {
     pthread_mutex_unlock(&c->mu);
 }
 
-OFFLOAD_API int offload_copy_done(const offload_copy *j) {
-    return __atomic_load_n(&j->finished, __ATOMIC_ACQUIRE) >= j->npieces;
-}
-
 OFFLOAD_API void offload_copier_destroy(offload_copier *c) {
     if (!c) return;
     if (getpid() == c->pid) {

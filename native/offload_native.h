@@ -228,7 +228,6 @@ OFFLOAD_API int offload_copier_idle(offload_copier *c);
 OFFLOAD_API int offload_copier_submit(offload_copier *c, offload_copy *j);
 /* The copy complete on return: pieces not started are copied on the calling thread. */
 OFFLOAD_API void offload_copy_wait(offload_copier *c, offload_copy *j);
-OFFLOAD_API int offload_copy_done(const offload_copy *j);
 /* Finishes a queued copy, stops the worker and frees the engine. */
 OFFLOAD_API void offload_copier_destroy(offload_copier *c);
 

@@ -419,7 +419,6 @@ def _declare_aio(lib: ctypes.CDLL) -> None:
     lib.offload_copier_idle.argtypes, lib.offload_copier_idle.restype = [vp], i32
     lib.offload_copier_submit.argtypes, lib.offload_copier_submit.restype = [vp, ctypes.POINTER(CopyJob)], i32
     lib.offload_copy_wait.argtypes, lib.offload_copy_wait.restype = [vp, ctypes.POINTER(CopyJob)], None
-    lib.offload_copy_done.argtypes, lib.offload_copy_done.restype = [ctypes.POINTER(CopyJob)], i32
     lib.offload_copier_destroy.argtypes, lib.offload_copier_destroy.restype = [vp], None
     for name in ("offload_crc32c", "offload_crc32c_table", "offload_crc32c_sse42"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [u32, vp, sz], u32

@@ -300,9 +300,7 @@ class GradBuffer:
         self._seen = [False] * self.num_segments
         self.spill, self._zero_on_return = Spill.NONE, None
         if self._loan is None and self._device is not None:
-            self.wait_landed()
             self.tensor = None                        # transient: freed
         elif self._loan is not None and self.tensor is not None:
-            self.wait_landed()
             self.tensor = None
             self._loan.release()                      # READY: discarded, the buffer goes back
