@@ -34,8 +34,7 @@ def test_copies_are_exact():
 
 @native
 def test_landings_leave_the_thread_only_after_a_backward_that_left_the_cores_idle():
-    copier = lc.LandingCopier.create()
-    assert copier is not None, "the copier's worker did not get SCHED_IDLE"
+    copier = lc.LandingCopier()
     try:
         src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
         assert copier.copy(dst, src) is None                 # nothing measured yet: inline
@@ -50,7 +49,8 @@ def test_landings_leave_the_thread_only_after_a_backward_that_left_the_cores_idl
         copier.measure()
         assert copier.use
         ev = copier.copy(dst, src)
-        assert ev is not None and copier.copy(dst[:10], src[:10]) is None   # below MIN_BYTES: inline
+        assert ev is not None, "the copier's worker did not start under SCHED_IDLE"
+        assert copier.copy(dst[:10], src[:10]) is None                      # below MIN_BYTES: inline
         ev.synchronize()
         assert torch.equal(dst, src)
     finally:

@@ -310,7 +310,7 @@ class Engine:
                                                            keep_staged=self._keeps_staged))
         self._d2h = dev.new_stream(self.device)
         # a CPU device's landings: copied off the backward's thread (engine/landing_copier.py)
-        self._landing = LandingCopier.create() if self.device.type == "cpu" else None
+        self._landing = LandingCopier() if self.device.type == "cpu" else None
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
             scaler=self.scaler, telemetry=self.telemetry,

@@ -56,10 +56,15 @@ class LandingEvent:
 
 
 class LandingCopier:
-    def __init__(self, handle: int):
-        self.handle = handle
+    """Created with the engine; the native worker starts at the first copy handed to it
+    (``_start``), not at initialize: loading the library then changed the heap the user's
+    own first allocations see (StepPipeline._pool_lib, tests/test_host_heap.py)."""
+
+    def __init__(self):
+        self.handle: Optional[int] = None
         self.use = False                 # the last backward left the cores idle (measure)
         self.copies = 0                  # copies handed to the worker
+        self._started = False            # _start ran (the handle, or None: landings inline)
         self._last: Optional[LandingEvent] = None
         self._lock = threading.Lock()
         self._since: Optional[tuple] = None
@@ -75,27 +80,32 @@ class LandingCopier:
             wall = time.perf_counter() - since[0]
             self.use = wall > 0 and time.thread_time() - since[1] < IDLE_SHARE * wall
 
-    @classmethod
-    def create(cls) -> Optional["LandingCopier"]:
-        """The copier, or None where landings stay inline (no native library, no idle policy)."""
-        try:
-            if _native.lib() is None:
-                return None
-            handle, idle = _native.copier_create()
-        except (ImportError, OSError):
-            return None
-        if not idle:
-            _native.copier_destroy(handle)
-            return None
-        return cls(handle)
+    def _start(self) -> bool:
+        """Start the worker once; False where landings stay inline (no native library, no
+        idle policy for the worker)."""
+        if not self._started:
+            self._started = True
+            try:
+                if _native.lib() is None:
+                    return False
+                handle, idle = _native.copier_create()
+            except (ImportError, OSError):
+                return False
+            if not idle:
+                _native.copier_destroy(handle)
+                return False
+            self.handle = handle
+        return self.handle is not None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[LandingEvent]:
         """Start copying ``src`` into ``dst`` (host tensors); None when it is to be done inline."""
         nbytes = src.numel() * src.element_size()
-        if (not self.use or self.handle is None or nbytes < MIN_BYTES or src.dtype != dst.dtype or src.numel() != dst.numel()
+        if (not self.use or nbytes < MIN_BYTES or src.dtype != dst.dtype or src.numel() != dst.numel()
                 or not src.is_contiguous() or not dst.is_contiguous()):
             return None
         with self._lock:
+            if not self._start():
+                return None
             self._finish_last()
             job = _native.CopyJob(dst=dst.data_ptr(), src=src.data_ptr(), nbytes=nbytes)
             ev = LandingEvent(self, job, src, dst)
@@ -118,5 +128,6 @@ class LandingCopier:
         with self._lock:
             self._finish_last()
             handle, self.handle = self.handle, None
+            self._started = True         # closed: no worker starts after this
         if handle is not None:
             _native.copier_destroy(handle)
