@@ -3,6 +3,8 @@ so a hang fails the test instead of hanging CI).
 
     python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked | noprefetch | ahead]
 
+or run(argv) in a child forked by tests/_forked.py.
+
 ``chunked``: the optimizer state moves in chunks (offload_optimizer.state_chunk_bytes below
 block TARGET's state); the failure hits its second chunk. ``noprefetch``: prefetch off (NVMe
 parameter homes are then written back through write buffers, none kept staged).
@@ -17,7 +19,6 @@ import json
 import os
 import sys
 import time
-
 
 import offload
 from offload.dist.grad_sync import GradSync
@@ -67,11 +68,12 @@ def break_io(store, key, op, stall=False, after=0):
     backend.submit, backend.done, backend.wait = submit, done, wait
 
 
-def main():
-    stage, opt, prm, clip, nvme = sys.argv[1:6]
-    chunked = sys.argv[6:7] == ["chunked"]
-    noprefetch = sys.argv[6:7] == ["noprefetch"]
-    ahead = sys.argv[6:7] == ["ahead"]
+def run(argv):
+    """One run; returns what the user saw (see the module docstring)."""
+    stage, opt, prm, clip, nvme = argv[0:5]
+    chunked = argv[5:6] == ["chunked"]
+    noprefetch = argv[5:6] == ["noprefetch"]
+    ahead = argv[5:6] == ["ahead"]
     cfg = {"offload_optimizer": {"device": opt, "nvme_path": nvme if opt == "nvme" else None, "buffer_count": 2,
                                  "state_chunk_bytes": 100_000 if chunked else None, "update_ahead": ahead},
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
@@ -173,8 +175,8 @@ def main():
         out["close"] = f"raised {type(exc).__name__}: {exc}"
     out["close_s"] = time.monotonic() - t0
     out["dirs_left"] = [d for d in dirs if os.path.exists(d)]
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(run(sys.argv[1:])))

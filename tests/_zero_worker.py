@@ -1,4 +1,5 @@
-"""One rank of a multi-rank test (started by tests/test_zero.py as a subprocess).
+"""One rank of a multi-rank test: main(argv) in a child forked by tests/_forked.py (started by
+tests/test_zero.py), or
 
     python _zero_worker.py RANK WORLD PORT OUTDIR SPEC.json
 
@@ -146,8 +147,8 @@ def _group_alive(group) -> bool:
         return False
 
 
-def main():
-    rank, world, port, outdir, spec = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+def main(argv):
+    rank, world, port, outdir, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     with open(spec) as f:
@@ -172,4 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,14 +1,13 @@
 """The engine against plain PyTorch on the same seed and data, step by step."""
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import offload
+import _forked
+import _resume_worker
 from _models import batches, clone, make_model
 
 TIERS = ["none", "cpu", "nvme"]
@@ -168,36 +167,14 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     eng.close()
 
 
-RESUME_SCRIPT = textwrap.dedent("""
-    import sys, torch, offload
-    sys.path.insert(0, {tests!r})
-    from _models import batches, make_model
-    tier, nvme, ckpt, out, start, stop, load = sys.argv[1:8]
-    cfg = {{"optimizer": {{"lr": 1e-3, "weight_decay": 0.01}}, "gradient_clipping": 0.5,
-           "offload_optimizer": {{"device": tier, "nvme_path": nvme if tier == "nvme" else None}}}}
-    eng = offload.initialize(make_model(), cfg)
-    if load == "1":
-        eng.load_checkpoint(ckpt)
-    data = batches(int(stop))
-    for x, y in data[int(start):]:
-        eng.backward(eng(x, y)); eng.step()
-    if load == "0":
-        eng.save_checkpoint(ckpt)
-    torch.save(eng.full_state_dict(), out)
-    eng.close()
-""")
-
-
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_resume_in_new_process_is_bit_exact(tier, tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(__file__)))
     nv = tmp_path / "nvme"
     nv.mkdir()
     ck = str(tmp_path / "ckpt")
 
-    def run(*args):
-        subprocess.run([sys.executable, str(script), tier, str(nv), ck, *args], check=True)
+    def run(*args):      # each leg in a process of its own
+        _forked.call(_resume_worker.run, tier, str(nv), ck, *args, timeout_s=300, what="a resume test's leg")
     run(str(tmp_path / "full.pt"), "0", "8", "2")       # 8 steps straight (no load, no save: load=2)
     run(str(tmp_path / "first.pt"), "0", "5", "0")      # 5 steps, save
     run(str(tmp_path / "resumed.pt"), "5", "8", "1")    # new process: load, 3 more steps

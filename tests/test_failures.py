@@ -1,26 +1,17 @@
 """Failure injection per stage of a block's work: the user's next engine call raises an error
 naming the block and the stage within 10 s, the failed job gives back what it held, and
-close() returns. Each run is a subprocess under a timeout, so a hang fails instead of hanging."""
-import json
-import os
-import subprocess
-import sys
-
+close() returns. Each run is a process of its own under a timeout, so a hang fails instead of
+hanging: a child forked from a server that has imported torch and the engine once
+(tests/_forked.py)."""
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+import _failure_worker
+import _forked
 
 
 def run_worker(stage, opt, prm, clip, nvme_dir, *extra):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
-    try:
-        out = subprocess.run([sys.executable, os.path.join(HERE, "_failure_worker.py"), stage, opt, prm, str(clip),
-                              str(nvme_dir), *extra], capture_output=True, text=True, timeout=180, env=env)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the engine hung after a failure injected into {stage}: {exc.stderr}")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _forked.call(_failure_worker.run, [stage, opt, prm, str(clip), str(nvme_dir), *extra], timeout_s=180,
+                        what=f"the engine after a failure injected into {stage}")
 
 
 # (stage, optimizer tier, parameter tier, clipping, errno the user sees or None)

@@ -1,9 +1,6 @@
 """Parameter offload: bit-exact against the engine without it, the device budget, prefetch,
 and the model shapes that trip offload engines (re-used modules, tied weights across
 blocks, parameters read outside their module, changing paths, checkpointed activations)."""
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,8 +12,9 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload.optim.rule import UpdateRule
 from offload.params.residency import ParamState
+import _forked
+import _resume_worker
 from _models import batches, clone, make_model
-from test_engine import RESUME_SCRIPT
 
 
 def cfg(tmp_path, param="none", opt="cpu", **kw):
@@ -82,17 +80,13 @@ def test_bit_exact_against_no_param_offload(param, clip, tmp_path, monkeypatch):
 def test_resume_with_param_offload_is_bit_exact(tmp_path):
     """Parameters and optimizer state on NVMe: N steps + save + load in a new process + M
     steps equals N + M steps, bit for bit."""
-    script = tmp_path / "run.py"
-    body = RESUME_SCRIPT.format(tests=os.path.dirname(__file__)).replace(
-        '"gradient_clipping": 0.5,', '"gradient_clipping": 0.5, "offload_param": {"device": "nvme", "nvme_path": nvme},')
-    assert body != RESUME_SCRIPT.format(tests=os.path.dirname(__file__))
-    script.write_text(body)
     nv = tmp_path / "nvme"
     nv.mkdir()
     ck = str(tmp_path / "ckpt")
 
-    def run(*args):
-        subprocess.run([sys.executable, str(script), "nvme", str(nv), ck, *args], check=True)
+    def run(*args):      # each leg in a process of its own
+        _forked.call(_resume_worker.run, "nvme", str(nv), ck, *args, True, timeout_s=300,
+                     what="a resume test's leg")
     run(str(tmp_path / "full.pt"), "0", "6", "2")
     run(str(tmp_path / "first.pt"), "0", "4", "0")
     run(str(tmp_path / "resumed.pt"), "4", "6", "1")

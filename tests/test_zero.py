@@ -2,8 +2,8 @@
 process on the full batch, per-rank resident bytes, sharded checkpoints (same world size
 bit-exact, 2 -> 1 and 1 -> 2 re-sharded), diverging ranks, and 4 ranks.
 
-The ranks are subprocesses (tests/_zero_worker.py) running many jobs in one process group,
-since each start costs seconds of imports. Tolerance: the attention key bias has a
+The ranks are processes of their own (tests/_zero_worker.py, forked by tests/_forked.py)
+running many jobs in one process group, since each rendezvous costs time. Tolerance: the attention key bias has a
 mathematically zero gradient, so its computed gradient is round-off noise, which Adam with
 eps=1e-8 turns into lr-sized steps that differ with any change of summation order. The
 tests use eps=1e-6, where a change of reduction order stays below 1e-5 and a wrong update
@@ -12,14 +12,14 @@ tests use eps=1e-6, where a change of reduction order stays below 1e-5 and a wro
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import offload
+import _forked
+import _zero_worker
 from _models import batches, make_model
 from offload.dist import sharding
 
@@ -28,7 +28,6 @@ GAS_STEPS = 2      # optimizer steps of the accumulation jobs (two micro-steps e
 EPS = 1e-6
 TOL = 1e-5
 LR, WD, CLIP = 1e-3, 0.01, 0.5
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _port() -> str:
@@ -47,19 +46,16 @@ def spawn(jobs, world, out, timeout=150, **spec_kw):
     with open(spec, "w") as f:
         json.dump({"jobs": jobs, **spec_kw}, f)
     port = _port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env_path()]))
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_zero_worker.py"), str(r), str(world), port,
-                               out, spec], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in range(world)]
+    procs = [_forked.start(_zero_worker.main, [str(r), str(world), port, out, spec]) for r in range(world)]
     deadline = time.time() + timeout
     rcs = []
     for p in procs:
-        try:
-            rcs.append(p.wait(timeout=max(1, deadline - time.time())))
-        except subprocess.TimeoutExpired:
+        p.join(max(1, deadline - time.time()))
+        if p.is_alive():
             for q in procs:
                 q.kill()
             pytest.fail(f"ranks hung for {timeout} s (jobs {[j['name'] for j in jobs]})")
+        rcs.append(p.exitcode)
     errs = {}
     for r in range(world):
         f = os.path.join(out, f"rank{r}.err")
@@ -70,10 +66,6 @@ def spawn(jobs, world, out, timeout=150, **spec_kw):
         f = os.path.join(out, f"rank{r}.pt")
         res.append(torch.load(f, weights_only=False) if os.path.exists(f) else {})
     return rcs, errs, res
-
-
-def env_path():
-    return os.environ.get("PYTHONPATH", "")
 
 
 def reference(steps, batch=4, gas=1):
