@@ -17,7 +17,7 @@ two places a step runs:
              on the main thread's own OpenMP team, torch's intra-op workers
   pipeline   as the engine's optimizer pipeline runs it: the main thread takes the pool's
              handoff hold (optim/pipeline.py: submit) and a worker thread runs the step; the
-             hold is released when the job ends
+             job releases the hold as it ends, before its future is done
 and, reported only, `unheld_worker`: a worker thread's step with no hold taken by the main
 thread. Nothing that thread can do ends the idle spin torch's workers started after the main
 thread's last op (only their master's next region does), so it shares the cores with that
@@ -163,6 +163,12 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
         adam_step(p, g, m, v, step=10, **KW)
         kernel_s[0] = time.perf_counter() - t0
 
+    def held_kernel():       # the job releases the hold as it ends, before its future is done
+        try:
+            kernel()
+        finally:
+            _native.pool_release(L)
+
     def adam(placement: str) -> float:
         """One step in `placement`; returns the kernel's own seconds."""
         if placement == "main":
@@ -170,8 +176,7 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
         elif placement == "pipeline":                  # optim/pipeline.py's submit
             t0 = time.perf_counter()
             _native.pool_hold(L, handoff=True)
-            fut = worker.submit(kernel)
-            fut.add_done_callback(lambda _: _native.pool_release(L))
+            fut = worker.submit(held_kernel)
             handoff_s.append(time.perf_counter() - t0)
             fut.result()
         else:

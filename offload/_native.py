@@ -338,7 +338,8 @@ def pool_helped(L: ctypes.CDLL) -> int:
 
 def pool_release(L: ctypes.CDLL) -> None:
     """The end of a ``pool_hold``: with no hold left and no kernel running, the registration
-    ends (torch's idle workers spin at their full count again)."""
+    ends (torch's idle workers spin at their full count again); the call returns once it has
+    (waited for at most 5 ms), so torch work the caller does next runs as without the pool."""
     if L.offload_pool_release() != 0:
         raise RuntimeError("pool_release without a matching pool_hold")
 

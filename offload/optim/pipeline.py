@@ -277,13 +277,27 @@ class StepPipeline:
 
     def _held_submit(self, L, fn, *args) -> Future:
         """``fn(*args)`` on a worker, under the pool hold the caller took (``_job_held``),
-        released as the job ends (run, failed or cancelled)."""
+        released as the job ends (run, failed or cancelled): by the job itself, before its
+        future is done, so that whoever waits for it goes on with the phase's registration
+        over (``_native.pool_release`` waits for it); by the future's callback for a job
+        cancelled before it ran."""
+        unheld = threading.Lock()         # taken once: by the job's end or by the callback
+
+        def release(_=None) -> None:
+            if unheld.acquire(blocking=False):
+                self._job_unheld(L)
+
+        def job():
+            try:
+                return fn(*args)
+            finally:
+                release()
         try:
-            fut = self._pool.submit(fn, *args)
+            fut = self._pool.submit(job)
         except BaseException:
             self._job_unheld(L)
             raise
-        fut.add_done_callback(lambda _: self._job_unheld(L))
+        fut.add_done_callback(release)
         return fut
 
     def _run_inline(self, block: BlockShard, args: StepArgs) -> Future:
