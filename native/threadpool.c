@@ -268,6 +268,19 @@ static struct {
     long last_end;         /* now_ns() when the last pool_run ended or the last hold was released */
 } REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0};
 
+/* The condition variables' clock (CLOCK_REALTIME) ``ns`` from now, for a bounded wait. */
+static struct timespec realtime_in(long ns) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ns / 1000000000L;
+    t.tv_nsec += ns % 1000000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
 /* The region's body. The master waits until no kernel runs, no hold is taken and LINGER_NS
  * has passed since the last of them, then releases the team; the others sleep until
  * released. Nothing here touches the pool's work. */
@@ -280,16 +293,8 @@ static void reg_team(void *arg) {
         for (;;) {
             long now = now_ns(), due = REG.last_end + LINGER_NS;
             if (REG.busy == 0 && REG.held == 0 && now >= due) break;
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
             /* reg_exit and offload_pool_release broadcast; the timeout only bounds a lost wake-up */
-            long wait = REG.busy > 0 || REG.held > 0 ? 100000000L : due - now;
-            until.tv_sec += wait / 1000000000L;
-            until.tv_nsec += wait % 1000000000L;
-            if (until.tv_nsec >= 1000000000L) {
-                until.tv_sec++;
-                until.tv_nsec -= 1000000000L;
-            }
+            struct timespec until = realtime_in(REG.busy > 0 || REG.held > 0 ? 100000000L : due - now);
             pthread_cond_timedwait(&REG.cond, &REG.lock, &until);
         }
         r->state = REG_LEAVING;
@@ -410,13 +415,7 @@ OFFLOAD_API int offload_pool_handoff_quiet(void) {
     pthread_mutex_lock(&REG.lock);
     struct reg *r = REG.held > 0 ? REG.current : NULL; /* stays allocated: it cannot leave while held > 0 */
     if (r != NULL) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += HANDOFF_WAIT_NS;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
+        struct timespec until = realtime_in(HANDOFF_WAIT_NS);
         while (r->state == REG_JOINING)
             if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
         quiet = r->state == REG_HELD && !r->quieted;
@@ -481,13 +480,7 @@ OFFLOAD_API int offload_pool_release(void) {
         REG.last_end = now_ns();
         pthread_cond_broadcast(&REG.cond);
         if (LINGER_NS == 0 && REG.held == 0 && REG.busy == 0 && REG.alive > 0) {
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += RELEASE_WAIT_NS;
-            if (until.tv_nsec >= 1000000000L) {
-                until.tv_sec++;
-                until.tv_nsec -= 1000000000L;
-            }
+            struct timespec until = realtime_in(RELEASE_WAIT_NS);
             /* a new hold or kernel meanwhile starts the next phase: stop waiting */
             while (REG.alive > 0 && REG.held == 0 && REG.busy == 0)
                 if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
