@@ -3,11 +3,11 @@ process on the full batch, per-rank resident bytes, sharded checkpoints (same wo
 bit-exact, 2 -> 1 and 1 -> 2 re-sharded), diverging ranks, and 4 ranks.
 
 The ranks are processes of their own (tests/_zero_worker.py, forked by tests/_forked.py)
-running many jobs in one process group, since each rendezvous costs time. Tolerance: the attention key bias has a
-mathematically zero gradient, so its computed gradient is round-off noise, which Adam with
-eps=1e-8 turns into lr-sized steps that differ with any change of summation order. The
-tests use eps=1e-6, where a change of reduction order stays below 1e-5 and a wrong update
-(a missed average, a rank's shard not stepped) is off by > 1e-4.
+running many jobs in one process group, since each rendezvous costs time. Tolerance: the
+attention key bias has a mathematically zero gradient, so its computed gradient is round-off
+noise, which Adam with eps=1e-8 turns into lr-sized steps that differ with any change of
+summation order. The tests use eps=1e-6, where a change of reduction order stays below 1e-5
+and a wrong update (a missed average, a rank's shard not stepped) is off by > 1e-4.
 """
 import json
 import os
