@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include "offload_native.h"
+#include "threadpool.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -26,6 +27,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define HAVE_STREAM_STORES 1
+#endif
 
 #define OFFLOAD_COPY_PIECE (256L << 10) /* bytes per claim: the most a waiter waits on the worker */
 
@@ -145,4 +150,48 @@ OFFLOAD_API void offload_copier_destroy(offload_copier *c) {
     pthread_cond_destroy(&c->work);
     pthread_cond_destroy(&c->done);
     free(c);
+}
+
+/* A landing done now by the thread that needs it (offload_copy_now): the pieces run on the
+ * kernels' pool, which on the main thread is torch's own team (native/threadpool.c), with
+ * streaming stores. A landing's destination is read next by the update, after the rest of
+ * backward has gone through the cache, so a store that first reads the line it overwrites
+ * (what memcpy and torch's copy_ do below the size where they switch to streaming) only
+ * adds traffic: 12 copies of 4 MiB took 5.5 ms this way against 7.6 ms with torch's copy_
+ * on the 2-core VM. */
+static void stream_copy(char *dst, const char *src, int64_t n) {
+#ifdef HAVE_STREAM_STORES
+    int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15); /* to dst's 16-byte alignment */
+    if (head > n) head = n;
+    memcpy(dst, src, (size_t)head);
+    dst += head, src += head, n -= head;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32)), d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, (size_t)(n - i));
+    _mm_sfence(); /* this thread's streaming stores are visible before its piece counts as done */
+#else
+    memcpy(dst, src, (size_t)n);
+#endif
+}
+
+struct copy_now { char *dst; const char *src; int64_t nbytes; };
+
+static void copy_now_piece(void *ctx, long p) {
+    const struct copy_now *j = ctx;
+    int64_t off = (int64_t)p * OFFLOAD_COPY_PIECE;
+    int64_t n = j->nbytes - off < OFFLOAD_COPY_PIECE ? j->nbytes - off : OFFLOAD_COPY_PIECE;
+    stream_copy(j->dst + off, j->src + off, n);
+}
+
+OFFLOAD_API int offload_copy_now(void *dst, const void *src, int64_t nbytes) {
+    if (nbytes < 0 || (nbytes > 0 && (!dst || !src))) return -EINVAL;
+    struct copy_now j = {dst, src, nbytes};
+    return nbytes == 0 ? 0 : pool_run(copy_now_piece, &j, (long)((nbytes + OFFLOAD_COPY_PIECE - 1) / OFFLOAD_COPY_PIECE));
 }

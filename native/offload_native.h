@@ -230,6 +230,8 @@ OFFLOAD_API int offload_copier_submit(offload_copier *c, offload_copy *j);
 OFFLOAD_API void offload_copy_wait(offload_copier *c, offload_copy *j);
 /* Finishes a queued copy, stops the worker and frees the engine. */
 OFFLOAD_API void offload_copier_destroy(offload_copier *c);
+/* Copy nbytes now, on the kernels' pool (torch's team on the main thread), streaming stores. */
+OFFLOAD_API int offload_copy_now(void *dst, const void *src, int64_t nbytes);
 
 #ifdef __cplusplus
 }

@@ -17,7 +17,7 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -421,6 +421,7 @@ def _declare_aio(lib: ctypes.CDLL) -> None:
     lib.offload_copier_submit.argtypes, lib.offload_copier_submit.restype = [vp, ctypes.POINTER(CopyJob)], i32
     lib.offload_copy_wait.argtypes, lib.offload_copy_wait.restype = [vp, ctypes.POINTER(CopyJob)], None
     lib.offload_copier_destroy.argtypes, lib.offload_copier_destroy.restype = [vp], None
+    lib.offload_copy_now.argtypes, lib.offload_copy_now.restype = [vp, vp, i64], i32
     for name in ("offload_crc32c", "offload_crc32c_table", "offload_crc32c_sse42"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [u32, vp, sz], u32
     lib.offload_crc32c_hw.argtypes, lib.offload_crc32c_hw.restype = [], i32
@@ -499,6 +500,12 @@ def copy_wait(copier: int, job: CopyJob) -> None:
 
 def copier_destroy(copier: int) -> None:
     lib().offload_copier_destroy(copier)
+
+
+def copy_now(L: ctypes.CDLL, dst: int, src: int, nbytes: int) -> None:
+    """Copy nbytes from src to dst now, on the kernels' pool with streaming stores (torch's
+    own team when called on the main thread; native/copier.c). Releases the GIL."""
+    _check_errno(L.offload_copy_now(dst, src, nbytes), "offload_copy_now")
 
 
 def crc32c(address: int, nbytes: int, crc: int = 0, *, table: bool = False, sse42: bool = False) -> int:

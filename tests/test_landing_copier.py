@@ -1,6 +1,7 @@
-"""The CPU device's landing copies off the backward's thread (engine/landing_copier.py,
-native/copier.c): the bytes, the hand-over rule, and training with every landing through
-it against plain PyTorch."""
+"""The CPU device's landing copies (engine/landing_copier.py, native/copier.c): off the
+backward's thread and inline with streaming stores; the bytes, the hand-over rule, and
+training with every landing through each against plain PyTorch."""
+import threading
 import time
 
 import pytest
@@ -30,6 +31,32 @@ def test_copies_are_exact():
             assert job.finished == job.npieces == -(-nbytes // (256 << 10))
     finally:
         _native.copier_destroy(handle)
+
+
+@native
+@pytest.mark.parametrize("thread", ["main", "worker"])   # torch's team, or the pool's own threads
+def test_streamed_copies_are_exact_at_any_alignment(thread):
+    L = _native.lib()
+    cases = [(nbytes, d_off, s_off) for nbytes in (0, 1, 63, 4096, (256 << 10) + 8, (3 << 20) + 5)
+             for d_off, s_off in ((0, 0), (1, 0), (4, 12), (15, 3))]
+    got = []
+
+    def run():
+        for nbytes, d_off, s_off in cases:
+            src = torch.randint(0, 256, (nbytes + s_off,), dtype=torch.uint8)
+            dst = torch.zeros(nbytes + d_off + 64, dtype=torch.uint8)
+            _native.copy_now(L, dst.data_ptr() + d_off, src.data_ptr() + s_off, nbytes)
+            got.append(torch.equal(dst[d_off:d_off + nbytes], src[s_off:])
+                       and not dst[:d_off].any() and not dst[d_off + nbytes:].any())   # nothing outside
+    if thread == "main":
+        run()
+    else:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    assert got == [True] * len(cases)
+    with pytest.raises(OSError):
+        _native.copy_now(L, 0, 0, 16)
 
 
 @native
@@ -77,4 +104,24 @@ def test_training_with_every_landing_off_the_thread_matches_torch(opt, prm, back
     assert eng._landing.copies >= 3 * len(eng.blocks)
     assert reads and all(reads)
     check(torch.stack(losses), eng.full_state_dict(), 0.0, 6 // backwards, backwards=backwards)
+    eng.close()
+
+
+@native
+def test_training_with_every_inline_landing_streamed_matches_torch(tmp_path, monkeypatch):
+    """Landings done inline (the copier not in use) go through the native streaming copy
+    (forced for gradients of any size here), and the weights follow torch's."""
+    monkeypatch.setattr(lc, "MIN_BYTES", 0)
+    monkeypatch.setattr(lc.LandingCopier, "measure", lambda self: setattr(self, "use", False))
+    streamed, copy_now = [], _native.copy_now
+
+    def counted(L, dst, src, nbytes):
+        streamed.append(nbytes)
+        return copy_now(L, dst, src, nbytes)
+    monkeypatch.setattr(_native, "copy_now", counted)
+    eng = offload.initialize(make_model(), cfg("cpu", "none", 0.0, tmp_path))
+    losses = train(eng, batches(6), backwards=2)
+    assert eng._landing.copies == 0
+    assert len(streamed) >= 3 * len(eng.blocks)
+    check(torch.stack(losses), eng.full_state_dict(), 0.0, 3, backwards=2)
     eng.close()

@@ -115,10 +115,12 @@ class GradBuffer:
             if dst.device == flat.device:
                 own = self._loan is None and self._device is None   # not a pool's, not transient
                 ev = copier.copy(dst, flat) if copier is not None and own else None
-                if ev is None:
-                    dst.copy_(flat)
-                else:
+                if ev is not None:
                     self.events.append(ev)
+                elif copier is not None:
+                    copier.land_now(dst, flat)
+                else:
+                    dst.copy_(flat)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:

@@ -25,6 +25,13 @@ keeps torch's team working gains nothing from moving the copy, and loses by it e
 SCHED_IDLE: measured on bench_step's real compute, 1.12-1.23x torch's step with the copier
 against 1.03-1.12x inline (the copier's memcpy runs in the team's short gaps, against its
 caches and memory bandwidth). Nothing measured yet (the first backward): inline.
+
+Inline (``land_now``), a landing of at least ``MIN_BYTES`` goes through the native library's
+streaming copy on the kernels' pool, which on the main thread is torch's own team
+(``_native.copy_now``): it skips reading the destination's lines before overwriting them,
+which torch's ``copy_`` does at these sizes. Measured on bench_step's model (12 landings of
+4 MiB a backward), fresh engines alternating in one process: backward 43.5 ms against
+47.9 ms with ``copy_``, the whole step 1.04x torch's against 1.08x.
 """
 from __future__ import annotations
 
@@ -68,6 +75,7 @@ class LandingCopier:
         self._last: Optional[LandingEvent] = None
         self._lock = threading.Lock()
         self._since: Optional[tuple] = None
+        self._lib = False                # land_now's library: unresolved (False), None: torch's copy_
 
     def backward_begins(self) -> None:
         """On the thread that runs backward, as it starts (``measure`` ends the interval)."""
@@ -113,6 +121,23 @@ class LandingCopier:
             self._last = ev
             self.copies += 1
         return ev
+
+    def land_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` (host tensors) on the calling thread, done on return."""
+        nbytes = src.numel() * src.element_size()
+        if (nbytes < MIN_BYTES or src.dtype != dst.dtype or src.numel() != dst.numel()
+                or not src.is_contiguous() or not dst.is_contiguous()):
+            dst.copy_(src)
+            return
+        if self._lib is False:           # looked up at the first landing, never at initialize
+            try:
+                self._lib = _native.lib()
+            except ImportError:
+                self._lib = None
+        if self._lib is None:
+            dst.copy_(src)
+        else:
+            _native.copy_now(self._lib, dst.data_ptr(), src.data_ptr(), nbytes)
 
     def _finish_last(self) -> None:
         last, self._last = self._last, None
