@@ -19,7 +19,8 @@ they are, no copy) kept one fresh allocation per parameter alive through the ste
 the heap for them in every backward and trimmed it as the updates freed them, 1,000-5,000
 page faults a backward, more than the copy costs. After a backward that left the cores idle,
 a CPU landing goes to the LandingCopier (engine/landing_copier.py) and its event joins
-``events`` like a CUDA copy's.
+``events`` like a CUDA copy's; otherwise the LandingCopier copies it inline (``land_now``:
+streaming stores on torch's team for 1 MiB or more).
 
 Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
 ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
