@@ -230,7 +230,8 @@ OFFLOAD_API int offload_copier_submit(offload_copier *c, offload_copy *j);
 OFFLOAD_API void offload_copy_wait(offload_copier *c, offload_copy *j);
 /* Finishes a queued copy, stops the worker and frees the engine. */
 OFFLOAD_API void offload_copier_destroy(offload_copier *c);
-/* Copy nbytes now, on the kernels' pool (torch's team on the main thread), streaming stores. */
+/* Copy nbytes now on torch's team (the main thread; up to 256 KiB: the calling thread),
+ * streaming stores: 0; 1 when called where that team is not the caller's (nothing copied). */
 OFFLOAD_API int offload_copy_now(void *dst, const void *src, int64_t nbytes);
 
 #ifdef __cplusplus

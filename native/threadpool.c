@@ -708,6 +708,14 @@ OFFLOAD_API int offload_pool_help_wait(int64_t tag, const int *done, int64_t spi
     }
 }
 
+int pool_run_on_team(pool_chunk_fn fn, void *ctx, long nchunks) {
+    int threads = pool_get_threads();
+    if (threads <= 1 || nchunks <= 1 || !on_main_team(threads)) return 1;
+    pthread_once(&atfork_once, register_atfork);
+    team_run(fn, ctx, nchunks, threads);
+    return 0;
+}
+
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
     int alone = threads <= 1; /* published only for a helper (HELPABLE): no worker, no registration */

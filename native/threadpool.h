@@ -12,6 +12,10 @@
 typedef void (*pool_chunk_fn)(void *ctx, long chunk);
 
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks);
+/* The same, only where it runs on torch's own team (the main thread, outside any region, the
+ * pool's thread count torch's): returns 1, having run nothing, anywhere else. For work that
+ * must not start a registration or wake the pool's threads (a landing copy). */
+int pool_run_on_team(pool_chunk_fn fn, void *ctx, long nchunks);
 int pool_set_threads(int n); /* threads a call may use, caller included; 1..POOL_MAX_THREADS */
 int pool_get_threads(void);
 const char *pool_runtime(void); /* "pthread", or the soname of the OpenMP runtime the workers belong to */

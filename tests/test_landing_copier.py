@@ -33,28 +33,52 @@ def test_copies_are_exact():
         _native.copier_destroy(handle)
 
 
+@pytest.fixture
+def two_threads():
+    """torch's team and the kernels' pool both 2 threads (the streaming copy runs on the team)."""
+    from offload.optim import get_num_threads, set_num_threads
+    before = torch.get_num_threads(), get_num_threads()
+    torch.set_num_threads(2)
+    set_num_threads(2)
+    yield
+    torch.set_num_threads(before[0])
+    set_num_threads(before[1])
+
+
+def on_team() -> bool:
+    return offload.native_info()["pool"] != "pthread"
+
+
 @native
-@pytest.mark.parametrize("thread", ["main", "worker"])   # torch's team, or the pool's own threads
-def test_streamed_copies_are_exact_at_any_alignment(thread):
+@pytest.mark.parametrize("thread", ["main", "worker"])
+def test_streamed_copies_are_exact_at_any_alignment_and_only_on_torchs_team(thread, two_threads):
+    """On the main thread the copy runs on torch's team; on any other thread a copy of more
+    than one piece copies nothing and says so (the caller copies: no registration with
+    OpenMP per landing); one piece runs on the calling thread."""
     L = _native.lib()
-    cases = [(nbytes, d_off, s_off) for nbytes in (0, 1, 63, 4096, (256 << 10) + 8, (3 << 20) + 5)
+    cases = [(nbytes, d_off, s_off) for nbytes in (1, 63, 4096, (256 << 10) + 8, (3 << 20) + 5)
              for d_off, s_off in ((0, 0), (1, 0), (4, 12), (15, 3))]
     got = []
+    made = _native.pool_registrations(L)
 
     def run():
         for nbytes, d_off, s_off in cases:
             src = torch.randint(0, 256, (nbytes + s_off,), dtype=torch.uint8)
             dst = torch.zeros(nbytes + d_off + 64, dtype=torch.uint8)
-            _native.copy_now(L, dst.data_ptr() + d_off, src.data_ptr() + s_off, nbytes)
-            got.append(torch.equal(dst[d_off:d_off + nbytes], src[s_off:])
-                       and not dst[:d_off].any() and not dst[d_off + nbytes:].any())   # nothing outside
+            done = _native.copy_now(L, dst.data_ptr() + d_off, src.data_ptr() + s_off, nbytes)
+            want = src[s_off:] if done else torch.zeros(nbytes, dtype=torch.uint8)
+            got.append((done, torch.equal(dst[d_off:d_off + nbytes], want)
+                        and not dst[:d_off].any() and not dst[d_off + nbytes:].any()))   # nothing outside
     if thread == "main":
         run()
     else:
         t = threading.Thread(target=run)
         t.start()
         t.join()
-    assert got == [True] * len(cases)
+    # one piece (256 KiB or less) runs on the calling thread; more go to the team, on the main thread
+    expect = [(n <= (256 << 10) or (thread == "main" and on_team()), True) for n, _, _ in cases]
+    assert got == expect
+    assert _native.pool_registrations(L) == made
     with pytest.raises(OSError):
         _native.copy_now(L, 0, 0, 16)
 
@@ -108,7 +132,7 @@ def test_training_with_every_landing_off_the_thread_matches_torch(opt, prm, back
 
 
 @native
-def test_training_with_every_inline_landing_streamed_matches_torch(tmp_path, monkeypatch):
+def test_training_with_every_inline_landing_streamed_matches_torch(tmp_path, monkeypatch, two_threads):
     """Landings done inline (the copier not in use) go through the native streaming copy
     (forced for gradients of any size here), and the weights follow torch's."""
     monkeypatch.setattr(lc, "MIN_BYTES", 0)
@@ -116,12 +140,14 @@ def test_training_with_every_inline_landing_streamed_matches_torch(tmp_path, mon
     streamed, copy_now = [], _native.copy_now
 
     def counted(L, dst, src, nbytes):
-        streamed.append(nbytes)
-        return copy_now(L, dst, src, nbytes)
+        done = copy_now(L, dst, src, nbytes)
+        streamed.append(done)
+        return done
     monkeypatch.setattr(_native, "copy_now", counted)
     eng = offload.initialize(make_model(), cfg("cpu", "none", 0.0, tmp_path))
     losses = train(eng, batches(6), backwards=2)
     assert eng._landing.copies == 0
     assert len(streamed) >= 3 * len(eng.blocks)
+    assert all(streamed), streamed       # this model's gradients: one piece each, any thread
     check(torch.stack(losses), eng.full_state_dict(), 0.0, 3, backwards=2)
     eng.close()
