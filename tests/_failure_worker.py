@@ -110,8 +110,9 @@ def run(argv):
         numel = eng.blocks[TARGET].state.numel
 
         def in_target(master):
-            # the kernel may step a block in several ranges (gradients held per parameter on a
-            # CPU device, engine/grads.py): any range of the target block's master
+            # the pipeline may step a block in several pieces (one per parameter group, per
+            # parameter for factored rules, per state chunk: optim/pipeline.py): any piece of
+            # the target block's master
             st = eng.blocks[TARGET].state
             if not st.in_memory:
                 return False

@@ -15,7 +15,8 @@ import multiprocessing
 import os
 import traceback
 
-PRELOAD = ["torch._dynamo", "offload", "_models", "_failure_worker", "_resume_worker", "_zero_worker"]
+PRELOAD = ["torch._dynamo", "offload", "_models", "_failure_worker", "_resume_worker", "_zero_worker",
+           "_checkpoint_worker"]
 _WATCHED = ("OFFLOAD_", "OMP_", "MALLOC_", "GOMP_", "KMP_")
 _server_env = None
 
@@ -36,6 +37,12 @@ def _context():
     return ctx
 
 
+def context():
+    """The fork server's multiprocessing context: for the events and barriers passed to a
+    child started here."""
+    return _context()
+
+
 def start(target, *args):
     """A child forked from the server, running target(*args); target is a module-level
     function of a module the server imports (PRELOAD). Returns the started Process."""
@@ -53,28 +60,38 @@ def _send_result(target, args, conn):
         conn.close()
 
 
+class Child:
+    """target(*args) running in a child; ``result`` waits for its answer. Several run at once
+    when started one after the other and waited for in turn."""
+
+    def __init__(self, target, *args):
+        self._ours, theirs = _context().Pipe(duplex=False)
+        self.process = start(_send_result, target, args, theirs)
+        theirs.close()
+
+    def result(self, *, timeout_s: float, what: str):
+        """The child's result; AssertionError with the child's traceback if it raised, or
+        naming ``what`` if no result came within timeout_s (the child is killed)."""
+        p, got = self.process, None
+        if self._ours.poll(timeout_s):
+            try:
+                got = self._ours.recv()
+            except EOFError:              # the child died before it could answer
+                p.join(10)
+                raise AssertionError(f"{what} died without a result (exit code {p.exitcode})") from None
+        p.join(10)
+        if got is None or p.is_alive():
+            p.kill()
+            p.join()
+            raise AssertionError(f"{what}: no result within {timeout_s} s (hung)")
+        kind, result = got
+        if kind != "ok":
+            raise AssertionError(f"{what} raised:\n{result}")
+        if p.exitcode != 0:
+            raise AssertionError(f"{what} exited with {p.exitcode}")
+        return result
+
+
 def call(target, *args, timeout_s: float, what: str):
-    """target(*args) in a child; returns its result, raises AssertionError with the child's
-    traceback if it raised, or naming ``what`` if no result came within timeout_s (the child
-    is killed)."""
-    ours, theirs = _context().Pipe(duplex=False)
-    p = start(_send_result, target, args, theirs)
-    theirs.close()
-    got = None
-    if ours.poll(timeout_s):
-        try:
-            got = ours.recv()
-        except EOFError:              # the child died before it could answer
-            p.join(10)
-            raise AssertionError(f"{what} died without a result (exit code {p.exitcode})") from None
-    p.join(10)
-    if got is None or p.is_alive():
-        p.kill()
-        p.join()
-        raise AssertionError(f"{what}: no result within {timeout_s} s (hung)")
-    kind, result = got
-    if kind != "ok":
-        raise AssertionError(f"{what} raised:\n{result}")
-    if p.exitcode != 0:
-        raise AssertionError(f"{what} exited with {p.exitcode}")
-    return result
+    """target(*args) in a child; returns its result (``Child.result``)."""
+    return Child(target, *args).result(timeout_s=timeout_s, what=what)
