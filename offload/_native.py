@@ -505,8 +505,9 @@ def copier_destroy(copier: int) -> None:
 def copy_now(L: ctypes.CDLL, dst: int, src: int, nbytes: int) -> bool:
     """Copy nbytes from src to dst now on torch's own team with streaming stores (up to
     256 KiB: on the calling thread; native/copier.c); False, having copied nothing, where a
-    larger copy's calling thread is not that team's master (not the main thread, inside a parallel region, or the kernels' thread
-    count not torch's): the caller copies. Releases the GIL."""
+    larger copy's calling thread is not that team's master (not the main thread, inside a
+    parallel region, or the kernels' thread count not torch's): the caller copies. Releases
+    the GIL."""
     rc = L.offload_copy_now(dst, src, nbytes)
     _check_errno(rc, "offload_copy_now")
     return rc == 0

@@ -29,9 +29,10 @@ caches and memory bandwidth). Nothing measured yet (the first backward): inline.
 Inline (``land_now``), a landing of at least ``MIN_BYTES`` made on the main thread goes
 through the native library's streaming copy on torch's own team (``_native.copy_now``; on
 another thread, or with the kernels' thread count not torch's, torch's ``copy_``): it skips
-reading the destination's lines before overwriting them, which ``copy_`` does at these sizes. Measured on bench_step's model (12 landings of
-4 MiB a backward), fresh engines alternating in one process: backward 43.5 ms against
-47.9 ms with ``copy_``, the whole step 1.04x torch's against 1.08x.
+reading the destination's lines before overwriting them, which ``copy_`` does at these
+sizes. Measured on bench_step's model (12 landings of 4 MiB a backward), fresh engines
+alternating in one process: backward 43.5 ms against 47.9 ms with ``copy_``, the whole step
+1.04x torch's against 1.08x.
 """
 from __future__ import annotations
 
