@@ -137,3 +137,44 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
         eng.close()
         torch.set_num_threads(torch_before)
     assert kernel_threads() == kernels_before
+
+
+@pytest.mark.skipif(offload.native_info()["backend"] != "native", reason="the native kernels' thread count")
+def test_the_split_begins_inside_the_inline_update_before_its_write_back(monkeypatch):
+    """With torch's team left the main thread alone (2 threads), the split begins inside
+    step()'s inline update of the first block, once its kernels are done and before its
+    write-back is submitted: pausing torch's team waits for its idle workers to exit, at once
+    while they still spin after the kernels' region, for a core once a write-back to NVMe has
+    woken the I/O threads (optim/pipeline.py: _split_after_inline_kernels)."""
+    from offload.params.writeback import ParamWriteBack
+    torch_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    L = _native.lib()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(4, 64)
+    model(x)                              # torch's team has run: pausing it is possible now
+    can_pause = _native.pool_pause_team(L)   # whether torch's OpenMP runtime has omp_pause_resource_all
+    commit, at_commit = ParamWriteBack.commit, []
+
+    def recorded(self, block, *a, **kw):
+        at_commit.append((block.index, threading.get_ident(), torch.get_num_threads(), _native.pool_teams_paused(L)))
+        return commit(self, block, *a, **kw)
+    monkeypatch.setattr(ParamWriteBack, "commit", recorded)
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"},
+                                     "overlap_step": True})
+    try:
+        for _ in range(3):
+            eng.backward(eng(x).square().mean())
+            paused = _native.pool_teams_paused(L)
+            at_commit.clear()
+            assert eng.step() is True
+            eng.synchronize()
+            block, thread, torch_threads, paused_then = at_commit[0]
+            assert (block, thread) == (0, threading.get_ident()), at_commit   # the inline update
+            assert torch_threads == 1, at_commit                              # the split had begun
+            assert paused_then - paused == (1 if can_pause else 0), at_commit  # and paused torch's team
+            assert _native.pool_teams_paused(L) - paused == (1 if can_pause else 0)   # once a commit
+    finally:
+        eng.close()
+        torch.set_num_threads(torch_before)

@@ -18,6 +18,8 @@ interleaved, whole step 1.05-1.14x torch's with it, 1.12-1.19x without, in five 
 
 Lifecycle (one per commit): ``begin()`` when the first job leaves the submitting thread
 (the block updated inline on that thread ran on all threads, see StepPipeline.submitting),
+or, where torch's team is left the main thread alone, once that inline update's kernels are
+done and before its write-back is submitted (``StepPipeline._split_after_inline_kernels``),
 which also ends the idle spin of torch's team (``_native.pool_pause_team``): after the
 inline block's region its workers spin for 2-4 ms, those left out of the smaller team on
 the very cores the kernels get. Measured on 2 cores (bench_step's model, 8 fresh engines
@@ -79,7 +81,8 @@ class ThreadSplit:
         return n >= 2 and n - ThreadSplit.kernel_share(n) == 1
 
     def begin(self) -> None:
-        """The first job of a commit leaves the submitting thread: split the threads."""
+        """The first job of a commit leaves the submitting thread, or the inline update's
+        kernels are done: split the threads."""
         n = torch.get_num_threads()
         L = _native.lib()
         if n < 2 or L is None:
