@@ -723,11 +723,8 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
         for (long c = 0; c < nchunks; c++) fn(ctx, c);
         return 0;
     }
+    if (pool_run_on_team(fn, ctx, nchunks) == 0) return 0; /* torch's team: no registration */
     pthread_once(&atfork_once, register_atfork);
-    if (!alone && on_main_team(threads)) {
-        team_run(fn, ctx, nchunks, threads);
-        return 0;
-    }
     if (!alone) reg_enter();
     pthread_mutex_lock(&P.run_lock);
     int helpers = alone ? 0 : (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);

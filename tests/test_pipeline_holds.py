@@ -63,6 +63,19 @@ def test_one_pool_hold_per_commit_released_when_the_last_job_ends(monkeypatch, t
     assert calls["hold"] == calls["release"]
 
 
+def two_thread_model():
+    """torch's team set to 2 threads (the split then leaves it the main thread alone), a
+    4-block model that has run once on it, and whether torch's OpenMP runtime can pause that
+    team (omp_pause_resource_all): (model, x, native library, can_pause)."""
+    torch.set_num_threads(2)
+    L = _native.lib()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(4, 64)
+    model(x)                              # torch's team has run: pausing it is possible now
+    return model, x, L, _native.pool_pause_team(L)
+
+
 @pytest.mark.skipif(offload.native_info()["backend"] != "native", reason="the native kernels' thread count")
 @pytest.mark.parametrize("overlap", [True, False])
 def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(monkeypatch, overlap):
@@ -73,7 +86,7 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
     from offload.optim import get_num_threads as kernel_threads
     from offload.optim import pipeline as pl
     torch_before, kernels_before = torch.get_num_threads(), kernel_threads()
-    torch.set_num_threads(2)
+    model, x, L, can_pause = two_thread_model()
     gate = threading.Event()
     update = pl.StepPipeline._update
 
@@ -82,8 +95,6 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
             assert gate.wait(30), "the forward never opened the gate"
         return update(self, block, args, at)
     monkeypatch.setattr(pl.StepPipeline, "_update", gated)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
     eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"},
                                      "overlap_step": overlap})
     seen = []
@@ -94,10 +105,6 @@ def test_cores_are_split_between_torch_and_the_updates_only_while_updates_run(mo
             seen.append((torch.get_num_threads(), kernel_threads()))
             gate.set()
     model[0].register_forward_pre_hook(in_block0)
-    L = _native.lib()
-    x = torch.randn(4, 64)
-    model(x)                              # torch's team has run: pausing it is possible now
-    can_pause = _native.pool_pause_team(L)   # whether torch's OpenMP runtime has omp_pause_resource_all
     try:
         gate.set()                        # the first step's updates are not gated
         eng.backward(eng(x).square().mean())
@@ -148,13 +155,7 @@ def test_the_split_begins_inside_the_inline_update_before_its_write_back(monkeyp
     woken the I/O threads (optim/pipeline.py: _split_after_inline_kernels)."""
     from offload.params.writeback import ParamWriteBack
     torch_before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    L = _native.lib()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    x = torch.randn(4, 64)
-    model(x)                              # torch's team has run: pausing it is possible now
-    can_pause = _native.pool_pause_team(L)   # whether torch's OpenMP runtime has omp_pause_resource_all
+    model, x, L, can_pause = two_thread_model()
     commit, at_commit = ParamWriteBack.commit, []
 
     def recorded(self, block, *a, **kw):
