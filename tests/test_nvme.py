@@ -3,7 +3,7 @@
 The environments the failures need are made for real where this machine allows it (tests
 run as root): a loop-mounted tiny ext4 for a full disk, a read-only bind mount (root ignores
 permission bits), ramfs for a filesystem that refuses O_DIRECT (tmpfs accepts it since Linux
-6.6), RLIMIT_FSIZE in a subprocess for write errors. Each has a fallback that still fails
+6.6), RLIMIT_FSIZE in a process of its own for write errors. Each has a fallback that still fails
 for real (chattr +i, RLIMIT_FSIZE) or, last, a simulated refusal.
 """
 import contextlib
@@ -18,6 +18,8 @@ import warnings
 import pytest
 import torch
 
+import _forked
+import _nvme_worker
 from offload.storage import (ChecksumError, DirectIOWarning, HostPool, NvmeIOError, NvmeSpaceError, NvmeStore,
                              StaleSwapDirWarning)
 from offload.storage import nvme as nvme_mod
@@ -316,27 +318,8 @@ def test_write_error_surfaces_from_wait(tmp_path, backend_args):
     """RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG: the error reaches wait(), and the
     key then refuses to be read rather than returning whatever is on disk, naming the failed
     write's errno and file (not a bare "holds no data")."""
-    res = run_py(f"""
-        import json, resource, signal, torch
-        from offload.storage import NvmeStore, NvmeIOError
-        s = NvmeStore({str(tmp_path)!r}, block_size={BLOCK}, **{backend_args!r})
-        s.reserve({{"a": 64 << 10, "big": 3 << 20}})
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-        s.write("a", torch.ones(64 << 10, dtype=torch.uint8)).wait()   # below the limit: fine
-        out = {{}}
-        try:
-            s.write("big", torch.ones(3 << 20, dtype=torch.uint8)).wait()
-        except NvmeIOError as e:
-            out["errno"], out["msg"] = e.errno, str(e)
-        try:
-            s.read("big", torch.ones(3 << 20, dtype=torch.uint8)).wait()
-        except NvmeIOError as e:
-            out["read"], out["read_errno"], out["read_file"] = str(e), e.errno, e.filename
-        out["file"] = s._keys["big"].file.path
-        s.close()
-        print(json.dumps(out))
-    """)
+    res = _forked.call(_nvme_worker.write_past_file_size_limit, str(tmp_path), BLOCK, backend_args,
+                       timeout_s=60, what="the write under a file-size limit")
     assert res["errno"] == errno.EFBIG, res
     assert "write of key 'big' failed" in res["msg"] and "File too large" in res["msg"]
     assert "key 'big' holds no data: its last write failed" in res["read"] and "File too large" in res["read"]
