@@ -109,6 +109,31 @@ def test_landings_leave_the_thread_only_after_a_backward_that_left_the_cores_idl
 
 
 @native
+def test_inline_landings_the_worker_could_take_are_left_out_of_the_backward_share():
+    """A backward whose thread was busy only with landings made inline (the copier not in
+    use yet) left the cores idle: the next backward's landings go to the worker. Copies the
+    worker would not take (below MIN_BYTES) still count as the backward's own work."""
+    copier = lc.LandingCopier()
+    try:
+        src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
+        for small, handed_over in ((True, False), (False, True)):
+            copier.use = False
+            copier.backward_begins()
+            t = time.thread_time()
+            while time.thread_time() - t < 0.06:
+                assert (copier.land(dst[:10], src[:10]) if small else copier.land(dst, src)) is None
+            time.sleep(0.04)                                 # then a wait for its device
+            copier.measure()
+            assert copier.use is handed_over, f"small={small}"
+        ev = copier.land(dst, src)
+        assert ev is not None, "the copier's worker did not start under SCHED_IDLE"
+        ev.synchronize()
+        assert torch.equal(dst, src)
+    finally:
+        copier.close()
+
+
+@native
 @pytest.mark.parametrize("opt,prm,backwards", [("cpu", "none", 1), ("cpu", "nvme", 2), ("none", "cpu", 1)])
 def test_training_with_every_landing_off_the_thread_matches_torch(opt, prm, backwards, tmp_path, monkeypatch):
     """Every first landing of a window through the copier (forced for gradients of any size;

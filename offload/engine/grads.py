@@ -115,13 +115,14 @@ class GradBuffer:
         if not self._seen[index]:
             if dst.device == flat.device:
                 own = self._loan is None and self._device is None   # not a pool's, not transient
-                ev = copier.copy(dst, flat) if copier is not None and own else None
-                if ev is not None:
-                    self.events.append(ev)
-                elif copier is not None:
+                if copier is None:
+                    dst.copy_(flat)
+                elif not own:
                     copier.land_now(dst, flat)
                 else:
-                    dst.copy_(flat)
+                    ev = copier.land(dst, flat)
+                    if ev is not None:
+                        self.events.append(ev)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:
