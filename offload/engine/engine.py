@@ -249,11 +249,14 @@ class Engine:
         if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
             import psutil
             avail = psutil.virtual_memory().available
-        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, host_available=avail)
+        inline_first = self.device.type == "cpu" and not self.comm.active   # pipeline.submitting
+        self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, host_available=avail,
+                                inline_first=inline_first)
         if self.plan.param_budget is not None:     # the default budget covers the working set
             self._working_set = self._find_working_set([bp.device_bytes for bp in self.plan.blocks])
             self.plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize,
-                                    working_set=self._working_set[0], host_available=avail)
+                                    working_set=self._working_set[0], host_available=avail,
+                                    inline_first=inline_first)
         self.comm.check_same("model and config", self._signature())
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[config.offload_optimizer.device]
@@ -788,12 +791,20 @@ class Engine:
         its parameters are resident fp32 (copied from the master), its staged parameters."""
         if not self.config.offload_optimizer.update_ahead:
             return None
+        if self.plan.inline_first and not self.blocks:
+            # the first block: step() updates it inline, on every core (pipeline.submitting),
+            # as soon as its gradients, the last of backward, are in; computed ahead on one
+            # worker it took 7.3 ms that step() waited for, against 3.2-3.9 ms inline
+            return None
         spare = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
-        out = None
+        out = out_buf = None
         if params is not None or self.dtype != torch.float32:
             esize = torch.empty((), dtype=self.dtype).element_size()
-            out = self._host_pool.acquire(numel * esize).view(self.dtype, numel)
-        return AheadSlot(spare, out)
+            buf = self._host_pool.acquire(numel * esize)
+            out = buf.view(self.dtype, numel)
+            if params is not None and params.on_nvme and params.home_numel == numel and params.dtype == self.dtype:
+                out_buf = buf             # lent to the home at the commit (optim/ahead.py)
+        return AheadSlot(spare, out, out_buf)
 
     def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
         """Whether a block's device parameters can be the fp32 master itself: the compute
@@ -929,6 +940,9 @@ class Engine:
         args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
                         compute_done=done)
         if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:
+            # an update computed ahead that failed (since step() began: an earlier failure is
+            # raised before the commit) is raised as it is, not met again by a second try
+            self.pipeline.raise_failure()
             # computed ahead with other hyper-parameters (set between backward and step):
             # dropped, and the update runs now
             block.ahead.drop(self.config.wait_timeout_s, block.name)
@@ -939,6 +953,12 @@ class Engine:
     def _submit_ahead(self, block: BlockShard) -> None:
         """``offload_optimizer.update_ahead``: ``block``'s gradients of the window's last
         backward are in; its update starts now, into its ahead slot (optim/ahead.py)."""
+        if block.ahead is None:
+            return                        # the block step() updates inline (_ahead_slot)
+        if block.ahead.out_lent and self.param_offload is not None:
+            self.param_offload.release_before_update(block.index)
+        if block.ahead.out_lent:
+            return                        # its home still holds the last staged copy: step() updates it
         if not block.grad.close_window(block.layout.segments):
             return                        # no gradient: step() skips the block, as torch does
         self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule))

@@ -40,18 +40,43 @@ class Ahead(enum.Enum):
 
 
 class AheadSlot:
-    """The spare state buffer and staged parameters of one block shard, and their job."""
+    """The spare state buffer and staged parameters of one block shard, and their job.
 
-    def __init__(self, spare: torch.Tensor, out: Optional[torch.Tensor]):
+    ``out_buf`` (the HostBuffer ``out`` views; parameters homed on NVMe): at the commit the
+    parameter home takes that buffer as its new home copy, written from it and read by the
+    next forward, instead of a copy into a buffer of its own (``lend_out``;
+    params/residency.py ``BlockParams.adopt_home``). It comes back when the home lets it go
+    (``_LentOut.release``); while lent (``out_lent``) no update of the block is computed
+    ahead, and step() computes it."""
+
+    def __init__(self, spare: torch.Tensor, out: Optional[torch.Tensor], out_buf=None):
         assert spare.dtype == torch.uint8 and spare.dim() == 1
         self.spare = spare                 # the state's bytes after the update (flat uint8)
         self.out = out                     # the new parameters (this rank's shard), or None
+        self.out_buf = out_buf             # the HostBuffer ``out`` views, when it can be lent
+        self._out_lent = False
         self.state = Ahead.IDLE
         self.step = 0                      # the step it was computed for
         self.groups: tuple = ()            # with these hyper-parameters (StepArgs.groups)
         self.future: Optional[Future] = None
         self._lock = threading.Lock()
         self._views = None                 # (buffer, (master, rows)): the layout's views of spare
+
+    @property
+    def out_lent(self) -> bool:
+        """Whether a parameter home holds ``out`` as its home copy now."""
+        return self._out_lent
+
+    def lend_out(self) -> "_LentOut":
+        """``out_buf``, lent to a parameter home (taken once per commit, while not lent)."""
+        with self._lock:
+            assert self.out_buf is not None and not self._out_lent, "the staged parameters are already lent"
+            self._out_lent = True
+        return _LentOut(self)
+
+    def _returned(self) -> None:
+        with self._lock:
+            self._out_lent = False
 
     def views(self, layout) -> tuple:
         """(master, rows) of ``spare`` in ``layout`` (built once per buffer)."""
@@ -107,6 +132,24 @@ class AheadSlot:
         with self._lock:
             if self.future is fut:
                 self.state, self.future = Ahead.IDLE, None
+
+
+class _LentOut:
+    """A slot's staged-parameter buffer while a parameter home holds it (a Loan's buffer:
+    ``view`` and ``release`` as a pool's HostBuffer); released, it goes back to the slot."""
+    __slots__ = ("_slot", "_released")
+
+    def __init__(self, slot: AheadSlot):
+        self._slot, self._released = slot, False
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        assert not self._released, "a released buffer is not the home's any more"
+        return self._slot.out_buf.view(dtype, numel, offset_bytes)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._slot._returned()
 
 
 def _same(a: tuple, b: tuple) -> bool:

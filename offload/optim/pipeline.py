@@ -521,12 +521,15 @@ class StepPipeline:
         self.telemetry.count("updates_ahead")
         at[0] = "parameter write-back"
         out = slot.out
-        if out is not None and block.params is not None:   # assembled where the home copy goes
-            target = self._params.target(block)
-            with self.telemetry.span("offload::ahead_params"):
-                target.copy_(out)
-            out = target
-        self._params.commit(block, master, out, args.compute_done)
+        if out is not None and block.params is not None and self._params.adopt(block, slot):
+            self.telemetry.count("ahead_params_adopted")    # the home took the slot's buffer
+        else:
+            if out is not None and block.params is not None:   # assembled where the home copy goes
+                target = self._params.target(block)
+                with self.telemetry.span("offload::ahead_params"):
+                    target.copy_(out)
+                out = target
+            self._params.commit(block, master, out, args.compute_done)
         block.stepped = args.step
         at[0] = "gradient reset"
         block.grad.reset_window()

@@ -15,6 +15,8 @@ Transitions (guarded by assertions)::
     write-back of an update (NVMe home, ``write_home``; asynchronous, the job moves on):
       kept staged (``begin_write_through``):  STAGED_WRITING --(write done)--> STAGED
       through a write buffer:                 WRITING --(write done)--> HOME (buffer back)
+      adopted (``adopt_home``, an update computed ahead): either of the two, in the update's
+      own buffer, which goes back to the update's slot instead of a pool
     STAGED_WRITING is readable: ``to_device()`` serves the held bytes while the write goes
     on; ``release()`` turns it into WRITING (the buffer goes back once written). A WRITING
     block is read only after its write: ``ensure()`` waits for it (bounded).
@@ -376,6 +378,33 @@ class BlockParams:
             finally:
                 if buffer is not None and not lent:
                     buffer.release()
+
+    def adopt_home(self, lend, keep: bool) -> bool:
+        """NVMe home: the new home copy was assembled in a buffer of another owner (an update
+        computed ahead, optim/ahead.py); ``lend()`` hands that buffer over (a HostBuffer-like
+        object whose ``release`` gives it back to its owner) and it becomes the home's: written
+        from where it is, no copy, and kept staged (``keep``: STAGED_WRITING, readable at once,
+        as after ``begin_write_through``) or given back once written (WRITING). Any earlier
+        write-back of this home completes first, and an old staged copy goes. False, nothing
+        done and ``lend`` not called, where the home cannot take it: not on NVMe, gathered
+        (ZeRO-3), or on the device now (its staged buffer in use); the caller writes it as
+        ``write_home`` does."""
+        with self._lock:
+            if not self.on_nvme or self._gather is not None or self._device_state is not None:
+                return False
+            assert not self._through, f"{self.what}: adopted while a write-through is in flight"
+            self.finish_write()            # the last write-back (raises its own failure)
+            self._loan.release()           # an old staged copy (a read in flight is waited for)
+            self._loan.lend(lend(), read=False)
+            try:
+                self._loan.commit(keep=keep)   # a failed submit gives the buffer back
+            except Exception as exc:
+                raise self._write_error(exc) from exc
+            finally:
+                self.home_version += 1
+            if keep:
+                self._copy_version = self.home_version    # the staged copy is the new home copy
+            return True
 
     def read_home(self) -> torch.Tensor:
         """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints

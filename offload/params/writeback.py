@@ -138,6 +138,19 @@ class ParamWriteBack:
             self._staging.loan = None
             loan.release()
 
+    def adopt(self, block, slot) -> bool:
+        """An update computed ahead (optim/ahead.py) wrote the new parameters into its slot's
+        staged copy: an NVMe home takes that buffer as its new home copy, written from it and
+        kept staged when the next use is near, as ``target`` would decide, with no copy
+        (``BlockParams.adopt_home``). False, nothing done, where it cannot: the caller copies
+        into ``target`` and commits."""
+        bp = block.params
+        if bp is None or slot.out_buf is None or slot.out_lent:
+            return False
+        keep = self._keep_staged is not None and self._keep_staged(block.index)
+        with self.telemetry.span("offload::param_writeback"):
+            return bp.adopt_home(slot.lend_out, keep)
+
     def commit(self, block, master: torch.Tensor, out: Optional[torch.Tensor], compute_done=None) -> None:
         """Make the new parameters (``out``, or ``master`` when ``out`` is None) the block's
         parameters on their tier. Returns once host buffers may be reused by this worker.
