@@ -250,6 +250,32 @@ def test_accumulation_window_commits_at_its_last_step(clip, ahead, tmp_path):
     check_windows([data[:4], data[4:]], losses, got, clip=clip, loss_div=2)
 
 
+def test_update_ahead_waits_on_its_worker_for_the_homes_write_back(tmp_path, monkeypatch):
+    """update_ahead with parameters on NVMe: each home takes its block's staged parameters as
+    its new copy and gives the buffer back once written. A write-back never settled before
+    the next backward (no poll settles one here) is waited for by the update's job, on its
+    worker, not by backward; every update is still computed ahead, and the weights follow
+    torch's."""
+    from offload.params.residency import BlockParams
+    import threading
+    monkeypatch.setattr(BlockParams, "poll_write", lambda self: not self.writing)
+    waits, finish = [], BlockParams.finish_write
+
+    def finish_write(self, timeout=None):
+        if self.writing:
+            waits.append(threading.current_thread() is threading.main_thread())
+        return finish(self, timeout)
+    monkeypatch.setattr(BlockParams, "finish_write", finish_write)
+    eng = offload.initialize(make_model(), cfg("cpu", "nvme", 0.0, tmp_path, True))
+    losses = train(eng, batches(5))
+    final = eng.full_state_dict()
+    check(torch.stack(losses), final, 0.0, 5)
+    counters = eng.telemetry.counters
+    assert counters["updates_ahead"] == 5 * ahead_blocks(eng) == counters["ahead_params_adopted"]
+    assert False in waits, "no update's job waited for its home's write-back"
+    eng.close()
+
+
 def test_update_ahead_takes_a_learning_rate_set_before_step(tmp_path):
     """update_ahead: a learning rate set between backward() and step() (a loop that schedules
     it there) is the one applied: the update computed ahead with the old one is dropped and

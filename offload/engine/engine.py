@@ -64,6 +64,7 @@ from offload.engine.step_control import StepControl
 from offload.optim.ahead import AheadSlot
 from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
+from offload.params.residency import ParamState
 from offload.params.writeback import ParamWriteBack
 from offload.engine.telemetry import Telemetry, profiler_range
 
@@ -957,8 +958,9 @@ class Engine:
             return                        # the block step() updates inline (_ahead_slot)
         if block.ahead.out_lent and self.param_offload is not None:
             self.param_offload.release_before_update(block.index)
-        if block.ahead.out_lent:
-            return                        # its home still holds the last staged copy: step() updates it
+        if block.ahead.out_lent and block.params.state is not ParamState.WRITING:
+            return                        # its home's staged copy is in use: step() updates it
+        # (WRITING: the buffer comes back once the last write-back completes; the job waits)
         if not block.grad.close_window(block.layout.segments):
             return                        # no gradient: step() skips the block, as torch does
         self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=self._groups(), rule=self.rule))

@@ -46,8 +46,9 @@ class AheadSlot:
     parameter home takes that buffer as its new home copy, written from it and read by the
     next forward, instead of a copy into a buffer of its own (``lend_out``;
     params/residency.py ``BlockParams.adopt_home``). It comes back when the home lets it go
-    (``_LentOut.release``); while lent (``out_lent``) no update of the block is computed
-    ahead, and step() computes it."""
+    (``_LentOut.release``). An update due while the home still holds it (``out_lent``)
+    waits on its worker for the home's write-back from it (engine ``_submit_ahead`` drops
+    the stale staged copy first); one whose home holds it for a use is left to step()."""
 
     def __init__(self, spare: torch.Tensor, out: Optional[torch.Tensor], out_buf=None):
         assert spare.dtype == torch.uint8 and spare.dim() == 1

@@ -484,6 +484,14 @@ class StepPipeline:
         slot's staged copy (``out``)."""
         slot, rule = block.ahead, args.rule
         c, = block.state.chunks                  # a HOST state: one chunk, always resident
+        if slot.out_lent:                        # the home's last write-back from it (engine._submit_ahead)
+            at[0] = "parameter write-back"
+            with self.telemetry.span("offload::param_write_wait"):
+                block.params.finish_write(self.wait_timeout_s)
+            if slot.out_lent:
+                raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
+                                   f"its home's after the write-back (state {block.params.state.value})")
+            at[0] = "gradient landing (update ahead)"
         block.grad.wait_landed()
         grad = block.grad_shard()
         at[0] = "state read (update ahead)"

@@ -149,16 +149,15 @@ class ParamOffload:
     def release_before_update(self, i: int) -> None:
         """Block ``i``'s gradients are all in and its update is about to be computed ahead
         (optim/ahead.py), into the buffer its home may hold as the staged copy: that copy,
-        stale once the update is committed, goes now unless something still uses it (its
-        write-back waited for, bounded: it was submitted at the last commit, and a commit
-        computing the update itself would wait for it too)."""
+        stale once the update is committed, goes now unless something still uses it. Never
+        waits: a write-back still in flight keeps the buffer until it completes (WRITING),
+        which the update's job waits for on its worker."""
         bp = self.params[i]
         if bp is None or bp.users or self._saved_left.get(i):
             return
         if bp.writing:
             try:
-                with self.telemetry.span("offload::param_write_wait"):
-                    bp.finish_write()
+                bp.poll_write()
             except BlockError:             # recorded by its home: raised from the next call
                 pass
         self._release(i)
