@@ -12,6 +12,7 @@ fused AdamW on the same run (measured here), plus 1e-6.
 """
 import ctypes
 import gc
+import threading
 import weakref
 
 import psutil
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
+from offload.params.residency import BlockParams
 
 VOCAB, D, LR, WD = 64, 32, 1e-3, 0.01
 PLACEMENTS = [(o, p) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
@@ -256,8 +258,6 @@ def test_update_ahead_waits_on_its_worker_for_the_homes_write_back(tmp_path, mon
     the next backward (no poll settles one here) is waited for by the update's job, on its
     worker, not by backward; every update is still computed ahead, and the weights follow
     torch's."""
-    from offload.params.residency import BlockParams
-    import threading
     monkeypatch.setattr(BlockParams, "poll_write", lambda self: not self.writing)
     waits, finish = [], BlockParams.finish_write
 

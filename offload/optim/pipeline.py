@@ -529,15 +529,15 @@ class StepPipeline:
         self.telemetry.count("updates_ahead")
         at[0] = "parameter write-back"
         out = slot.out
-        if out is not None and block.params is not None and self._params.adopt(block, slot):
-            self.telemetry.count("ahead_params_adopted")    # the home took the slot's buffer
-        else:
-            if out is not None and block.params is not None:   # assembled where the home copy goes
-                target = self._params.target(block)
-                with self.telemetry.span("offload::ahead_params"):
-                    target.copy_(out)
-                out = target
+        if out is None or block.params is None:
             self._params.commit(block, master, out, args.compute_done)
+        elif self._params.adopt(block, slot):
+            self.telemetry.count("ahead_params_adopted")    # the home took the slot's buffer
+        else:                                     # assembled where the home copy goes
+            target = self._params.target(block)
+            with self.telemetry.span("offload::ahead_params"):
+                target.copy_(out)
+            self._params.commit(block, master, target, args.compute_done)
         block.stepped = args.step
         at[0] = "gradient reset"
         block.grad.reset_window()

@@ -345,13 +345,7 @@ class BlockParams:
             if self._through:            # src is the staged buffer (begin_write_through): it stays
                 assert buffer is None
                 self._through = False
-                try:
-                    self._loan.commit(keep=True)
-                except Exception as exc:  # the buffer is back (HOME)
-                    raise self._write_error(exc) from exc
-                finally:
-                    self.home_version += 1
-                self._copy_version = self.home_version    # the staged copy is the new home copy
+                self._commit_home(keep=True)
                 return
             lent = False
             try:
@@ -361,12 +355,7 @@ class BlockParams:
                         self._loan.release()   # an old staged copy (a read in flight is waited for)
                         self._loan.lend(buffer, read=False)
                         lent = True
-                        try:
-                            self._loan.commit()
-                        except Exception as exc:  # the buffer is back in its pool
-                            raise self._write_error(exc) from exc
-                        finally:
-                            self.home_version += 1
+                        self._commit_home(keep=False)
                         return
                     # the block is on the device (its staged buffer is in use): written and waited
                     # for; a failure is the caller's stage (the optimizer's write-back). (Frozen
@@ -396,15 +385,21 @@ class BlockParams:
             self.finish_write()            # the last write-back (raises its own failure)
             self._loan.release()           # an old staged copy (a read in flight is waited for)
             self._loan.lend(lend(), read=False)
-            try:
-                self._loan.commit(keep=keep)   # a failed submit gives the buffer back
-            except Exception as exc:
-                raise self._write_error(exc) from exc
-            finally:
-                self.home_version += 1
-            if keep:
-                self._copy_version = self.home_version    # the staged copy is the new home copy
+            self._commit_home(keep)
             return True
+
+    def _commit_home(self, keep: bool) -> None:
+        """The loan's buffer holds the new home copy: its write is submitted (``keep``: it
+        stays staged, the new home copy, readable at once) and device copies made before are
+        stale. A write that cannot be submitted gives the buffer back (HOME) and raises."""
+        try:
+            self._loan.commit(keep=keep)
+        except Exception as exc:
+            raise self._write_error(exc) from exc
+        finally:
+            self.home_version += 1
+        if keep:
+            self._copy_version = self.home_version    # the staged copy is the new home copy
 
     def read_home(self) -> torch.Tensor:
         """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints

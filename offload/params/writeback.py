@@ -145,7 +145,7 @@ class ParamWriteBack:
         (``BlockParams.adopt_home``). False, nothing done, where it cannot: the caller copies
         into ``target`` and commits."""
         bp = block.params
-        if bp is None or slot.out_buf is None or slot.out_lent:
+        if bp is None or slot.out_buf is None:
             return False
         keep = self._keep_staged is not None and self._keep_staged(block.index)
         with self.telemetry.span("offload::param_writeback"):
