@@ -17,6 +17,8 @@ parameter offload, activation offload), in the order they joined::
                                  ``Hooks.post_backward`` by the owner of the gradient window,
                                  engine/step_control.py, also for blocks a backward skipped)
     end_forward()                the root forward ends
+    end_backward()               a backward has returned (after the post_backward of every
+                                 block it left open)
 
 A participant implements only the verbs it needs. ``pre_*``, ``begin_*`` and the gradient
 verbs run in joining order, ``post_*`` and ``end_forward`` in reverse (the last to join
@@ -32,7 +34,15 @@ the first handler whose ``pack`` claims the tensor owns it, and its ``unpack`` g
 in backward; a tensor no handler claims is saved as autograd would save it. Parameter
 offload joins first (parameters and their views become handles to their block), activation
 offload after it (large activations leave the device). Contexts nested inside the forward
-(``torch.utils.checkpoint``'s own hooks) take precedence there, as torch defines it.
+(``torch.utils.checkpoint``'s own hooks) take precedence there, as torch defines it, except
+for the handlers that ask to be innermost (``innermost = True``: parameter offload). Inside
+a module of a block, when the innermost context is not the engine's (a checkpointed region
+in forward, its recomputation in backward, or none at all in a reentrant recomputation), a
+``NestedSaved`` context goes on top for the module's call: those handlers claim their tensors
+first and everything else goes to the context below, as if ours were not there. A parameter
+saved by a checkpointed or recomputed op is therefore always a handle of its block, never the
+parameter itself (whose ``.data`` is a placeholder once the block is released): the block
+stays while such handles live and is fetched again by their unpack if it was evicted.
 """
 from __future__ import annotations
 
@@ -79,6 +89,34 @@ class SavedTensorChain:
         if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
             return self.handlers[packed[1]].unpack(packed[2])
         return packed
+
+
+def _innermost_saved_hooks():
+    """The (pack, unpack) pair of the innermost saved-tensor hooks context on this thread,
+    or None (torch's own query, the one its AOT autograd uses)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+class NestedSaved:
+    """A saved-tensor context over another one (``outer``: its (pack, unpack), or None):
+    the chain's handlers ``ks`` claim their tensors first, the rest are packed by ``outer``
+    (or saved as autograd saves them), and each payload is unpacked by whoever packed it."""
+
+    def __init__(self, chain: SavedTensorChain, ks: Sequence[int], outer) -> None:
+        self.chain, self.ks, self.outer = chain, tuple(ks), outer
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        for k in self.ks:
+            payload = self.chain.handlers[k].pack(t)
+            if payload is not NOT_MINE:
+                return (_PACKED, k, payload)
+        return self.outer[0](t) if self.outer is not None else t
+
+    def unpack(self, packed):
+        if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
+            return self.chain.handlers[packed[1]].unpack(packed[2])
+        return self.outer[1](packed) if self.outer is not None else packed
 
 
 class _OutsideReads(TorchFunctionMode):
@@ -147,6 +185,8 @@ class Hooks:
         self._depth = [0] * n                        # nesting of FORWARD (re-used modules)
         self._handles: list = []
         self._context = None                         # the saved-tensor hooks context while a forward runs
+        self._chain_pack = self.saved.pack           # the root context's pack, as pushed (identity checks)
+        self._nested: List = []                      # per hooked module call: its NestedSaved or None
         self._mode = None                            # the outside-reads mode while a forward runs
         self._installed = False
 
@@ -174,6 +214,8 @@ class Hooks:
         self._grad_ready, self._grad_acc = self._each("grad_ready"), self._each("grad_accumulated")
         self._pre_bwd, self._post_bwd = self._each("pre_backward"), self._each("post_backward")[::-1]
         self._begin, self._end = self._each("begin_forward"), self._each("end_forward")[::-1]
+        self._end_bwd = self._each("end_backward")[::-1]
+        self._innermost = [k for k, h in enumerate(self.saved.handlers) if getattr(h, "innermost", False)]
         root = bool(self.saved.handlers or self._reads or self._begin or self._end)
         if root:   # before the root's own block hooks: the chain is active for all of the forward
             self._handles.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
@@ -206,7 +248,7 @@ class Hooks:
         for f in self._begin:
             f(back)
         if self.saved.handlers:
-            self._context = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack)
+            self._context = torch.autograd.graph.saved_tensors_hooks(self._chain_pack, self.saved.unpack)
             self._context.__enter__()
         else:
             self._context = False                # marks "inside" without a context
@@ -238,9 +280,31 @@ class Hooks:
             if done is not None:
                 done(tokens)
 
+    # ---- nested saved-tensor contexts ------------------------------------------------------
+    def _ours(self, hooks) -> bool:
+        pack = hooks[0]
+        return pack is self._chain_pack or isinstance(getattr(pack, "__self__", None), NestedSaved)
+
+    def _enter_nested(self) -> None:
+        """A hooked module's call starts: the innermost handlers go on top of a context that
+        is not the engine's (one entry per call, popped by ``_exit_nested``)."""
+        nested = None
+        if self._innermost:
+            top = _innermost_saved_hooks()
+            if top is None or not self._ours(top):
+                nested = NestedSaved(self.saved, self._innermost, top)
+                nested.context.__enter__()
+        self._nested.append(nested)
+
+    def _exit_nested(self) -> None:
+        nested = self._nested.pop() if self._nested else None
+        if nested is not None:
+            nested.context.__exit__(None, None, None)
+
     # ---- block verbs ---------------------------------------------------------------------
     def _make_pre(self, used: List[int]):
         def pre(module, args):
+            self._enter_nested()
             for i in used:
                 self._depth[i] += 1
                 self.phase[i] = BlockPhase.FORWARD
@@ -257,9 +321,12 @@ class Hooks:
                 self._depth[i] -= 1
                 if self._depth[i] == 0:
                     self.phase[i] = BlockPhase.BACKWARD if back else BlockPhase.FORWARD_DONE
-            for f in self._post:
-                for i in used:
-                    f(i)
+            try:
+                for f in self._post:
+                    for i in used:
+                        f(i)
+            finally:
+                self._exit_nested()
         return post
 
     def _enter_backward(self, i: int) -> None:
@@ -289,6 +356,8 @@ class Hooks:
         for i, ph in enumerate(self.phase):
             if ph is not BlockPhase.IDLE and self._depth[i] == 0:
                 self.post_backward(i)
+        for f in self._end_bwd:
+            f()
 
     def post_backward(self, i: int) -> None:
         """Block ``i``'s gradients of this backward are complete (or it took no part in it)."""

@@ -10,10 +10,16 @@ hook and calls the verbs below. Uses are found three ways, all ending in ``mater
   * ``param_read(p)``: a parameter read outside its module's forward
     (``F.linear(x, self.embed.weight)`` in a parent's forward).
 In backward a block is released once all its gradients have landed (``post_backward``)
-and every parameter handle its forward saved has been unpacked (a LoRA layer's frozen base
-weights are unpacked for the input gradient after its adapters' gradients landed: released
-at the gradients, the whole block would be read again for them), and activation-checkpoint
-recomputation (a forward inside backward) keeps its blocks until then. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
+and no parameter handle of it is alive (a LoRA layer's frozen base weights are read for the
+input gradient after its adapters' gradients landed: released at the gradients, the whole
+block would be read again for them). A handle (``_Handle``) lives exactly as long as autograd
+keeps the saved tensor: it is dropped once the node that saved it has run (or its graph is
+freed), so "no handle alive" is "the backward that reads its saved tensors is done". This
+handler is innermost (engine/hooks.py): parameters saved inside ``torch.utils.checkpoint``
+regions and by their recomputation (reentrant or not) are handles too, so a block re-entered
+by recomputation stays on the device from the recompute until the backward that reads what
+it saved is done; a block evicted meanwhile (the budget holds) is fetched again by the
+unpack. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
 move together.
 
 The device budget is a contract on the bytes of offloaded parameters on the device,
@@ -28,6 +34,7 @@ op reads outside their modules are held until the op returns (``param_read`` /
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -42,6 +49,15 @@ from offload.params.prefetch import Prefetcher
 
 class DeviceBudgetError(RuntimeError):
     """offload_param.device_budget_bytes cannot hold the parameters needed at once."""
+
+
+class _Handle:
+    """What autograd keeps of a saved parameter (or view of one): where it lies in block
+    ``i``'s part ``k``. Weakly referenced by the block's live set; its death ends the save."""
+    __slots__ = ("i", "k", "rel", "shape", "stride", "__weakref__")
+
+    def __init__(self, i: int, k: int, rel: int, shape: tuple, stride: tuple):
+        self.i, self.k, self.rel, self.shape, self.stride = i, k, rel, shape, stride
 
 
 def _fmt(n: int) -> str:
@@ -74,6 +90,8 @@ def working_set(model: nn.Module, owner: Dict[int, int], module_of: Sequence[nn.
 
 
 class ParamOffload:
+    innermost = True      # its saved-tensor handler claims parameters inside checkpoint's contexts too
+
     def __init__(self, engine, params: List[Optional[BlockParts]], *, budget: int, device_lookahead: int,
                  host_lookahead: int, prefetch: bool):
         self.engine = engine
@@ -95,16 +113,23 @@ class ParamOffload:
         self.overruns = 0
         self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
         self._keep: frozenset = frozenset()           # blocks written through (plan_write_through)
-        # block -> parameter handles packed since the last root forward began and not yet
-        # unpacked: post_backward keeps a block until its backward has unpacked them all
-        self._saved_left: Dict[int, int] = {}
+        # block -> its parameter handles packed since the last root forward began and still
+        # alive (autograd drops a handle once its node has run): post_backward keeps a block
+        # while any is, in ``_kept`` until the last goes
+        self._live: Dict[int, weakref.WeakSet] = {}
+        self._kept: set = set()
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
     # ---- lifecycle verbs (called by engine/hooks.py) ---------------------------------------
     def begin_forward(self, recompute: bool) -> None:
         if not recompute:
-            self._saved_left.clear()       # handles of an earlier graph are not waited for
+            self._live = {}                # handles of an earlier graph are not waited for
+            self._kept.clear()
             self.rewind()
+
+    def _saved_alive(self, i: int) -> bool:
+        live = self._live.get(i)
+        return live is not None and len(live) > 0
 
     def pre_forward(self, i: int) -> None:
         if self.params[i] is None:
@@ -139,12 +164,26 @@ class ParamOffload:
 
     def post_backward(self, i: int) -> None:
         bp = self.params[i]
-        # kept while its backward has saved handles left to unpack (frozen weights used for
-        # the input gradient after the last adapter's gradient landed), or when the trace
-        # uses it again soon; a kept block is evicted like any other once nothing uses it
-        if bp is not None and bp.users == 0 and not self._saved_left.get(i) and \
-                not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
-            self._release(i)
+        # kept while handles of its saved parameters live (frozen weights used for the input
+        # gradient after the last adapter's gradient landed; a recomputed block's saves), or
+        # when the trace uses it again soon; a kept block is evicted like any other under
+        # the budget, and released by a later sweep once its handles are gone
+        if bp is not None and bp.users == 0:
+            if self._saved_alive(i):
+                self._kept.add(i)
+            elif not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
+                self._release(i)
+        self._sweep_kept()
+
+    def end_backward(self) -> None:
+        self._sweep_kept()
+
+    def _sweep_kept(self, but: int = -1) -> None:
+        """Release the blocks kept past their backward whose saved handles are all gone."""
+        for j in [j for j in self._kept if j != but and not self._saved_alive(j)]:
+            self._kept.discard(j)
+            if self.params[j].users == 0 and not self.prefetcher.next_use_within(j, self.prefetcher.device_lookahead):
+                self._release(j)
 
     def release_before_update(self, i: int) -> None:
         """Block ``i``'s gradients are all in and its update is about to be computed ahead
@@ -153,7 +192,7 @@ class ParamOffload:
         waits: a write-back still in flight keeps the buffer until it completes (WRITING),
         which the update's job waits for on its worker."""
         bp = self.params[i]
-        if bp is None or bp.users or self._saved_left.get(i):
+        if bp is None or bp.users or self._saved_alive(i):
             return
         if bp.writing:
             try:
@@ -192,17 +231,18 @@ class ParamOffload:
                 if buf is not None and buf.untyped_storage().data_ptr() == ptr and buf.dtype == t.dtype:
                     rel = t.storage_offset() - buf.storage_offset()
                     if 0 <= rel < part.numel:
-                        self._saved_left[i] = self._saved_left.get(i, 0) + 1
-                        return (i, k, rel, tuple(t.shape), tuple(t.stride()))
+                        h = _Handle(i, k, rel, tuple(t.shape), tuple(t.stride()))
+                        self._live.setdefault(i, weakref.WeakSet()).add(h)
+                        return h
         return NOT_MINE
 
-    def unpack(self, packed):
-        i, k, rel, shape, stride = packed
-        if self._saved_left.get(i):
-            self._saved_left[i] -= 1
-        self.materialize(i)
-        buf = self.params[i].parts[k].device_buf
-        return buf.as_strided(shape, stride, buf.storage_offset() + rel)
+    def unpack(self, h: _Handle) -> torch.Tensor:
+        """The saved parameter from the block's current device copy (fetched again if it was
+        evicted); the block stays while ``h`` lives, i.e. until the node reading it has run."""
+        self._sweep_kept(but=h.i)
+        self.materialize(h.i)
+        buf = self.params[h.i].parts[h.k].device_buf
+        return buf.as_strided(h.shape, h.stride, buf.storage_offset() + h.rel)
 
     @property
     def telemetry(self):
