@@ -93,6 +93,7 @@ def test_lora_base_on_nvme_writes_adapter(base, full_run, capsys, tmp_path):
     assert not os.listdir(tmp_path) or all(not f.startswith("offload-") for f in os.listdir(tmp_path))
 
 
+@pytest.mark.hf_versions
 def test_lora_merge_and_prompt_completion_jsonl(base, capsys):
     rows = [{"prompt": f"Q: {i} + {i}?\nA: ", "completion": str(2 * i)} for i in range(40)]
     path = base / "qa.jsonl"
