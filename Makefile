@@ -25,8 +25,27 @@ $(STAMP): pyproject.toml setup.py $(NATIVE)
 native: setup
 	$(PY) setup.py -q build_ext --inplace
 
-test: setup
+# The tests run against the newest releases of transformers / accelerate / peft / trl that
+# install in the supported range (the test extras), then the hf_versions subset against the
+# lowest supported ones (offload/hf/versions.py): from a venv in $(LOWEST) that holds only those
+# releases (and what they need that differs) and sees $(VENV)'s packages behind its own.
+LOWEST := $(VENV)/hf-lowest
+LPY    := $(LOWEST)/bin/python
+LSTAMP := $(LOWEST)/.offload-installed
+
+$(LSTAMP): $(STAMP) offload/hf/versions.py
+	rm -rf $(LOWEST)
+	$(PY) -m venv --system-site-packages $(LOWEST)
+	$(PY) -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_paths()['purelib'])" \
+	    > "$$($(LPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/offload-behind.pth"
+	$(LPY) -m pip --disable-pip-version-check -q install \
+	    $$($(PY) -c "from offload.hf.versions import lowest_requirements as r; print(r())")
+	$(LPY) -c "import sys; from offload.hf.versions import not_lowest as n; sys.exit('; '.join(n()) or 0)"
+	touch $@
+
+test: setup $(LSTAMP)
 	$(PY) -m pytest -q tests
+	$(LPY) -m pytest -q -m hf_versions tests/test_hf_*.py
 
 # make train: the job this project is for, in two stages, nothing downloaded (README, "make train").
 #  1. pretrain: a fresh small Llama with a byte-level tokenizer (offload new-model), trained briefly

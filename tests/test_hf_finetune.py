@@ -2,6 +2,9 @@
 save_pretrained: full and LoRA, the loss falls, the output loads with transformers / PEFT."""
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,6 +96,7 @@ def test_lora_base_on_nvme_writes_adapter(base, full_run, capsys, tmp_path):
     assert not os.listdir(tmp_path) or all(not f.startswith("offload-") for f in os.listdir(tmp_path))
 
 
+@pytest.mark.hf_versions
 def test_lora_merge_and_prompt_completion_jsonl(base, capsys):
     rows = [{"prompt": f"Q: {i} + {i}?\nA: ", "completion": str(2 * i)} for i in range(40)]
     path = base / "qa.jsonl"
@@ -100,12 +104,16 @@ def test_lora_merge_and_prompt_completion_jsonl(base, capsys):
     out = base / "merged"
     code, text, err = run(["finetune", base / "base", "--data", path, "--out", out, "--steps", 4, "--batch-size", 4,
                            "--seq-len", 32, "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--merge",
-                           "--offload-optimizer", "cpu", "--log-steps", 2], capsys)
+                           "--offload-optimizer", "cpu", "--log-steps", 2, "--log-every", 0], capsys)
     assert code == 0, err
     assert "loss on the completion only" in text and "merged in" in text
     assert not os.path.exists(out / "adapter_config.json")
     m = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in k for k in m.state_dict())
+    # the bar (a line per draw here: not a terminal, --log-every 0) shows each step's own loss
+    logged = {int(k): float(v) for k, v in re.findall(r"step +(\d+): loss ([0-9.]+)", text)}
+    bars = {int(k): float(v) for k, v in re.findall(r"\| (\d+)/4 \[[^]]*loss ([0-9.]+)", text)}
+    assert sorted(logged) == [2, 4] and all(bars[k] == round(logged[k], 3) for k in logged), (logged, bars, text)
 
 
 def test_prompt_tokens_carry_no_loss(base):
@@ -140,6 +148,89 @@ def test_finetune_input_errors(base, capsys, tmp_path):
     assert code == 2 and "bad.jsonl:2: expected" in err
     code, _, err = run(["finetune", tmp_path / "nope", "--data", bad, "--out", tmp_path / "o"], capsys)
     assert code == 2 and "does not exist" in err
+
+
+def test_data_kind_is_told_by_content_and_an_empty_file_says_so(base, tmp_path):
+    """JSONL is read as JSONL whatever the file's name; a .json file that is not JSONL is
+    refused saying what it holds; an empty file is told it is empty."""
+    tok = transformers.AutoTokenizer.from_pretrained(base / "base")
+    rows = "".join(json.dumps({"prompt": f"{i} + {i} = ", "completion": str(2 * i)}) + "\n" for i in range(6))
+    for name in ("qa.json", "qa.data", "qa.txt"):
+        (tmp_path / name).write_text(rows)
+        train, held, desc = data_mod.load(str(tmp_path / name), tok, seq_len=16, eval_fraction=0.3)
+        assert desc.startswith("JSONL prompt/completion") and len(train) + len(held) == 6, (name, desc)
+        brace = tok.convert_tokens_to_ids("{")
+        assert all(not (r["input_ids"] == brace).any() for r in list(train) + list(held))   # no JSON trained on
+    (tmp_path / "code.txt").write_text("{ not json, a text that starts with a brace }\n" * 20)
+    assert data_mod.load(str(tmp_path / "code.txt"), tok, seq_len=16)[2].startswith("text packed")
+    for text, holds in (('[{"text": "a"}, {"text": "b"}]', "a JSON array"),
+                        ('{\n  "text": "pretty"\n}\n', "JSON whose first line is not a whole object")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(data_mod.DataError, match=f"is named .json but holds {holds}: give JSONL"):
+            data_mod.load(str(tmp_path / "bad.json"), tok, seq_len=16)
+    for name, text in (("empty.txt", ""), ("blank.jsonl", "\n  \n"), ("blank.json", " \n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(data_mod.DataError, match=f"{name}' is empty: give a text file, or JSONL"):
+            data_mod.load(str(tmp_path / name), tok, seq_len=16)
+
+
+def test_job_rank_0_prints_and_shares_and_its_failures_reach_every_rank():
+    """offload.hf.job on 2 gloo ranks: only rank 0 prints; main_only runs on rank 0 and gives
+    its result to both; a failure there is raised on rank 0 as itself, on rank 1 naming it."""
+    import _forked
+    from _job_worker import rank_main
+    port = int(_free_port())
+    kids = [_forked.Child(rank_main, r, 2, port) for r in range(2)]
+    got = [k.result(timeout_s=120, what=f"job rank {r}") for r, k in enumerate(kids)]
+    assert [g["rank"] for g in got] == [0, 1] and all(g["world"] == 2 for g in got)
+    assert got[0]["printed"] == "printed by rank 0\n" and got[1]["printed"] == ""
+    assert all(g["shared"] == {"chosen by": 0} for g in got)
+    assert got[0]["failed"] == "ZeroDivisionError: division by zero"
+    assert got[1]["failed"] == "JobError: rank 0 failed merging the adapter: ZeroDivisionError: division by zero"
+
+
+def _free_port() -> str:
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return str(port)
+
+
+def test_finetune_under_torchrun_rank_0_plans_prints_merges_and_writes(base, tmp_path):
+    """`torchrun --nproc_per_node 2 -m offload.cli finetune --lora --merge` (gloo): one planner
+    run, every line printed once, the merged model written by rank 0 alone and loadable (two
+    ranks merging at once deleted the adapter files the other was reading)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    out = tmp_path / "merged"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           "-m", "offload.cli", "finetune", str(base / "base"), "--data", str(base / "text.txt"), "--out", str(out),
+           "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--log-steps", "2",
+           "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--merge", "--plan-nvme-path", str(tmp_path),
+           "--max-minutes", "60"]       # the deadline, decided by both ranks together at each step
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    for start in ("placement: none given", "placement (planner):", "tiers:", "model ", "data ", "loss ", "wrote "):
+        assert sum(l.startswith(start) for l in lines) == 1, (start, p.stdout)
+    assert "2 ranks (torchrun)" in p.stdout and sum("step     4: loss" in l for l in lines) == 1
+    s = summary(out)
+    assert s["mode"] == "lora-merged" and s["steps"] == 4 and "adapter_config.json" not in s["written"]
+    assert sorted(os.listdir(out)) == sorted(s["written"] + ["finetune_summary.json"])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    base_w = transformers.AutoModelForCausalLM.from_pretrained(base / "base").state_dict()
+    assert merged.keys() == base_w.keys()
+    assert any(not torch.equal(merged[k], base_w[k]) for k in merged if "q_proj" in k)   # the adapter merged in
+    assert all(torch.equal(merged[k], base_w[k]) for k in merged if "mlp" in k)          # the rest untouched
+
+
+def test_finetune_help_mentions_torchrun(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "--help"])
+    assert "torchrun --nproc_per_node N -m offload.cli finetune" in " ".join(capsys.readouterr().out.split())
 
 
 def test_parse_lora():

@@ -11,7 +11,7 @@ import torch
 from _hf import args, dataset, max_diff, snapshot, tiny_llama, train_logs, transformers
 
 from offload.config import ConfigError
-from offload.hf import Trainer, versions
+from offload.hf import Trainer
 
 peft = pytest.importorskip("peft")
 
@@ -79,6 +79,7 @@ def lora_refs():
     return plain_run(make, "adamw_torch"), plain_run(make, "adamw_torch_fused")
 
 
+@pytest.mark.hf_versions
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_full_finetune_matches_trainer(full_refs, placement, tmp_path):
     ref, fused = full_refs
@@ -106,6 +107,7 @@ def test_gradient_checkpointing_honoured(full_refs, tmp_path):
         t.close()
 
 
+@pytest.mark.hf_versions
 def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path):
     cfg = _placement("nvme+param-offload", tmp_path)
     whole = Trainer(model=tiny_llama(), args=args(str(tmp_path / "a")), train_dataset=dataset(), offload_config=cfg)
@@ -204,24 +206,6 @@ def test_config_from_training_arguments_and_deepspeed_auto(tmp_path):
         Trainer(model=tiny_llama(), args=args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=2,
                                               save_strategy="steps", save_steps=2), train_dataset=dataset(),
                 eval_dataset=dataset())
-
-
-def test_untested_transformers_version_fails_clearly(monkeypatch):
-    monkeypatch.delenv("OFFLOAD_HF_UNTESTED", raising=False)
-    monkeypatch.setattr(versions, "installed", lambda name: "4.40.0")
-    with pytest.raises(versions.VersionError, match=r"tested with transformers>=5\.24,<5\.25, found 4\.40\.0"):
-        versions.check("transformers")
-
-
-def test_test_dependencies_install_the_tested_versions():
-    """pyproject's test extras pin transformers, peft and accelerate to versions.TESTED, so
-    that `make test` on a fresh machine installs what offload.hf accepts (an unpinned
-    accelerate once came in one release past the tested range and every HF test refused)."""
-    import re
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")).read()
-    extras = re.search(r"^test = \[(.*)\]", text, re.M).group(1)
-    bounds = {name: spec for name, spec in re.findall(r'"([a-z]+)(>=[0-9.]+,<[0-9.]+)"', extras)}
-    assert bounds == {n: f">={lo},<{hi}" for n, (lo, hi) in versions.TESTED.items()}, (bounds, versions.TESTED)
 
 
 def test_torchrun_two_ranks_match_one_process(tmp_path):

@@ -10,6 +10,10 @@ state). The flags Trainer passes to its own optimizer (``--lr``, ``--weight-deca
 ``--gradient-accumulation-steps``, ``--gradient-clipping`` set Trainer's arguments; the
 rule's other hyper-parameters (``--momentum``, Adagrad's ``--eps``, ``--set optimizer.KEY=V``)
 go to the engine's config, which checks them against the rule.
+
+Under ``torchrun --nproc_per_node N -m offload.cli finetune ...`` the N ranks train together
+(the engine shares the work across them; ``--batch-size`` is per rank) and rank 0 alone prints,
+plans, merges and writes the shared files, the others waiting for it (``offload.hf.job``).
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def _pop(d: dict, dotted: str):
 
 def progress_callback(log_every_s: float):
     """A factory for ``finetune(progress=...)``: a tqdm bar with the loss, tokens/s and
-    bytes per tier, and one line per logged loss."""
+    bytes per tier, and one line per logged loss. Trainer logs a step's loss after the step's
+    end, so a step that logs is drawn at its log, with its own loss."""
     from transformers import TrainerCallback
 
     class ProgressCallback(TrainerCallback):
@@ -62,9 +67,14 @@ def progress_callback(log_every_s: float):
             self.loss = logs["loss"]
             self.bar.write(f"  step {state.global_step:>5}: loss {logs['loss']:.4f}  lr {logs['learning_rate']:.3g}"
                            + (f"  grad_norm {logs['grad_norm']:.3f}" if logs.get("grad_norm") is not None else ""))
+            self._draw(state)
 
         def on_step_end(self, args, state, control, **kw):
-            if self.bar is None or not self.bar.due(state.global_step):
+            if self.bar is not None and not control.should_log:   # else drawn at on_log, with this step's loss
+                self._draw(state)
+
+        def _draw(self, state):
+            if not self.bar.due(state.global_step):
                 return
             elapsed = max(time.perf_counter() - self.t0, 1e-9)
             engine = self.trainer.engine
@@ -77,27 +87,29 @@ def progress_callback(log_every_s: float):
     return ProgressCallback
 
 
-def _placement(d: dict, args, spec_fields: dict, say) -> tuple:
+def _placement(d: dict, args, spec_fields: dict, job) -> tuple:
     """(engine config dict, temporary NVMe dir or None): the user's placement, or the
-    planner's when none is given."""
+    planner's when none is given (rank 0 measures and plans; every rank takes its choice)."""
     tmp = None
     if not args.config and not any(k in d for k in _PLACEMENT):
-        from transformers import AutoConfig, AutoModelForCausalLM
-        import torch
-        from offload.planner.choose import choose
-        say("placement: none given, asking the planner (measures this machine, a few seconds) ...")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
-        opt = d.get("optimizer") or {}
-        choice = choose(model, tokens=args.batch_size * args.seq_len, precision=spec_fields.get("precision", "fp32"),
-                        rule=opt.get("type", "AdamW"), state_dtype=opt.get("state_dtype", "fp32"),
-                        gradient_accumulation_steps=spec_fields.get("gradient_accumulation_steps", 1),
-                        clipping=spec_fields.get("max_grad_norm", 1.0) > 0, nvme_path=args.nvme_path_for_plan,
-                        name=os.path.basename(os.path.normpath(args.model_dir)))
-        say(f"placement (planner): --offload-optimizer {choice.optimizer} --offload-param {choice.param}: "
-            f"{choice.reason}")
-        d["offload_optimizer"] = {"device": choice.optimizer}
-        d["offload_param"] = {"device": choice.param}
+        def plan() -> tuple:
+            from transformers import AutoConfig, AutoModelForCausalLM
+            import torch
+            from offload.planner.choose import choose
+            job.say("placement: none given, asking the planner (measures this machine, a few seconds) ...")
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir))
+            opt = d.get("optimizer") or {}
+            c = choose(model, tokens=args.batch_size * args.seq_len, precision=spec_fields.get("precision", "fp32"),
+                       rule=opt.get("type", "AdamW"), state_dtype=opt.get("state_dtype", "fp32"),
+                       gradient_accumulation_steps=spec_fields.get("gradient_accumulation_steps", 1),
+                       clipping=spec_fields.get("max_grad_norm", 1.0) > 0, nvme_path=args.nvme_path_for_plan,
+                       name=os.path.basename(os.path.normpath(args.model_dir)))
+            return c.optimizer, c.param, c.reason
+        optimizer, param, reason = job.main_only("planning the placement", plan)
+        job.say(f"placement (planner): --offload-optimizer {optimizer} --offload-param {param}: {reason}")
+        d["offload_optimizer"] = {"device": optimizer}
+        d["offload_param"] = {"device": param}
     for tier in _PLACEMENT:
         sec = d.get(tier) or {}
         if sec.get("device") == "nvme" and not sec.get("nvme_path"):
@@ -119,6 +131,7 @@ def quiet_hf() -> None:
 def cmd_finetune(args) -> int:
     from offload.hf import data as data_mod
     from offload.hf import finetune as ft
+    from offload.hf.job import Job, JobError
     from offload.hf.versions import VersionError
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise CLIError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
@@ -143,22 +156,29 @@ def cmd_finetune(args) -> int:
                            warmup=args.warmup, eval_fraction=args.eval_fraction, log_every=args.log_steps,
                            save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
                            **{"lr": 2e-4, **fields})
-    say = print
     quiet_hf()
+    import torch
+    job = Job.start(use_cpu=not torch.cuda.is_available())    # under torchrun: this rank of the job
     try:
-        ft.check_model_dir(spec.model_dir)
-        d, tmp = _placement(d, args, fields, say)
-    except (ft.FinetuneError, VersionError) as exc:
+        return _run(args, spec, d, fields, job)
+    except (ft.FinetuneError, data_mod.DataError, VersionError, JobError) as exc:
         raise CLIError(str(exc)) from None
+    finally:
+        job.close()
+
+
+def _run(args, spec, d: dict, fields: dict, job) -> int:
+    from offload.hf import finetune as ft
+    say = job.say
+    ft.check_model_dir(spec.model_dir)
+    d, tmp = _placement(d, args, fields, job)
     try:
         cfg = config_mod.build_config(d)   # validated before any model memory is allocated
         huge = prefer_huge_pages(cfg)      # before the model's tensors
         say(f"tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> {cfg.offload_param.device}"
-            + activations_tier(cfg, huge) + (f", nvme path {tmp} (temporary)" if tmp else ""))
-        try:
-            s = ft.finetune(spec, offload_config=d, progress=progress_callback(args.log_every), say=say)
-        except (ft.FinetuneError, data_mod.DataError, VersionError) as exc:
-            raise CLIError(str(exc)) from None
+            + activations_tier(cfg, huge) + (f", nvme path {tmp} (temporary)" if tmp else "")
+            + (f"; {job.world} ranks (torchrun), rank 0 prints and writes the shared files" if job.world > 1 else ""))
+        s = ft.finetune(spec, offload_config=d, progress=progress_callback(args.log_every), say=say, job=job)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -178,12 +198,15 @@ def cmd_finetune(args) -> int:
 def register(sub) -> None:
     f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory on a local text or JSONL file",
                        description="Fine-tune MODEL_DIR (config.json, safetensors, tokenizer files) through the "
-                                   "engine with Hugging Face Trainer; full or LoRA; Hugging Face output.")
+                                   "engine with Hugging Face Trainer; full or LoRA; Hugging Face output. On several "
+                                   "processes: torchrun --nproc_per_node N -m offload.cli finetune MODEL_DIR ... "
+                                   "(--batch-size per rank; rank 0 alone prints, plans, merges and writes the "
+                                   "shared files).")
     f.set_defaults(func=cmd_finetune, _parser=f)
     f.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by save_pretrained")
     f.add_argument("--data", required=True, metavar="FILE",
-                   help="a text file (packed into --seq-len rows) or .jsonl with {\"text\"} or "
-                        "{\"prompt\", \"completion\"} per line (loss on the completion only)")
+                   help="a text file (packed into --seq-len rows) or JSONL (told by its content, whatever the "
+                        "name) with {\"text\"} or {\"prompt\", \"completion\"} per line (loss on the completion only)")
     f.add_argument("--out", required=True, metavar="DIR", help="output directory (Hugging Face layout)")
     f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj")
     f.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")

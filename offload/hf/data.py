@@ -1,7 +1,11 @@
 """Fine-tuning data from a local file, tokenized with the model's own tokenizer.
 
-- A text file (any name not ending in ``.jsonl``): the whole text is tokenized and packed into
-  rows of ``seq_len`` tokens (the remainder is dropped); the loss is on every token.
+The kind is told by the content, whatever the file's name: a file whose first line is a JSON
+object is JSONL (a ``.jsonl`` file always is, and a ``.json`` file must be: a JSON array or a
+pretty-printed object is refused, saying so, rather than trained on as text).
+
+- A text file: the whole text is tokenized and packed into rows of ``seq_len`` tokens (the
+  remainder is dropped); the loss is on every token.
 - A JSONL file: one object per line, either ``{"text": ...}`` (loss on every token) or
   ``{"prompt": ..., "completion": ...}`` (loss on the completion only: the prompt's labels
   are -100). Each example ends with the tokenizer's EOS token, is cut at ``seq_len`` tokens
@@ -65,11 +69,13 @@ def load(path: str, tokenizer, seq_len: int, eval_fraction: float = 0.05, seed: 
         raise DataError(f"seq_len={seq_len} must be >= 2")
     if not 0.0 < eval_fraction < 1.0:
         raise DataError(f"eval_fraction={eval_fraction} must be in (0, 1)")
-    if path.endswith(".jsonl"):
+    if _is_jsonl(path):
         rows, kind = _jsonl_rows(path, tokenizer, seq_len)
         random.Random(seed).shuffle(rows)
     else:
         rows, kind = _packed_rows(path, tokenizer, seq_len)
+    if not rows and kind == "empty":
+        raise DataError(f"--data {path!r} is empty: give a text file, or JSONL with one example per line")
     if len(rows) < 2:
         raise DataError(f"{path} gives {len(rows)} training example(s) of at most {seq_len} tokens: give more "
                         "data or a smaller --seq-len")
@@ -79,9 +85,41 @@ def load(path: str, tokenizer, seq_len: int, eval_fraction: float = 0.05, seed: 
     return Rows(train), Rows(held), f"{kind}: {len(train)} train / {len(held)} held-out examples, {tokens:,} target tokens"
 
 
+def _first_line(path: str) -> str:
+    """The first line with something on it ('' when there is none)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return line.strip()
+    return ""
+
+
+def _is_jsonl(path: str) -> bool:
+    """Whether the file holds JSONL: its first line parses as a JSON object (or it is named
+    .jsonl). A .json file that is not JSONL is a DataError saying why."""
+    first = _first_line(path)
+    if path.endswith(".jsonl"):
+        return True
+    try:
+        is_object = first.startswith("{") and isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        is_object = False
+    if is_object:
+        return True
+    if path.endswith(".json") and first:
+        what = "a JSON array" if first.startswith("[") else \
+            "JSON whose first line is not a whole object" if first.startswith("{") else "not JSON"
+        raise DataError(f"--data {path!r} is named .json but holds {what}: give JSONL, one object per line "
+                        f"({{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}), or plain text in a "
+                        "file not named .json")
+    return False
+
+
 def _packed_rows(path: str, tokenizer, seq_len: int):
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
+    if not text.strip():
+        return [], "empty"
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = ids.numel() // seq_len
     rows = [{"input_ids": r, "labels": r.clone(), "attention_mask": torch.ones_like(r)}
@@ -126,6 +164,8 @@ def _jsonl_rows(path: str, tokenizer, seq_len: int):
                                 f"is left to learn: raise --seq-len or shorten the prompt")
             ids_t = torch.tensor(ids, dtype=torch.long)
             rows.append({"input_ids": ids_t, "labels": torch.tensor(labels, dtype=torch.long)})
+    if not rows:
+        return [], "empty"
     if len(kinds) > 1:
         raise DataError(f"{path}: mixes {{\"text\"}} and {{\"prompt\", \"completion\"}} lines: use one kind per file")
     kind = "JSONL " + (kinds.pop() if kinds else "(empty)")

@@ -9,6 +9,9 @@ The model directory holds ``config.json``, the weights (safetensors) and the tok
 The output directory receives the Hugging Face result: the full model (``config.json`` and
 safetensors), or the LoRA adapter in PEFT's layout, or with ``merge`` the base with the
 adapter merged in; the tokenizer is saved beside it either way.
+
+Under ``torchrun`` every rank calls ``finetune`` and trains; rank 0 alone prints, merges and
+writes the files beside the weights, the others wait for it (``offload.hf.job``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 from offload.hf import data as data_mod
 from offload.hf import versions
+from offload.hf.job import Job
 
 versions.check("transformers", "accelerate")
 
@@ -138,14 +142,17 @@ def _lora_model(model, spec: LoraSpec):
 
 
 class Deadline(TrainerCallback):
-    """Stops training after ``minutes`` (the run is still evaluated and saved)."""
+    """Stops training after ``minutes`` (the run is still evaluated and saved); every rank of
+    the job stops at the same step, once any rank's clock is past the deadline."""
 
-    def __init__(self, minutes: float):
+    def __init__(self, minutes: float, job: Optional[Job] = None):
         self.end = time.perf_counter() + minutes * 60
+        self.job = job or Job()
         self.hit = False
 
     def on_step_end(self, args, state, control, **kw):
-        if time.perf_counter() > self.end and state.global_step < state.max_steps:
+        late = self.job.any(time.perf_counter() > self.end, "the --max-minutes deadline")
+        if late and state.global_step < state.max_steps:
             self.hit = True
             control.should_training_stop = True
             control.should_log = True        # the last step's loss, whatever --log-steps
@@ -153,10 +160,26 @@ class Deadline(TrainerCallback):
 
 
 def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[Callable] = None,
-             say=print) -> Dict[str, Any]:
+             say=print, job: Optional[Job] = None) -> Dict[str, Any]:
     """Train and write the output; returns a summary (losses, eval losses, paths, engine stats).
-    ``progress(trainer)``, when given, returns a TrainerCallback added to the trainer (it may
-    read ``trainer.engine``)."""
+    ``progress(trainer)``, when given, returns a TrainerCallback added to the trainer on rank 0
+    (it may read ``trainer.engine``). ``job``: this process's rank of the job (default: started
+    here from torchrun's environment, and closed at the end)."""
+    own_job = job is None
+    if own_job:
+        job = Job.start(use_cpu=not torch.cuda.is_available())
+    try:
+        return _finetune(spec, offload_config, progress, say if job.is_main else _silent, job)
+    finally:
+        if own_job:
+            job.close()
+
+
+def _silent(*args, **kwargs) -> None:
+    return None
+
+
+def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callable], say, job: Job) -> Dict[str, Any]:
     from transformers import AutoTokenizer, TrainingArguments
     from offload.hf.trainer import Trainer
     check_model_dir(spec.model_dir)
@@ -192,14 +215,15 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
         bf16=spec.precision == "bf16", fp16=spec.precision == "fp16", optim="adamw_torch",
         remove_unused_columns=False, include_num_input_tokens_seen="non_padding", dataloader_num_workers=0,
         log_level="error")
-    deadline = Deadline(spec.max_minutes) if spec.max_minutes > 0 else None
+    deadline = Deadline(spec.max_minutes, job) if spec.max_minutes > 0 else None
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                       data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
                       offload_config=offload_config, weights=spec.model_dir,
                       callbacks=[deadline] if deadline else None)
     if progress is not None:             # in place of Trainer's own printer of log dicts
         trainer.remove_callback(PrinterCallback)
-        trainer.add_callback(progress(trainer))
+        if job.is_main:
+            trainer.add_callback(progress(trainer))
     try:
         eval_start = trainer.evaluate()["eval_loss"]
         t0 = time.perf_counter()
@@ -210,22 +234,26 @@ def finetune(spec: FinetuneSpec, offload_config: Any = None, progress: Optional[
         trainer.save_model(spec.out)
     finally:
         trainer.close()
-    written = _finish_output(spec, tokenizer)
     losses = [(l["step"], l["loss"]) for l in trainer.state.log_history if "loss" in l and "step" in l]
     summary = {"model_dir": spec.model_dir, "data": spec.data, "out": spec.out, "mode": _mode(spec),
                "steps": trainer.state.global_step, "train_seconds": train_s,
                "tokens": trainer.state.num_input_tokens_seen,
                "tokens_per_s": trainer.state.num_input_tokens_seen / train_s if train_s > 0 else 0.0,
                "losses": losses, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
-               "stopped_early": bool(deadline and deadline.hit), "written": written,
+               "stopped_early": bool(deadline and deadline.hit), "written": [],
                "placement": {"optimizer": trainer.offload_config.offload_optimizer.device,
                              "param": trainer.offload_config.offload_param.device},
                "optimizer": {"type": trainer.offload_config.optimizer.type,
                              "state_dtype": trainer.offload_config.optimizer.state_dtype,
                              **trainer.offload_config.optimizer.hparams()},
                "stats": stats}
-    with open(os.path.join(spec.out, "finetune_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+
+    def write() -> List[str]:
+        summary["written"] = _finish_output(spec, tokenizer)
+        with open(os.path.join(spec.out, "finetune_summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+        return summary["written"]
+    summary["written"] = job.main_only("writing the output (merge, tokenizer, summary)", write)
     return summary
 
 

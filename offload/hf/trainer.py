@@ -23,6 +23,12 @@ How it plugs in, the way transformers' DeepSpeed integration does:
   Hugging Face layout, the scheduler, RNG and trainer state.
 - The model is never moved to the device whole (``place_model_on_device`` off); with
   ``weights=`` it may be built on the meta device and is filled by the engine's streamed load.
+
+Other trainers built on ``transformers.Trainer`` (TRL's ``SFTTrainer``, ``DPOTrainer``, ...)
+run on the engine with this class first in their method order, so that its methods wrap
+theirs: ``on_engine(SFTTrainer)``, or ``class T(offload.hf.Trainer, SFTTrainer)``. The other
+order would let their methods build Trainer's own optimizer around the engine: it is refused
+when the class is defined.
 """
 from __future__ import annotations
 
@@ -128,9 +134,18 @@ class Trainer(transformers.Trainer):
     ``engine`` is the live engine once training (or evaluation) started; ``close()`` frees its
     host buffers and swap files."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _check_method_order(cls)
+
     def __init__(self, *args, offload_config: Any = None, weights: Optional[str] = None, **kwargs):
         self.engine = None
         self.offload_weights = weights
+        if _trl_base(type(self)) is not None:
+            versions.check("trl")
+        else:
+            _point_to_trl(kwargs.get("args", args[1] if len(args) > 1 else None),
+                          kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
         if _is_peft(self.model):
             versions.check("peft")
@@ -230,3 +245,64 @@ class Trainer(transformers.Trainer):
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+# ---- other trainers on the engine ------------------------------------------------------------
+def _trl_base(cls):
+    """The first class from TRL in ``cls``'s method order, or None."""
+    return next((c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"), None)
+
+
+def _check_method_order(cls) -> None:
+    """``Trainer`` must precede every other ``transformers.Trainer`` subclass in ``cls``'s
+    method order: their ``__init__`` would run before ours (without ``offload_config``) and
+    their overrides of the methods the engine replaces would run first."""
+    mro = cls.__mro__
+    before = [c for c in mro[:mro.index(Trainer)] if issubclass(c, transformers.Trainer) and not issubclass(c, Trainer)]
+    if before:
+        other = before[0].__name__
+        bases = ", ".join(b.__name__ for b in cls.__bases__)
+        raise TypeError(f"class {cls.__name__}({bases}): {other} comes before offload.hf.Trainer in the method order, "
+                        f"so {other}'s methods would run in place of the engine's: put offload.hf.Trainer first, "
+                        f"class {cls.__name__}(offload.hf.Trainer, {other}), or use offload.hf.on_engine({other})")
+
+
+_ON_ENGINE: dict = {}
+
+
+def on_engine(trainer_cls: type) -> type:
+    """``trainer_cls`` (a subclass of ``transformers.Trainer``: TRL's ``SFTTrainer``,
+    ``DPOTrainer``, ...) trained through the engine: the class ``(Trainer, trainer_cls)``,
+    which takes ``offload_config=`` and ``weights=`` beside trainer_cls's own arguments.
+    The same class is returned for the same ``trainer_cls``."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"offload.hf.on_engine takes a subclass of transformers.Trainer, not {trainer_cls!r}")
+    if issubclass(trainer_cls, Trainer):
+        return trainer_cls
+    if trainer_cls not in _ON_ENGINE:
+        _ON_ENGINE[trainer_cls] = type(f"Offload{trainer_cls.__name__}", (Trainer, trainer_cls),
+                                       {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} on the offload engine."})
+    return _ON_ENGINE[trainer_cls]
+
+
+_TEXT_COLUMNS = ("text", "messages", "prompt", "chosen")
+
+
+def _point_to_trl(args, train_dataset) -> None:
+    """A TRL config (SFTConfig, DPOConfig, ...) or rows of text given to this class, which
+    trains on token ids as transformers.Trainer does: say which TRL trainer takes them."""
+    if args is not None and type(args).__module__.split(".")[0] == "trl":
+        name = type(args).__name__
+        tr = name[:-len("Config")] + "Trainer" if name.endswith("Config") else "the matching TRL trainer"
+        raise TypeError(f"offload.hf.Trainer got TRL's {name}: TRL's trainers prepare its data and loss, "
+                        f"offload.hf.Trainer takes TrainingArguments and token ids. Run {tr} on the engine: "
+                        f"offload.hf.on_engine(trl.{tr})(model=..., args=..., offload_config=...)")
+    try:
+        row = train_dataset[0] if train_dataset is not None and len(train_dataset) else None
+    except (TypeError, KeyError, IndexError, NotImplementedError):   # iterable or keyed datasets: not looked at
+        return
+    if isinstance(row, dict) and "input_ids" not in row and any(k in row for k in _TEXT_COLUMNS):
+        kind = next(k for k in _TEXT_COLUMNS if k in row)
+        tr = "DPOTrainer" if kind == "chosen" else "SFTTrainer"
+        raise ValueError(f"offload.hf.Trainer: the training rows hold {kind!r} without input_ids: tokenize them "
+                         f"first, or let TRL's {tr} do it on the engine: offload.hf.on_engine(trl.{tr})(...)")
