@@ -120,8 +120,8 @@ def cmd_finetune(args) -> int:
     from offload.hf import data as data_mod
     from offload.hf import finetune as ft
     from offload.hf.versions import VersionError
-    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
-        raise CLIError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2 or args.ask_tokens < 1:
+        raise CLIError("--steps, --batch-size and --ask-tokens must be >= 1 and --seq-len >= 2")
     d = config_mod.flags_to_dict(args)
     rule = (d.get("optimizer") or {}).get("type") or "AdamW"
     fields = {}
@@ -138,13 +138,15 @@ def cmd_finetune(args) -> int:
         lora = ft.parse_lora(args.lora) if args.lora is not None else None
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    say = print
+    quiet_hf()
     spec = ft.FinetuneSpec(model_dir=args.model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
+                           merged_out=args.merged_out, eval_data=args.eval_data, ask=args.ask,
+                           ask_tokens=args.ask_tokens,
                            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                            warmup=args.warmup, eval_fraction=args.eval_fraction, log_every=args.log_steps,
                            save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
                            **{"lr": 2e-4, **fields})
-    say = print
-    quiet_hf()
     try:
         ft.check_model_dir(spec.model_dir)
         d, tmp = _placement(d, args, fields, say)
@@ -171,7 +173,8 @@ def cmd_finetune(args) -> int:
         say(line)
     what = {"full": "the fine-tuned model", "lora-adapter": "the LoRA adapter (PEFT layout)",
             "lora-merged": "the base with the LoRA adapter merged in"}[s["mode"]]
-    say(f"wrote {spec.out}/: {what}: {', '.join(s['written'])}")
+    say(f"wrote {spec.out}/: {what}: {', '.join(s['written'])}"
+        + (f"; and {spec.merged_out}/: the base with the adapter merged in" if spec.merged_out else ""))
     return 0
 
 
@@ -183,10 +186,23 @@ def register(sub) -> None:
     f.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by save_pretrained")
     f.add_argument("--data", required=True, metavar="FILE",
                    help="a text file (packed into --seq-len rows) or .jsonl with {\"text\"} or "
-                        "{\"prompt\", \"completion\"} per line (loss on the completion only)")
+                        "{\"prompt\", \"completion\"} per line (loss on the completion only) or {\"messages\": "
+                        "[{\"role\", \"content\"}, ...]} in the tokenizer's chat template (loss on the last "
+                        "assistant turn)")
+    f.add_argument("--eval-data", metavar="FILE", default=None,
+                   help="held-out examples from FILE (the formats of --data) instead of an --eval-fraction share of "
+                        "--data, which then trains whole")
     f.add_argument("--out", required=True, metavar="DIR", help="output directory (Hugging Face layout)")
     f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj")
     f.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")
+    f.add_argument("--merged-out", metavar="DIR", default=None,
+                   help="with --lora: also write the base with the adapter merged in to DIR (the adapter stays in "
+                        "--out); loaded back with from_pretrained to check it")
+    f.add_argument("--ask", metavar="FILE", default=None,
+                   help="answer these questions before and after training, greedily with the chat template, and print "
+                        "both: JSONL chat lines (a final assistant turn is shown as the expected answer) or a text "
+                        "file, one question a line; the model answering is loaded whole in host memory")
+    f.add_argument("--ask-tokens", type=int, default=48, metavar="N", help="new tokens per --ask answer at most")
     f.add_argument("--steps", type=int, default=100, help="optimizer steps")
     f.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step")
     f.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
