@@ -1,6 +1,7 @@
-"""``offload finetune MODEL_DIR --data FILE --out DIR``: fine-tune a Hugging Face model
-directory (config.json, safetensors, tokenizer files) on a local text or JSONL file through
-``offload.hf.Trainer``, full or LoRA, and write the result in Hugging Face layout.
+"""``offload finetune MODEL --data FILE --out DIR``: fine-tune a Hugging Face model
+directory (config.json, safetensors, tokenizer files) or a GGUF file (converted once into a
+cache, ``offload.io.gguf``) on a local text or JSONL file through ``offload.hf.Trainer``, full
+or LoRA, and write the result in Hugging Face layout.
 
 The placement flags are those of ``offload train``; with none (and no ``--config``) the
 planner measures this machine and chooses, and the choice is printed with its reason.
@@ -140,6 +141,7 @@ def cmd_finetune(args) -> int:
         raise CLIError(str(exc)) from None
     say = print
     quiet_hf()
+    args.model_dir = _model_dir(args, fields.get("precision", "fp32"), say)
     spec = ft.FinetuneSpec(model_dir=args.model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
                            merged_out=args.merged_out, eval_data=args.eval_data, ask=args.ask,
                            ask_tokens=args.ask_tokens,
@@ -178,12 +180,30 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+def _model_dir(args, precision: str, say) -> str:
+    """MODEL as a Hugging Face directory: itself, or the GGUF file's converted copy (in the
+    dtype of ``precision``, from the cache when converted before)."""
+    import torch
+    from offload.io import gguf
+    try:
+        if gguf.find(args.model_dir) is None:
+            return args.model_dir
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        return str(gguf.convert(args.model_dir, cache_dir=args.gguf_cache, dtype=dtype, say=say))
+    except gguf.GGUFError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def register(sub) -> None:
-    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory on a local text or JSONL file",
-                       description="Fine-tune MODEL_DIR (config.json, safetensors, tokenizer files) through the "
-                                   "engine with Hugging Face Trainer; full or LoRA; Hugging Face output.")
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory or a GGUF file on a local text "
+                                        "or JSONL file",
+                       description="Fine-tune MODEL (a Hugging Face directory: config.json, safetensors, tokenizer "
+                                   "files; or a .gguf file) through the engine with Hugging Face Trainer; full or "
+                                   "LoRA; Hugging Face output.")
     f.set_defaults(func=cmd_finetune, _parser=f)
-    f.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by save_pretrained")
+    f.add_argument("model_dir", metavar="MODEL",
+                   help="a directory written by save_pretrained, or a .gguf file (or a directory holding one): "
+                        "converted once to safetensors in the training precision, into --gguf-cache")
     f.add_argument("--data", required=True, metavar="FILE",
                    help="a text file (packed into --seq-len rows) or .jsonl with {\"text\"} or "
                         "{\"prompt\", \"completion\"} per line (loss on the completion only) or {\"messages\": "
@@ -203,6 +223,9 @@ def register(sub) -> None:
                         "both: JSONL chat lines (a final assistant turn is shown as the expected answer) or a text "
                         "file, one question a line; the model answering is loaded whole in host memory")
     f.add_argument("--ask-tokens", type=int, default=48, metavar="N", help="new tokens per --ask answer at most")
+    f.add_argument("--gguf-cache", metavar="DIR", default=None,
+                   help="where a GGUF MODEL's converted copy is kept and found again (default: $OFFLOAD_CACHE/gguf "
+                        "or ~/.cache/offload/gguf)")
     f.add_argument("--steps", type=int, default=100, help="optimizer steps")
     f.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step")
     f.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")

@@ -122,6 +122,9 @@ def load_model(model_dir: str):
 
 
 def check_model_dir(model_dir: str) -> None:
+    if model_dir.lower().endswith(".gguf"):
+        raise FinetuneError(f"{model_dir!r} is a GGUF file: convert it first (offload.io.gguf.convert(path) returns "
+                            "the Hugging Face directory; offload finetune does it for you)")
     if not os.path.isdir(model_dir):
         raise FinetuneError(f"model directory {model_dir!r} does not exist: give a directory written by "
                             "save_pretrained (config.json, safetensors, tokenizer files)")
