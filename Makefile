@@ -47,7 +47,7 @@ train: setup
 	$(OFFLOAD) finetune "$(SMOLLM2)" --out $(RUN)/adapter --merged-out $(RUN)/merged \
 	    --data $(DATA)/velloran-train.jsonl --eval-data $(DATA)/velloran-heldout.jsonl --ask $(DATA)/velloran-heldout.jsonl \
 	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
-	    --steps 24 --batch-size 8 --seq-len 128 --lr 2e-3 --warmup 2 --log-steps 4 \
+	    --steps 24 --batch-size 4 --seq-len 128 --lr 2e-3 --warmup 2 --log-steps 4 \
 	    --offload-param nvme --offload-optimizer nvme --max-minutes 4
 
 bench: setup
