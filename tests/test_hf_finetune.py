@@ -129,12 +129,85 @@ def test_prompt_tokens_carry_no_loss(base):
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
 
 
+TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '</s>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def chat(q, a=None):
+    msgs = [{"role": "user", "content": q}] + ([{"role": "assistant", "content": a}] if a is not None else [])
+    return json.dumps({"messages": msgs})
+
+
+@pytest.fixture(scope="module")
+def chat_base(base):
+    """The toy model with a chat template, and chat JSONL files: 40 to train on, 4 held out."""
+    import shutil
+    d = base / "chat-base"
+    shutil.copytree(base / "base", d)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(d)
+    (base / "chat-train.jsonl").write_text("".join(chat(f"{i} + {i}?", str(2 * i)) + "\n" for i in range(40)))
+    (base / "chat-held.jsonl").write_text("".join(chat(f"{i} plus {i}?", str(2 * i)) + "\n" for i in range(4)))
+    return d
+
+
+def test_chat_rows_carry_the_loss_on_the_answer(base, chat_base):
+    tok = transformers.AutoTokenizer.from_pretrained(chat_base)
+    train, held, desc = data_mod.load(str(base / "chat-train.jsonl"), tok, 64,
+                                      eval_path=str(base / "chat-held.jsonl"))
+    assert (len(train), len(held)) == (40, 4) and "JSONL chat (loss on the last assistant turn only)" in desc
+    for r in held:
+        n = int((r["labels"] == data_mod.IGNORE).sum())
+        assert tok.decode(r["input_ids"][:n]).startswith("user: ") and tok.decode(r["input_ids"][:n]).endswith(
+            "</s>assistant: ")
+        assert (r["labels"][n:] == r["input_ids"][n:]).all() and tok.decode(r["input_ids"][n:]).endswith("</s>")
+    assert [tok.decode(r["input_ids"][-2:]) for r in held][:1] == ["0</s>"]
+    with pytest.raises(data_mod.DataError, match="chat template"):
+        data_mod.load(str(base / "chat-train.jsonl"), transformers.AutoTokenizer.from_pretrained(base / "base"), 64)
+
+
+def test_chat_lora_held_out_file_questions_and_merged_copy(base, chat_base, capsys, tmp_path):
+    """--eval-data holds out its own file, --ask answers it before and after (the after
+    answers are plain transformers' greedy ones from the merged copy), --merged-out writes the
+    base with the adapter merged in beside the adapter: equal to PEFT's own merge."""
+    out, merged = tmp_path / "adapter", tmp_path / "merged"
+    code, text, err = run(["finetune", chat_base, "--data", base / "chat-train.jsonl", "--out", out,
+                           "--eval-data", base / "chat-held.jsonl", "--ask", base / "chat-held.jsonl",
+                           "--ask-tokens", 4, "--merged-out", merged, "--steps", 6, "--batch-size", 4,
+                           "--seq-len", 32, "--lr", "1e-2", "--warmup", 0, "--log-steps", 2,
+                           "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--offload-optimizer", "cpu"], capsys)
+    assert code == 0, err
+    s = summary(out)
+    assert "40 train / 4 held-out examples" in text and s["eval_loss_end"] < s["eval_loss_start"]
+    assert f"merged copy {merged}/: AutoModelForCausalLM.from_pretrained loads it" in text
+    assert "greedy answers before -> after training" in text and text.count("     after:  ") == 4
+    assert os.path.isfile(out / "adapter_config.json") and os.path.isfile(merged / "config.json")
+    want = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(chat_base),
+                                          out).merge_and_unload().state_dict()
+    got = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert set(got.state_dict()) == set(want) and all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+    tok = transformers.AutoTokenizer.from_pretrained(merged)
+    assert tok.chat_template == TEMPLATE
+    for a in s["answers"]:
+        assert a["expected"] == str(2 * int(a["question"].split()[0]))
+        enc = tok(tok.apply_chat_template([{"role": "user", "content": a["question"]}], add_generation_prompt=True,
+                                          tokenize=False), add_special_tokens=False, return_tensors="pt")
+        ids = got.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert a["after"] == tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--lora", "r=4,rank=3"], "--lora key 'rank' is unknown"),
     (["--lora", "r=4,targets=nope"], "are not modules of this model: choose from"),
     (["--merge"], "--merge needs --lora"),
+    (["--merged-out", "m"], "--merged-out needs --lora"),
+    (["--lora", "r=4", "--merge", "--merged-out", "m"], "--merge writes the merged model in place"),
+    (["--ask", "text.txt"], "chat template"),
+    (["--eval-data", "missing.jsonl"], "--eval-data"),
 ])
 def test_finetune_errors_name_the_fix(base, capsys, argv, msg):
+    argv = [base / a if a in ("text.txt", "missing.jsonl") else a for a in argv]
     code, _, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", base / "err", "--steps", 1,
                         "--offload-optimizer", "cpu", *argv], capsys)
     assert code == 2 and msg in err, err

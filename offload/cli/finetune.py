@@ -1,20 +1,11 @@
-"""``offload finetune MODEL_DIR --data FILE --out DIR``: fine-tune a Hugging Face model
-directory (config.json, safetensors, tokenizer files) on a local text or JSONL file through
-``offload.hf.Trainer``, full or LoRA, and write the result in Hugging Face layout.
-
-The placement flags are those of ``offload train``; with none (and no ``--config``) the
-planner measures this machine and chooses, and the choice is printed with its reason.
-``--optimizer`` selects the engine's update rule (AdamW by default; ``--state-dtype`` its
-state). The flags Trainer passes to its own optimizer (``--lr``, ``--weight-decay``, and
-``--betas`` for AdamW / Adam / Lion, ``--eps`` for AdamW / Adam) and ``--precision``,
-``--gradient-accumulation-steps``, ``--gradient-clipping`` set Trainer's arguments; the
-rule's other hyper-parameters (``--momentum``, Adagrad's ``--eps``, ``--set optimizer.KEY=V``)
-go to the engine's config, which checks them against the rule.
+"""``offload finetune MODEL --data FILE --out DIR``: fine-tune a Hugging Face model
+directory (config.json, safetensors, tokenizer files) or a GGUF file (converted once into a
+cache, ``offload.io.gguf``) on a local text or JSONL file through ``offload.hf.Trainer``, full
+or LoRA, and write the result in Hugging Face layout.
 
 Under ``torchrun --nproc_per_node N -m offload.cli finetune ...`` the N ranks train together
 (the engine shares the work across them; ``--batch-size`` is per rank) and rank 0 alone prints,
-plans, merges and writes the shared files, the others waiting for it (``offload.hf.job``).
-"""
+converts, plans, merges and writes the shared files, the others waiting for it (``offload.hf.job``)."""
 from __future__ import annotations
 
 import os
@@ -133,8 +124,8 @@ def cmd_finetune(args) -> int:
     from offload.hf import finetune as ft
     from offload.hf.job import Job, JobError
     from offload.hf.versions import VersionError
-    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
-        raise CLIError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2 or args.ask_tokens < 1:
+        raise CLIError("--steps, --batch-size and --ask-tokens must be >= 1 and --seq-len >= 2")
     d = config_mod.flags_to_dict(args)
     rule = (d.get("optimizer") or {}).get("type") or "AdamW"
     fields = {}
@@ -151,15 +142,21 @@ def cmd_finetune(args) -> int:
         lora = ft.parse_lora(args.lora) if args.lora is not None else None
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    spec = ft.FinetuneSpec(model_dir=args.model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
-                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                           warmup=args.warmup, eval_fraction=args.eval_fraction, log_every=args.log_steps,
-                           save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
-                           **{"lr": 2e-4, **fields})
     quiet_hf()
     import torch
     job = Job.start(use_cpu=not torch.cuda.is_available())    # under torchrun: this rank of the job
     try:
+        # a GGUF file is converted (or found in the cache) by rank 0, the others wait for its path
+        model_dir = job.main_only("converting the GGUF model",
+                                  lambda: _model_dir(args, fields.get("precision", "fp32"), job.say))
+        args.model_dir = model_dir
+        spec = ft.FinetuneSpec(model_dir=model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
+                               merged_out=args.merged_out, eval_data=args.eval_data, ask=args.ask,
+                               ask_tokens=args.ask_tokens,
+                               steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                               warmup=args.warmup, eval_fraction=args.eval_fraction, log_every=args.log_steps,
+                               save_steps=args.save_steps, max_minutes=args.max_minutes, seed=args.seed,
+                               **{"lr": 2e-4, **fields})
         return _run(args, spec, d, fields, job)
     except (ft.FinetuneError, data_mod.DataError, VersionError, JobError) as exc:
         raise CLIError(str(exc)) from None
@@ -191,25 +188,59 @@ def _run(args, spec, d: dict, fields: dict, job) -> int:
         say(line)
     what = {"full": "the fine-tuned model", "lora-adapter": "the LoRA adapter (PEFT layout)",
             "lora-merged": "the base with the LoRA adapter merged in"}[s["mode"]]
-    say(f"wrote {spec.out}/: {what}: {', '.join(s['written'])}")
+    say(f"wrote {spec.out}/: {what}: {', '.join(s['written'])}"
+        + (f"; and {spec.merged_out}/: the base with the adapter merged in" if spec.merged_out else ""))
     return 0
 
 
+def _model_dir(args, precision: str, say) -> str:
+    """MODEL as a Hugging Face directory: itself, or the GGUF file's converted copy (in the
+    dtype of ``precision``, from the cache when converted before)."""
+    import torch
+    from offload.io import gguf
+    try:
+        if gguf.find(args.model_dir) is None:
+            return args.model_dir
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        return str(gguf.convert(args.model_dir, cache_dir=args.gguf_cache, dtype=dtype, say=say))
+    except gguf.GGUFError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def register(sub) -> None:
-    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory on a local text or JSONL file",
-                       description="Fine-tune MODEL_DIR (config.json, safetensors, tokenizer files) through the "
-                                   "engine with Hugging Face Trainer; full or LoRA; Hugging Face output. On several "
-                                   "processes: torchrun --nproc_per_node N -m offload.cli finetune MODEL_DIR ... "
-                                   "(--batch-size per rank; rank 0 alone prints, plans, merges and writes the "
-                                   "shared files).")
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model directory or a GGUF file on a local text "
+                                        "or JSONL file",
+                       description="Fine-tune MODEL (a Hugging Face directory: config.json, safetensors, tokenizer "
+                                   "files; or a .gguf file) through the engine with Hugging Face Trainer; full or "
+                                   "LoRA; Hugging Face output. On several processes: torchrun --nproc_per_node N -m "
+                                   "offload.cli finetune MODEL ... (--batch-size per rank; rank 0 alone prints, "
+                                   "plans, merges and writes the shared files).")
     f.set_defaults(func=cmd_finetune, _parser=f)
-    f.add_argument("model_dir", metavar="MODEL_DIR", help="a directory written by save_pretrained")
+    f.add_argument("model_dir", metavar="MODEL",
+                   help="a directory written by save_pretrained, or a .gguf file (or a directory holding one): "
+                        "converted once to safetensors in the training precision, into --gguf-cache")
     f.add_argument("--data", required=True, metavar="FILE",
-                   help="a text file (packed into --seq-len rows) or JSONL (told by its content, whatever the "
-                        "name) with {\"text\"} or {\"prompt\", \"completion\"} per line (loss on the completion only)")
+                   help="a text file (packed into --seq-len rows) or JSONL (told by its content, whatever the name) with {\"text\"} or "
+                        "{\"prompt\", \"completion\"} per line (loss on the completion only) or {\"messages\": "
+                        "[{\"role\", \"content\"}, ...]} in the tokenizer's chat template (loss on the last "
+                        "assistant turn)")
+    f.add_argument("--eval-data", metavar="FILE", default=None,
+                   help="held-out examples from FILE (the formats of --data) instead of an --eval-fraction share of "
+                        "--data, which then trains whole")
     f.add_argument("--out", required=True, metavar="DIR", help="output directory (Hugging Face layout)")
     f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj")
     f.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")
+    f.add_argument("--merged-out", metavar="DIR", default=None,
+                   help="with --lora: also write the base with the adapter merged in to DIR (the adapter stays in "
+                        "--out); loaded back with from_pretrained to check it")
+    f.add_argument("--ask", metavar="FILE", default=None,
+                   help="answer these questions before and after training, greedily with the chat template, and print "
+                        "both: JSONL chat lines (a final assistant turn is shown as the expected answer) or a text "
+                        "file, one question a line; the model answering is loaded whole in host memory")
+    f.add_argument("--ask-tokens", type=int, default=48, metavar="N", help="new tokens per --ask answer at most")
+    f.add_argument("--gguf-cache", metavar="DIR", default=None,
+                   help="where a GGUF MODEL's converted copy is kept and found again (default: $OFFLOAD_CACHE/gguf "
+                        "or ~/.cache/offload/gguf)")
     f.add_argument("--steps", type=int, default=100, help="optimizer steps")
     f.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step")
     f.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")

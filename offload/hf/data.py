@@ -9,17 +9,20 @@ pretty-printed object is refused, saying so, rather than trained on as text).
 - A JSONL file: one object per line, either ``{"text": ...}`` (loss on every token) or
   ``{"prompt": ..., "completion": ...}`` (loss on the completion only: the prompt's labels
   are -100). Each example ends with the tokenizer's EOS token, is cut at ``seq_len`` tokens
-  and padded in its batch.
+  and padded in its batch. A third kind, ``{"messages": [{"role": ..., "content": ...}, ...]}``
+  ending with an assistant turn, is rendered with the tokenizer's chat template (the loss on
+  that last assistant turn only, which the template ends with its end-of-turn token).
 
 The held-out split is the tail of the rows (text: the end of the file, so no training window
-overlaps it) or of the examples after a seeded shuffle (JSONL).
+overlaps it) or of the examples after a seeded shuffle (JSONL); with ``eval_path`` it is that
+file's rows instead, and all of ``path`` trains.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -61,28 +64,40 @@ class PadCollator:
         return out
 
 
-def load(path: str, tokenizer, seq_len: int, eval_fraction: float = 0.05, seed: int = 0) -> Tuple[Rows, Rows, str]:
+def load(path: str, tokenizer, seq_len: int, eval_fraction: float = 0.05, seed: int = 0,
+         eval_path: Optional[str] = None) -> Tuple[Rows, Rows, str]:
     """(train, held-out, description)."""
-    if not os.path.isfile(path):
-        raise DataError(f"--data {path!r} does not exist: give a .txt or .jsonl file")
     if seq_len < 2:
         raise DataError(f"seq_len={seq_len} must be >= 2")
-    if not 0.0 < eval_fraction < 1.0:
+    if eval_path is None and not 0.0 < eval_fraction < 1.0:
         raise DataError(f"eval_fraction={eval_fraction} must be in (0, 1)")
-    if _is_jsonl(path):
-        rows, kind = _jsonl_rows(path, tokenizer, seq_len)
+    rows, kind, jsonl = _rows(path, "--data", tokenizer, seq_len)
+    if jsonl:
         random.Random(seed).shuffle(rows)
-    else:
-        rows, kind = _packed_rows(path, tokenizer, seq_len)
-    if not rows and kind == "empty":
-        raise DataError(f"--data {path!r} is empty: give a text file, or JSONL with one example per line")
-    if len(rows) < 2:
+    if eval_path is not None:
+        held, held_kind, _ = _rows(eval_path, "--eval-data", tokenizer, seq_len)
+        if not held:
+            raise DataError(f"--eval-data {eval_path} holds no example: give one or leave the flag out")
+        train, kind = rows, f"{kind}; held out: {eval_path}, {held_kind}"
+    if len(rows) < (1 if eval_path is not None else 2):
         raise DataError(f"{path} gives {len(rows)} training example(s) of at most {seq_len} tokens: give more "
                         "data or a smaller --seq-len")
-    n_eval = max(1, int(round(eval_fraction * len(rows))))
-    train, held = rows[:-n_eval], rows[-n_eval:]
-    tokens = sum(int((r["labels"] != IGNORE).sum()) for r in rows)
+    if eval_path is None:
+        n_eval = max(1, int(round(eval_fraction * len(rows))))
+        train, held = rows[:-n_eval], rows[-n_eval:]
+    tokens = sum(int((r["labels"] != IGNORE).sum()) for r in train + held)
     return Rows(train), Rows(held), f"{kind}: {len(train)} train / {len(held)} held-out examples, {tokens:,} target tokens"
+
+
+def _rows(path: str, flag: str, tokenizer, seq_len: int):
+    """(rows, description, whether the file is JSONL) of one data file; an empty file is a DataError."""
+    if not os.path.isfile(path):
+        raise DataError(f"{flag} {path!r} does not exist: give a .txt or .jsonl file")
+    jsonl = _is_jsonl(path, flag)
+    rows, kind = (_jsonl_rows if jsonl else _packed_rows)(path, tokenizer, seq_len)
+    if not rows and kind == "empty":
+        raise DataError(f"{flag} {path!r} is empty: give a text file, or JSONL with one example per line")
+    return rows, kind, jsonl
 
 
 def _first_line(path: str) -> str:
@@ -94,7 +109,7 @@ def _first_line(path: str) -> str:
     return ""
 
 
-def _is_jsonl(path: str) -> bool:
+def _is_jsonl(path: str, flag: str = "--data") -> bool:
     """Whether the file holds JSONL: its first line parses as a JSON object (or it is named
     .jsonl). A .json file that is not JSONL is a DataError saying why."""
     first = _first_line(path)
@@ -109,9 +124,9 @@ def _is_jsonl(path: str) -> bool:
     if path.endswith(".json") and first:
         what = "a JSON array" if first.startswith("[") else \
             "JSON whose first line is not a whole object" if first.startswith("{") else "not JSON"
-        raise DataError(f"--data {path!r} is named .json but holds {what}: give JSONL, one object per line "
-                        f"({{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}), or plain text in a "
-                        "file not named .json")
+        raise DataError(f"{flag} {path!r} is named .json but holds {what}: give JSONL, one object per line "
+                        f"({{\"text\": ...}}, {{\"prompt\": ..., \"completion\": ...}} or {{\"messages\": [...]}}), "
+                        "or plain text in a file not named .json")
     return False
 
 
@@ -149,13 +164,16 @@ def _jsonl_rows(path: str, tokenizer, seq_len: int):
                 c = tokenizer(obj["completion"], add_special_tokens=False)["input_ids"] + [eos]
                 ids, labels = p + c, [IGNORE] * len(p) + c
                 kinds.add("prompt/completion")
+            elif "messages" in obj:
+                ids, labels = _chat_ids(obj["messages"], tokenizer, f"{path}:{lineno}")
+                kinds.add("chat")
             elif isinstance(obj.get("text"), str):
                 ids = tokenizer(obj["text"], add_special_tokens=False)["input_ids"] + [eos]
                 labels = list(ids)
                 kinds.add("text")
             else:
-                raise DataError(f"{path}:{lineno}: expected {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}, "
-                                f"got keys {sorted(obj)}")
+                raise DataError(f"{path}:{lineno}: expected {{\"text\": ...}}, {{\"prompt\": ..., \"completion\": ...}} "
+                                f"or {{\"messages\": [...]}}, got keys {sorted(obj)}")
             if len(ids) > seq_len:
                 cut += 1
                 ids, labels = ids[:seq_len], labels[:seq_len]
@@ -167,10 +185,47 @@ def _jsonl_rows(path: str, tokenizer, seq_len: int):
     if not rows:
         return [], "empty"
     if len(kinds) > 1:
-        raise DataError(f"{path}: mixes {{\"text\"}} and {{\"prompt\", \"completion\"}} lines: use one kind per file")
+        raise DataError(f"{path}: mixes {' and '.join(sorted(kinds))} lines: use one kind per file")
     kind = "JSONL " + (kinds.pop() if kinds else "(empty)")
-    if kinds == {"prompt/completion"} or "prompt" in kind:
+    if "prompt" in kind:
         kind += " (loss on the completion only)"
+    elif "chat" in kind:
+        kind += " (loss on the last assistant turn only)"
     if cut:
         kind += f", {cut} example(s) cut at {seq_len} tokens"
     return rows, kind
+
+
+def chat_prompt(messages, tokenizer, where: str) -> str:
+    """The conversation ``messages`` rendered with the tokenizer's chat template, ending with
+    the assistant's turn opened (what a model answers from)."""
+    _check_chat(messages, tokenizer, where)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _check_chat(messages, tokenizer, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: chat examples need the tokenizer's chat template, and this tokenizer has none: "
+                        "use {\"prompt\", \"completion\"} lines instead")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DataError(f"{where}: \"messages\" must be a list of {{\"role\": ..., \"content\": ...}} objects")
+
+
+def _chat_ids(messages, tokenizer, where: str):
+    """(ids, labels) of a conversation ending with an assistant turn: the template's prompt
+    carries no loss, the last turn (up to and with the template's end-of-turn) does."""
+    _check_chat(messages, tokenizer, where)
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: \"messages\" must hold a turn to answer and end with an "
+                        "{\"role\": \"assistant\"} turn (the one learned)")
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(prompt):
+        raise DataError(f"{where}: the chat template renders the conversation without its generation prompt "
+                        "as a prefix, so the answer cannot be told from the prompt: use {\"prompt\", "
+                        "\"completion\"} lines instead")
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+    return p + c, [IGNORE] * len(p) + c

@@ -8,9 +8,11 @@
 The model directory holds ``config.json``, the weights (safetensors) and the tokenizer files.
 The output directory receives the Hugging Face result: the full model (``config.json`` and
 safetensors), or the LoRA adapter in PEFT's layout, or with ``merge`` the base with the
-adapter merged in; the tokenizer is saved beside it either way.
+adapter merged in; the tokenizer is saved beside it either way. ``merged_out`` writes the merged
+copy into a directory of its own beside the adapter, checked by loading it back. ``ask`` names
+questions answered before and after training (``offload.hf.ask``).
 
-Under ``torchrun`` every rank calls ``finetune`` and trains; rank 0 alone prints, merges and
+Under ``torchrun`` every rank calls ``finetune`` and trains; rank 0 alone prints, asks, merges and
 writes the files beside the weights, the others wait for it (``offload.hf.job``).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from offload.hf import ask as ask_mod
 from offload.hf import data as data_mod
 from offload.hf import versions
 from offload.hf.job import Job
@@ -81,6 +84,10 @@ class FinetuneSpec:
     out: str
     lora: Optional[LoraSpec] = None
     merge: bool = False              # LoRA: write the base with the adapter merged in
+    merged_out: Optional[str] = None  # LoRA: also write the merged copy here (the adapter stays in out)
+    eval_data: Optional[str] = None  # held-out examples from this file instead of a share of data
+    ask: Optional[str] = None        # questions answered before and after training
+    ask_tokens: int = 48             # new tokens per answer at most
     steps: int = 100
     batch_size: int = 8
     seq_len: int = 256
@@ -119,6 +126,9 @@ def load_model(model_dir: str):
 
 
 def check_model_dir(model_dir: str) -> None:
+    if model_dir.lower().endswith(".gguf"):
+        raise FinetuneError(f"{model_dir!r} is a GGUF file: convert it first (offload.io.gguf.convert(path) returns "
+                            "the Hugging Face directory; offload finetune does it for you)")
     if not os.path.isdir(model_dir):
         raise FinetuneError(f"model directory {model_dir!r} does not exist: give a directory written by "
                             "save_pretrained (config.json, safetensors, tokenizer files)")
@@ -183,14 +193,19 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
     from transformers import AutoTokenizer, TrainingArguments
     from offload.hf.trainer import Trainer
     check_model_dir(spec.model_dir)
-    if spec.merge and spec.lora is None:
-        raise FinetuneError("--merge needs --lora (a full fine-tune already writes the whole model)")
+    if (spec.merge or spec.merged_out) and spec.lora is None:
+        raise FinetuneError(f"{'--merge' if spec.merge else '--merged-out'} needs --lora (a full fine-tune already "
+                            "writes the whole model)")
+    if spec.merge and spec.merged_out:
+        raise FinetuneError("--merge writes the merged model in place of the adapter, --merged-out beside it: give one")
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     except (OSError, ValueError) as exc:
         raise FinetuneError(f"cannot load the tokenizer of {spec.model_dir!r} ({exc}): the directory needs its "
                             "tokenizer files (tokenizer.json / tokenizer_config.json)") from None
-    train, held, described = data_mod.load(spec.data, tokenizer, spec.seq_len, spec.eval_fraction, spec.seed)
+    train, held, described = data_mod.load(spec.data, tokenizer, spec.seq_len, spec.eval_fraction, spec.seed,
+                                           eval_path=spec.eval_data)
+    questions = ask_mod.load(spec.ask, tokenizer) if spec.ask and job.is_main else []
     held = data_mod.Rows(held.rows[:spec.max_eval])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
@@ -203,6 +218,7 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
         + (f" (LoRA r={spec.lora.r} alpha={spec.lora.alpha:g} on {','.join(spec.lora.targets)})" if spec.lora else
            " (full fine-tune)"))
     say(f"data {spec.data}: {described}")
+    before = _answers(lambda: load_model(spec.model_dir), tokenizer, questions, spec, say, "before training (the base)")
     os.makedirs(spec.out, exist_ok=True)
     args = TrainingArguments(
         output_dir=spec.out, per_device_train_batch_size=spec.batch_size, per_device_eval_batch_size=spec.batch_size,
@@ -241,6 +257,7 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
                "tokens_per_s": trainer.state.num_input_tokens_seen / train_s if train_s > 0 else 0.0,
                "losses": losses, "eval_loss_start": eval_start, "eval_loss_end": eval_end,
                "stopped_early": bool(deadline and deadline.hit), "written": [],
+               "merged_out": spec.merged_out, "answers": [],
                "placement": {"optimizer": trainer.offload_config.offload_optimizer.device,
                              "param": trainer.offload_config.offload_param.device},
                "optimizer": {"type": trainer.offload_config.optimizer.type,
@@ -248,12 +265,23 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
                              **trainer.offload_config.optimizer.hparams()},
                "stats": stats}
 
-    def write() -> List[str]:
-        summary["written"] = _finish_output(spec, tokenizer)
+    def write() -> dict:
+        """Rank 0: the merge, the answers after training, the summary file."""
+        written = _finish_output(spec, tokenizer, say)
+        after = _answers(lambda: _result_model(spec), tokenizer, questions, spec, None, "")
+        if questions:
+            say("held-out questions, greedy answers before -> after training:")
+            for q, b, a in zip(questions, before, after):
+                say(f"  Q: {ask_mod.one_line(q.text)}" + (f"   (expected: {ask_mod.one_line(q.expected)})" if q.expected else ""))
+                say(f"     before: {ask_mod.one_line(b)}")
+                say(f"     after:  {ask_mod.one_line(a)}")
+        summary["written"] = written
+        summary["answers"] = [{"question": q.text, "expected": q.expected, "before": b, "after": a}
+                              for q, b, a in zip(questions, before, after)]
         with open(os.path.join(spec.out, "finetune_summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=str)
-        return summary["written"]
-    summary["written"] = job.main_only("writing the output (merge, tokenizer, summary)", write)
+        return {"written": summary["written"], "answers": summary["answers"]}
+    summary.update(job.main_only("writing the output (merge, answers, tokenizer, summary)", write))
     return summary
 
 
@@ -261,19 +289,58 @@ def _mode(spec: FinetuneSpec) -> str:
     return "full" if spec.lora is None else ("lora-merged" if spec.merge else "lora-adapter")
 
 
-def _finish_output(spec: FinetuneSpec, tokenizer) -> List[str]:
+def _finish_output(spec: FinetuneSpec, tokenizer, say) -> List[str]:
     """The tokenizer beside the weights; with ``merge`` the adapter merged into a fresh copy of
-    the base (written in place of the adapter)."""
-    if spec.merge:
+    the base (written in place of the adapter), with ``merged_out`` that copy written there
+    and loaded back to check it."""
+    if spec.merge or spec.merged_out:
         import peft
-        base = load_model(spec.model_dir)
-        merged = peft.PeftModel.from_pretrained(base, spec.out).merge_and_unload()
-        for f in ("adapter_model.safetensors", "adapter_config.json"):
-            if os.path.exists(os.path.join(spec.out, f)):
-                os.remove(os.path.join(spec.out, f))
-        merged.save_pretrained(spec.out)
+        from transformers import AutoModelForCausalLM
+        model = peft.PeftModel.from_pretrained(load_model(spec.model_dir), spec.out)
+        if spec.merged_out:
+            probe = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.",
+                                            add_special_tokens=False)["input_ids"]])
+            with torch.no_grad():
+                expect = model(input_ids=probe).logits
+        merged = model.merge_and_unload()
+        dest = spec.out if spec.merge else spec.merged_out
+        if spec.merge:
+            for f in ("adapter_model.safetensors", "adapter_config.json"):
+                if os.path.exists(os.path.join(spec.out, f)):
+                    os.remove(os.path.join(spec.out, f))
+        merged.save_pretrained(dest)
+        tokenizer.save_pretrained(dest)
+        del model, merged
+        if spec.merged_out:        # what a user of the copy does: from_pretrained, then the same logits
+            with torch.no_grad():
+                got = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32)(input_ids=probe).logits
+            say(f"merged copy {dest}/: AutoModelForCausalLM.from_pretrained loads it; its logits differ from the "
+                f"base + adapter's (PeftModel) by {float((got - expect).abs().max()):.1e} at most")
     tokenizer.save_pretrained(spec.out)
     return sorted(f for f in os.listdir(spec.out) if not f.startswith("checkpoint-"))
+
+
+def _result_model(spec: FinetuneSpec):
+    """The written result, loaded as a user would: the merged copy or the full model with
+    from_pretrained, an adapter with PeftModel.from_pretrained on the base."""
+    from transformers import AutoModelForCausalLM
+    if spec.lora is None or spec.merge or spec.merged_out:
+        return AutoModelForCausalLM.from_pretrained(spec.merged_out or spec.out, dtype=torch.float32)
+    import peft
+    return peft.PeftModel.from_pretrained(load_model(spec.model_dir), spec.out)
+
+
+def _answers(load: Callable, tokenizer, questions, spec: FinetuneSpec, say, title: str) -> List[str]:
+    """The greedy answers of the model ``load()`` returns (loaded only when there are
+    questions, freed after); with ``say``, printed under ``title``."""
+    if not questions:
+        return []
+    got = ask_mod.answers(load(), tokenizer, questions, spec.ask_tokens)
+    if say:
+        say(f"asked {len(got)} question(s) from {spec.ask} {title}:")
+        for q, a in zip(questions, got):
+            say(f"  Q: {ask_mod.one_line(q.text)}\n     A: {ask_mod.one_line(a)}")
+    return got
 
 
 def loss_fell(losses: Sequence[tuple], k: int = 3) -> Optional[tuple]:
