@@ -395,6 +395,41 @@ def pool_held():
         pool_release(L)
 
 
+# Frozen-weight dequantization (native/quant.c; formats in offload/quantize.py).
+QFMT_NF4, QFMT_INT8_ROWS = 0, 1   # enum offload_qformat
+
+
+class DequantArgs(ctypes.Structure):
+    """Mirror of offload_dequant_args: one dequantization of n elements (raw addresses)."""
+    _fields_ = [("codes", ctypes.c_void_p), ("absmax", ctypes.c_void_p), ("absmax_q", ctypes.c_void_p),
+                ("absmax_scale", ctypes.c_void_p), ("absmax_code", ctypes.c_void_p), ("code", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("n", ctypes.c_int64), ("blocksize", ctypes.c_int64),
+                ("absmax_offset", ctypes.c_float), ("format", ctypes.c_int32), ("out_dtype", ctypes.c_int32)]
+
+
+def _dequantize_fn(L: ctypes.CDLL):
+    fn = _kernels.get("dequantize")
+    if fn is None:
+        try:
+            size, fn = L.offload_dequant_args_size, L.offload_dequantize
+        except AttributeError:
+            raise OSError("the native library has no offload_dequantize: rebuild with `make native`") from None
+        size.argtypes, size.restype = [], ctypes.c_int64
+        if size() != ctypes.sizeof(DequantArgs):
+            raise OSError(f"struct DequantArgs is {ctypes.sizeof(DequantArgs)} bytes here but {size()} in the "
+                          f"library: rebuild with `make native`")
+        fn.argtypes, fn.restype = [ctypes.POINTER(DequantArgs)], ctypes.c_int
+        _kernels["dequantize"] = fn
+    return fn
+
+
+def dequantize(L: ctypes.CDLL, args: DequantArgs) -> None:
+    """One pass of offload_dequantize over the pool, at the kernels' ISA. Shapes and dtypes
+    are checked by the caller (offload/quantize.py); the library re-checks codes, sizes and
+    null pointers. Releases the GIL."""
+    _kernel_check(_dequantize_fn(L)(ctypes.byref(args)), "offload_dequantize")
+
+
 def _kernel_info(lib: ctypes.CDLL) -> dict:
     return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "best_isa": ISA_NAMES[lib.offload_kernel_best_isa()],
             "isa_setting": isa_setting(), "threads": lib.offload_kernel_get_num_threads(),
