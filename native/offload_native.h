@@ -147,6 +147,19 @@ typedef struct offload_dequant_args {
 } offload_dequant_args;
 OFFLOAD_API int offload_dequantize(const offload_dequant_args *a);
 OFFLOAD_API int64_t offload_dequant_args_size(void); /* checked by _native.py */
+/* The other way: x (in_dtype f32 | bf16 | f16) [n] into codes (as above) and absmax [ceil(n /
+ * blocksize)] (NF4 with single fp32 scales; the double quantization is offload/quantize.py's).
+ * NF4 takes code fp32 [16], sorted. */
+typedef struct offload_quant_args {
+    const void *x;
+    uint8_t *codes;
+    float *absmax;
+    const float *code;
+    int64_t n, blocksize;
+    int32_t format, in_dtype;
+} offload_quant_args;
+OFFLOAD_API int offload_quantize(const offload_quant_args *a);
+OFFLOAD_API int64_t offload_quant_args_size(void); /* checked by _native.py */
 
 /* Benchmark probe (native/probe.c): the in-place traffic of a rule without its arithmetic:
  * rw[k] += scale * d for k < nrw (read nrw + 1 fp32 arrays, write nrw), same pool and ISA;

@@ -407,19 +407,28 @@ class DequantArgs(ctypes.Structure):
                 ("absmax_offset", ctypes.c_float), ("format", ctypes.c_int32), ("out_dtype", ctypes.c_int32)]
 
 
-def _dequantize_fn(L: ctypes.CDLL):
-    fn = _kernels.get("dequantize")
+class QuantArgs(ctypes.Structure):
+    """Mirror of offload_quant_args: one quantization of n elements (raw addresses)."""
+    _fields_ = [("x", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("absmax", ctypes.c_void_p),
+                ("code", ctypes.c_void_p), ("n", ctypes.c_int64), ("blocksize", ctypes.c_int64),
+                ("format", ctypes.c_int32), ("in_dtype", ctypes.c_int32)]
+
+
+def _quant_fn(L: ctypes.CDLL, name: str, args_type: type):
+    """offload_<name>, declared and its args struct checked against args_type once."""
+    fn = _kernels.get(name)
     if fn is None:
+        size_name = {"dequantize": "offload_dequant_args_size", "quantize": "offload_quant_args_size"}[name]
         try:
-            size, fn = L.offload_dequant_args_size, L.offload_dequantize
+            size, fn = getattr(L, size_name), getattr(L, f"offload_{name}")
         except AttributeError:
-            raise OSError("the native library has no offload_dequantize: rebuild with `make native`") from None
+            raise OSError(f"the native library has no offload_{name}: rebuild with `make native`") from None
         size.argtypes, size.restype = [], ctypes.c_int64
-        if size() != ctypes.sizeof(DequantArgs):
-            raise OSError(f"struct DequantArgs is {ctypes.sizeof(DequantArgs)} bytes here but {size()} in the "
-                          f"library: rebuild with `make native`")
-        fn.argtypes, fn.restype = [ctypes.POINTER(DequantArgs)], ctypes.c_int
-        _kernels["dequantize"] = fn
+        if size() != ctypes.sizeof(args_type):
+            raise OSError(f"struct {args_type.__name__} is {ctypes.sizeof(args_type)} bytes here but {size()} in "
+                          f"the library: rebuild with `make native`")
+        fn.argtypes, fn.restype = [ctypes.POINTER(args_type)], ctypes.c_int
+        _kernels[name] = fn
     return fn
 
 
@@ -427,7 +436,12 @@ def dequantize(L: ctypes.CDLL, args: DequantArgs) -> None:
     """One pass of offload_dequantize over the pool, at the kernels' ISA. Shapes and dtypes
     are checked by the caller (offload/quantize.py); the library re-checks codes, sizes and
     null pointers. Releases the GIL."""
-    _kernel_check(_dequantize_fn(L)(ctypes.byref(args)), "offload_dequantize")
+    _kernel_check(_quant_fn(L, "dequantize", DequantArgs)(ctypes.byref(args)), "offload_dequantize")
+
+
+def quantize(L: ctypes.CDLL, args: QuantArgs) -> None:
+    """One pass of offload_quantize (codes and absmax written), as ``dequantize``."""
+    _kernel_check(_quant_fn(L, "quantize", QuantArgs)(ctypes.byref(args)), "offload_quantize")
 
 
 def _kernel_info(lib: ctypes.CDLL) -> dict:

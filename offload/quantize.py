@@ -19,12 +19,13 @@ bits per weight for the scales.
 
 int8 per row (LLM.int8()'s vector-wise quantization, bitsandbytes' ``int8_vectorwise_quant``):
 a 2-D tensor's row r keeps ``absmax[r] = max |x_r|`` (fp32) and ``q = round(x * (127 /
-absmax[r]))`` (half to even; an all-zero row stores zeros); its values are
+absmax[r]))`` (half to even, within [-127, 127]; an all-zero row stores zeros); its values are
 ``(q * absmax[r]) * fp32(1 / 127)``.
 
-``dequantize_nf4`` / ``dequantize_int8_rows`` run the native SIMD kernels (native/quant.c)
-when the library is in use and else the torch reference (``*_reference``), which computes
-the same fp32 products: both give the same bits.
+``quantize_*`` and ``dequantize_*`` run the native SIMD kernels (native/quant.c) when the
+library is in use and else the torch reference (``*_reference``), which computes the same
+fp32 operations: both give the same bits (the double quantization of the absmax is torch's
+either way: 1/64 of the elements).
 """
 from __future__ import annotations
 
@@ -136,17 +137,9 @@ def _blockwise_absmax(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.cat(parts).float()
 
 
-def quantize_nf4(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool = False) -> NF4Tensor:
-    """``x`` (fp32 / bf16 / fp16, any shape, CPU) as NF4; ``double_quant``: the absmax values
-    8-bit quantized as QLoRA does. Equals bitsandbytes' ``quantize_4bit(x, blocksize,
-    quant_type="nf4", compress_statistics=double_quant)`` bit for bit (tests/test_quantize.py)."""
-    _check_input(x, "quantize_nf4")
-    if blocksize < 2 or blocksize % 2:
-        raise ValueError(f"blocksize={blocksize}: use an even number of elements (QLoRA uses 64)")
-    flat = x.detach().reshape(-1).float()
+def _nf4_codes_reference(flat: torch.Tensor, blocksize: int) -> tuple:
+    """The torch reference of NF4's codes: (packed, absmax) of a flat fp32 tensor."""
     n = flat.numel()
-    if n == 0:
-        raise ValueError("quantize_nf4 of an empty tensor: nothing to store")
     absmax = _blockwise_absmax(flat, blocksize)
     with torch.no_grad():
         inv = 1.0 / absmax.clamp(min=1e-38)
@@ -155,7 +148,45 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool
         if n % 2:
             scaled = torch.cat([scaled, scaled.new_zeros(1)])
         q = torch.bucketize(scaled, _nf4_midpoints(), out_int32=True).to(torch.uint8)
-        packed = (q[0::2] << 4) | q[1::2]
+        return (q[0::2] << 4) | q[1::2], absmax
+
+
+def _check_nf4_args(x: torch.Tensor, blocksize: int) -> None:
+    _check_input(x, "quantize_nf4")
+    if blocksize < 2 or blocksize % 2:
+        raise ValueError(f"blocksize={blocksize}: use an even number of elements (QLoRA uses 64)")
+    if x.numel() == 0:
+        raise ValueError("quantize_nf4 of an empty tensor: nothing to store")
+
+
+def quantize_nf4(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool = False) -> NF4Tensor:
+    """``x`` (fp32 / bf16 / fp16, any shape, CPU) as NF4; ``double_quant``: the absmax values
+    8-bit quantized as QLoRA does. Equals bitsandbytes' ``quantize_4bit(x, blocksize,
+    quant_type="nf4", compress_statistics=double_quant)`` bit for bit (tests/test_quantize.py).
+    The codes come from the native kernel when the library is in use, else from the torch
+    reference (``quantize_nf4_reference``; the same bits)."""
+    _check_nf4_args(x, blocksize)
+    L = _native.lib()
+    if L is None:
+        return quantize_nf4_reference(x, blocksize, double_quant)
+    src = x.detach().contiguous()
+    n = src.numel()
+    packed, absmax = torch.empty((n + 1) // 2, dtype=torch.uint8), torch.empty(nblocks_of(n, blocksize))
+    _native.quantize(L, _native.QuantArgs(x=src.data_ptr(), codes=packed.data_ptr(), absmax=absmax.data_ptr(),
+                                          code=nf4_code().data_ptr(), n=n, blocksize=blocksize,
+                                          format=_native.QFMT_NF4, in_dtype=_OUT_DTYPES[src.dtype]))
+    return _nf4_tensor(packed, absmax, x, blocksize, double_quant)
+
+
+def quantize_nf4_reference(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool = False) -> NF4Tensor:
+    """``quantize_nf4`` in torch alone (the reference and the fallback)."""
+    _check_nf4_args(x, blocksize)
+    packed, absmax = _nf4_codes_reference(x.detach().reshape(-1).float(), blocksize)
+    return _nf4_tensor(packed, absmax, x, blocksize, double_quant)
+
+
+def _nf4_tensor(packed: torch.Tensor, absmax: torch.Tensor, x: torch.Tensor, blocksize: int,
+                double_quant: bool) -> NF4Tensor:
     if not double_quant:
         return NF4Tensor(packed, absmax, x.shape, x.dtype, blocksize)
     offset = absmax.mean()
@@ -221,18 +252,39 @@ def dequantize_nf4(t: NF4Tensor, dtype: Optional[torch.dtype] = None,
     return out
 
 
-def quantize_int8_rows(x: torch.Tensor) -> Int8RowTensor:
-    """A 2-D ``x`` (fp32 / bf16 / fp16, CPU) as int8 per row; equals bitsandbytes'
-    ``int8_vectorwise_quant(x)`` (threshold 0) where its rows are not all zero."""
+def _check_int8_args(x: torch.Tensor) -> None:
     _check_input(x, "quantize_int8_rows")
     if x.dim() != 2:
         raise ValueError(f"quantize_int8_rows takes a 2-D tensor (rows, cols), got shape {tuple(x.shape)}: "
                          f"reshape it first")
+
+
+def quantize_int8_rows(x: torch.Tensor) -> Int8RowTensor:
+    """A 2-D ``x`` (fp32 / bf16 / fp16, CPU) as int8 per row; equals bitsandbytes'
+    ``int8_vectorwise_quant(x)`` (threshold 0) where its rows are not all zero. Native kernel
+    when the library is in use, else ``quantize_int8_rows_reference`` (the same bits)."""
+    _check_int8_args(x)
+    L = _native.lib()
+    if L is None or x.numel() == 0:
+        return quantize_int8_rows_reference(x)
+    src = x.detach().contiguous()
+    codes, absmax = torch.empty(src.shape, dtype=torch.int8), torch.empty(src.shape[0])
+    _native.quantize(L, _native.QuantArgs(x=src.data_ptr(), codes=codes.data_ptr(), absmax=absmax.data_ptr(),
+                                          n=src.numel(), blocksize=src.shape[1], format=_native.QFMT_INT8_ROWS,
+                                          in_dtype=_OUT_DTYPES[src.dtype]))
+    return Int8RowTensor(codes, absmax, x.dtype)
+
+
+def quantize_int8_rows_reference(x: torch.Tensor) -> Int8RowTensor:
+    """``quantize_int8_rows`` in torch alone (the reference and the fallback). Codes are clamped
+    to [-127, 127] (which moves values only where 127 / absmax overflows: a denormal absmax)
+    and NaN stores 0."""
+    _check_int8_args(x)
     with torch.no_grad():
         xf = x.detach().float()
         absmax = xf.abs().amax(dim=1)
         factor = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-        codes = torch.round(xf * factor[:, None]).to(torch.int8)
+        codes = torch.round(xf * factor[:, None]).clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
     return Int8RowTensor(codes, absmax, x.dtype)
 
 

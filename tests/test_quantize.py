@@ -179,6 +179,67 @@ def test_every_isa_equals_the_reference(kind):
         _native.kernel_set_isa(L, None)
 
 
+def _adversarial_weights(n: int, gen) -> torch.Tensor:
+    """n values with, in each block of 64, NF4's midpoints and their neighbouring floats at the
+    block's scale (a maximum of 1, times a power of two), and blocks of zeros, of denormals,
+    with +-inf, with NaN, with -0.0."""
+    code = Q.nf4_code()
+    mid = (code[:-1] + code[1:]) / 2
+    tricky = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0))])
+    x = torch.rand(n, generator=gen) * 2 - 1
+    for b, blk in enumerate(x.split(64)):
+        k = b % 8
+        if k == 1:
+            blk.zero_()
+        elif k == 2:
+            blk.mul_(1e-39)
+        elif k == 3:
+            blk[::7] = float("inf") if b % 16 < 8 else -float("inf")
+        elif k == 4:
+            blk[-1] = float("nan")
+        elif k == 5:
+            blk[::3] = -0.0
+        else:
+            m = min(blk.numel(), tricky.numel())
+            blk[:m] = tricky[torch.randperm(tricky.numel(), generator=gen)[:m]]
+            blk[0] = 1.0
+            blk.mul_(2.0 ** (b % 11 - 5))
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_quantize_equals_the_reference(dtype):
+    """The native quantizers (NF4 codes and absmax; int8 rows' codes and absmax) at every ISA
+    store the torch reference's bytes, from fp32, bf16 and fp16 inputs at unaligned
+    addresses: odd sizes and short last blocks, values at and beside the midpoints, zero,
+    denormal, inf and NaN blocks, -0.0."""
+    L, isas = _isas()
+    if L is None:
+        pytest.skip("the native library is not in use")
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for n, off in ((1, 0), (63, 1), (64 * 17 + 5, 3), (64 * 700, 2)):
+            x = _unaligned(_adversarial_weights(n, gen).to(dtype), off)
+            want = Q.quantize_nf4_reference(x, double_quant=True)
+            rows = x[: n - n % 13].view(13, -1) if n >= 13 else x.view(1, -1)
+            want8 = Q.quantize_int8_rows_reference(rows)
+            for isa in isas:
+                _native.kernel_set_isa(L, isa)
+                got = Q.quantize_nf4(x, double_quant=True)
+                assert torch.equal(got.packed, want.packed), (isa, dtype, n)
+                assert torch.equal(got.absmax_q, want.absmax_q) and torch.equal(got.absmax_scale, want.absmax_scale)
+                assert got.absmax_offset == want.absmax_offset or (got.absmax_offset != got.absmax_offset and
+                                                                   want.absmax_offset != want.absmax_offset)
+                got8 = Q.quantize_int8_rows(rows)
+                assert torch.equal(got8.codes, want8.codes), (isa, dtype, n)
+                assert _same_bits(got8.absmax, want8.absmax)
+            _native.kernel_set_isa(L, None)
+            plain, plain_ref = Q.quantize_nf4(x), Q.quantize_nf4_reference(x)
+            assert _same_bits(plain.absmax, plain_ref.absmax) and torch.equal(plain.packed, plain_ref.packed)
+    finally:
+        _native.kernel_set_isa(L, None)
+
+
 def test_torch_fallback_and_bad_input(monkeypatch):
     """OFFLOAD_NATIVE=off dequantizes with the reference; bad arguments name the fix."""
     gen = torch.Generator().manual_seed(6)
@@ -186,6 +247,8 @@ def test_torch_fallback_and_bad_input(monkeypatch):
     t, r = Q.quantize_nf4(x, double_quant=True), Q.quantize_int8_rows(x)
     native = Q.dequantize_nf4(t), Q.dequantize_int8_rows(r)
     monkeypatch.setenv("OFFLOAD_NATIVE", "off")
+    assert torch.equal(Q.quantize_nf4(x, double_quant=True).packed, t.packed)
+    assert torch.equal(Q.quantize_int8_rows(x).codes, r.codes)
     assert torch.equal(Q.dequantize_nf4(t), Q.dequantize_nf4_reference(t)) and torch.equal(native[0], Q.dequantize_nf4(t))
     assert torch.equal(Q.dequantize_int8_rows(r), native[1])
     assert Q.dequantize_nf4(t).shape == x.shape
