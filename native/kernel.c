@@ -123,6 +123,10 @@ int kernel_job_init(struct kjob *j, const offload_step_args *a, int rows_min, in
             t->last[g] = t->mid[16 * g + 15];
             for (int k = 0; k < 15; k++) t->mt[k][g] = t->mid[16 * g + k];
         }
+        for (int g = 0; g < 8; g++) {
+            t->last8[g] = t->mid[32 * g + 31];
+            for (int k = 0; k < 31; k++) t->mt8[k][g] = t->mid[32 * g + k];
+        }
         j->q8[r] = t;
     }
     return 0;
@@ -183,9 +187,22 @@ TARGET_f32x16 static float q8_absmax_avx512(const float *x, int64_t nb) {
     return absmax;
 }
 
-TARGET_f32x8 static int64_t q8_quant_avx2(uint8_t *q, const float *mid, const float *x, float inv, int64_t nb) {
+TARGET_f32x8 static float q8_absmax_avx2(const float *x, int64_t nb) {
+    __m256 m = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MAX));
     int64_t i = 0;
-    for (; i + 8 <= nb; i += 8) q8_quant_8(q + i, mid, (f32x8)_mm256_loadu_ps(x + i) * inv);
+    for (; i + 8 <= nb; i += 8) /* vmaxps returns its second operand when either is NaN */
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs), m);
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float absmax = _mm_cvtss_f32(_mm_max_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    for (; i < nb; i++) absmax = fabsf(x[i]) > absmax ? fabsf(x[i]) : absmax;
+    return absmax;
+}
+
+TARGET_f32x8 static int64_t q8_quant_avx2(uint8_t *q, const struct q8_table *tab, const float *x, float inv, int64_t nb) {
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8) q8_quant_8(q + i, tab, (f32x8)_mm256_loadu_ps(x + i) * inv);
     return i;
 }
 #endif
@@ -207,6 +224,7 @@ static void q8_quant(const struct kjob *j, int r, int64_t b0, int64_t nb, const 
     float absmax = 0.0f;
 #ifdef HAVE_X86
     if (j->isa >= OFFLOAD_ISA_AVX512) absmax = q8_absmax_avx512(x, nb);
+    else if (j->isa == OFFLOAD_ISA_AVX2) absmax = q8_absmax_avx2(x, nb);
     else
 #endif
         for (int64_t i = 0; i < nb; i++) {
@@ -218,7 +236,7 @@ static void q8_quant(const struct kjob *j, int r, int64_t b0, int64_t nb, const 
     int64_t i = 0;
 #ifdef HAVE_X86
     if (j->isa >= OFFLOAD_ISA_AVX512) i = q8_quant_avx512(q, j->q8[r], x, inv, nb);
-    else if (j->isa == OFFLOAD_ISA_AVX2) i = q8_quant_avx2(q, mid, x, inv, nb);
+    else if (j->isa == OFFLOAD_ISA_AVX2) i = q8_quant_avx2(q, j->q8[r], x, inv, nb);
 #endif
     for (; i < nb; i++) q[i] = q8_index_scalar(mid, x[i] * inv);
 }

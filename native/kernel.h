@@ -112,12 +112,14 @@ KINLINE int dtype_size(int dtype) {
 #define KERNEL_MAX_ROWS 2
 #define KERNEL_HP_BYTES 64 /* room for any rule's hparams struct (checked at compile time) */
 
-/* A row's int8 code, its midpoints, and the midpoints laid out for the 16-lane search. */
+/* A row's int8 code, its midpoints, and the midpoints laid out for the 16- and 8-lane searches. */
 struct q8_table {
     float code[256];     /* sorted values in [-1, 1] */
     float mid[256];      /* mid[k] = (code[k] + code[k + 1]) / 2, mid[255] = +inf */
     float last[16];      /* last[g] = mid[16 g + 15] */
     float mt[15][16];    /* mt[t][g] = mid[16 g + t] */
+    float last8[8];      /* last8[g] = mid[32 g + 31] */
+    float mt8[31][8];    /* mt8[t][g] = mid[32 g + t] */
 };
 
 struct kjob {
@@ -400,20 +402,40 @@ I512 void q8_quant_16(const struct q8_tables16 *t, uint8_t *q, f32x16 xv) {
                                   _mm512_set1_epi32(1));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(k));
 }
+/* The 8-lane lookups, without gathers either (a gather costs tens of cycles under the
+ * gather-data-sampling mitigation, and the search below would chain eight of them).
+ * Dequantize: eight scalar loads of code[q] into one vector (the table stays in L1).
+ * Quantize: q = #{k : x > mid[k]} in two levels: the group g = #{groups of 32 whose last
+ * midpoint mid[32 g + 31] is below x} (7 broadcast comparisons), then the count of the
+ * group's other 31 midpoints below x, each looked up by g in an 8-entry register
+ * (mt8[t][g] = mid[32 g + t], one vpermps). The same comparisons as the scalar search (a
+ * NaN compares false everywhere: 0): the same index. */
 I256 f32x8 q8_dequant_8(const uint8_t *q, const float *code, float scale) {
-    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-    return (f32x8)_mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(scale));
+    uint64_t w;
+    memcpy(&w, q, 8);
+    const __m256 v = _mm256_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255], code[(w >> 24) & 255],
+                                    code[(w >> 32) & 255], code[(w >> 40) & 255], code[(w >> 48) & 255], code[w >> 56]);
+    return (f32x8)_mm256_mul_ps(v, _mm256_set1_ps(scale));
 }
-I256 void q8_quant_8(uint8_t *q, const float *mid, f32x8 x) {
-    __m256i k = _mm256_setzero_si256();
-    for (int step = 128; step >= 1; step >>= 1) {
-        __m256i probe = _mm256_add_epi32(k, _mm256_set1_epi32(step - 1));
-        __m256 gt = _mm256_cmp_ps((__m256)x, _mm256_i32gather_ps(mid, probe, 4), _CMP_GT_OQ);
-        k = _mm256_add_epi32(k, _mm256_and_si256(_mm256_castps_si256(gt), _mm256_set1_epi32(step)));
+I256 void q8_quant_8(uint8_t *q, const struct q8_table *t, f32x8 xv) {
+    const __m256 x = (__m256)xv;
+    __m256i g = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int k = 0; k < 7; k++) /* a true comparison is -1: subtracting it counts */
+        g = _mm256_sub_epi32(g, _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_set1_ps(t->last8[k]), _CMP_GT_OQ)));
+    /* unrolled, two running counts: no loop overhead and half the add chain */
+    __m256i k0 = _mm256_slli_epi32(g, 5), k1 = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int j = 0; j < 30; j += 2) {
+        const __m256 m0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->mt8[j]), g);
+        const __m256 m1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->mt8[j + 1]), g);
+        k0 = _mm256_sub_epi32(k0, _mm256_castps_si256(_mm256_cmp_ps(x, m0, _CMP_GT_OQ)));
+        k1 = _mm256_sub_epi32(k1, _mm256_castps_si256(_mm256_cmp_ps(x, m1, _CMP_GT_OQ)));
     }
-    int32_t out[8];
-    _mm256_storeu_si256((__m256i *)out, k);
-    for (int l = 0; l < 8; l++) q[l] = (uint8_t)out[l];
+    const __m256 m30 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->mt8[30]), g);
+    const __m256i k = _mm256_sub_epi32(_mm256_add_epi32(k0, k1), _mm256_castps_si256(_mm256_cmp_ps(x, m30, _CMP_GT_OQ)));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1)); /* 0..255 */
+    _mm_storel_epi64((__m128i *)q, _mm_packus_epi16(w, w));
 }
 
 /* The line KERNEL_PREFETCH_ELEMS ahead of element i of each array the loop reads (and, in

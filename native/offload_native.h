@@ -121,6 +121,46 @@ OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */
 
+/* Dequantization of frozen weights (native/quant.c; the formats: offload/quantize.py).
+ *   codes        NF4: uint8 [ceil(n / 2)], element i in byte i / 2, the high half for even i;
+ *                INT8_ROWS: int8 [n], row-major
+ *   absmax       fp32 [ceil(n / blocksize)]: each block's scale (INT8_ROWS: each row's absmax);
+ *                unused when absmax_q is set
+ *   absmax_q     NF4 only, NULL or uint8 [ceil(n / blocksize)]: the scales double-quantized,
+ *                scale[b] = absmax_code[absmax_q[b]] * absmax_scale[b / 256] + absmax_offset
+ *   code         NF4: fp32 [16], the code's values
+ *   out          out_dtype (f32 | bf16 | f16) [n], written rounded to nearest even
+ *   blocksize    elements per scale: NF4 even (64 for QLoRA), INT8_ROWS the row length (n % it == 0)
+ * Any alignment. Runs on the calling thread plus the pool's workers; returns when all are done. */
+enum offload_qformat { OFFLOAD_QFMT_NF4 = 0, OFFLOAD_QFMT_INT8_ROWS = 1 };
+typedef struct offload_dequant_args {
+    const uint8_t *codes;
+    const float *absmax;
+    const uint8_t *absmax_q;
+    const float *absmax_scale;
+    const float *absmax_code;
+    const float *code;
+    void *out;
+    int64_t n, blocksize;
+    float absmax_offset;
+    int32_t format, out_dtype;
+} offload_dequant_args;
+OFFLOAD_API int offload_dequantize(const offload_dequant_args *a);
+OFFLOAD_API int64_t offload_dequant_args_size(void); /* checked by _native.py */
+/* The other way: x (in_dtype f32 | bf16 | f16) [n] into codes (as above) and absmax [ceil(n /
+ * blocksize)] (NF4 with single fp32 scales; the double quantization is offload/quantize.py's).
+ * NF4 takes code fp32 [16], sorted. */
+typedef struct offload_quant_args {
+    const void *x;
+    uint8_t *codes;
+    float *absmax;
+    const float *code;
+    int64_t n, blocksize;
+    int32_t format, in_dtype;
+} offload_quant_args;
+OFFLOAD_API int offload_quantize(const offload_quant_args *a);
+OFFLOAD_API int64_t offload_quant_args_size(void); /* checked by _native.py */
+
 /* Benchmark probe (native/probe.c): the in-place traffic of a rule without its arithmetic:
  * rw[k] += scale * d for k < nrw (read nrw + 1 fp32 arrays, write nrw), same pool and ISA;
  * scale 0 leaves rw's values as they were (d finite). */

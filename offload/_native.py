@@ -5,6 +5,12 @@
   * ``on``: the native library or an ImportError that says how to build it;
   * ``off``: the torch fallback, even when the library is present.
 
+``OFFLOAD_ISA`` picks the instruction set the native kernels dispatch to: ``auto`` (default:
+the best this CPU runs) or one of ``scalar``, ``avx2``, ``avx512``, ``avx512_bf16`` at or below
+it, so that a lower ISA's kernels (the scalar references included) can be run and measured on
+a machine that has a higher one. Every ISA computes the same bits. ``native_info()`` reports
+the ISA in use, the best one and the setting.
+
 ctypes releases the GIL for the duration of every call into the library, so native
 kernels run concurrently with PyTorch work on other threads.
 """
@@ -35,6 +41,15 @@ def mode() -> str:
     return value
 
 
+def isa_setting() -> str:
+    """The OFFLOAD_ISA setting, validated against the ISA names (not yet against the CPU)."""
+    value = os.environ.get("OFFLOAD_ISA", "auto").strip().lower() or "auto"
+    if value != "auto" and value not in ISA_NAMES.values():
+        raise ValueError(f"OFFLOAD_ISA={value!r} is not valid: use auto or one of "
+                         f"{', '.join(ISA_NAMES.values())}")
+    return value
+
+
 def _check_pool_env() -> None:
     """OFFLOAD_POOL (``pthread``: never register the pool with torch's OpenMP runtime; unset or
     ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 0: how
@@ -56,6 +71,7 @@ def _find_library() -> str | None:
 def _load() -> None:
     global _lib, _load_error, _loaded
     _check_pool_env()
+    isa_setting()
     path = _find_library()
     if path is None:
         _load_error = ("the native library offload/_offload_native*.so is not built: "
@@ -68,6 +84,7 @@ def _load() -> None:
                 raise OSError(f"ABI version {version}, expected {_ABI_VERSION}: rebuild with `make native`")
             _declare_kernels(lib)
             _declare_aio(lib)
+            _apply_isa_setting(lib)
             _lib = lib
         except (OSError, AttributeError) as exc:
             _load_error = f"cannot load {path}: {exc}"
@@ -201,13 +218,29 @@ def kernel_set_num_threads(L: ctypes.CDLL, n: int) -> None:
 
 
 def kernel_set_isa(L: ctypes.CDLL, isa: str | None) -> None:
-    """Force the kernels' ISA by name (tests, benchmarks); None restores automatic dispatch."""
+    """Force the kernels' ISA by name (tests, benchmarks); None restores the default (the
+    OFFLOAD_ISA setting, automatic dispatch unless it names an ISA)."""
     codes = {name: code for code, name in ISA_NAMES.items()}
-    if isa is not None and isa not in codes:
+    if isa is None:
+        isa = None if isa_setting() == "auto" else isa_setting()
+    elif isa not in codes:
         raise ValueError(f"unknown ISA {isa!r}: use one of {sorted(codes)} or None")
     rc = L.offload_kernel_set_isa(ISA_AUTO if isa is None else codes[isa])
     if rc < 0:
         raise ValueError(f"this CPU cannot run the {isa} kernel (best: {ISA_NAMES[L.offload_kernel_best_isa()]})")
+
+
+def _apply_isa_setting(L: ctypes.CDLL) -> None:
+    """OFFLOAD_ISA, applied once when the library loads. An ISA this CPU lacks is a
+    ValueError naming the best one (raised by the first ``lib()``, not a silent fallback)."""
+    setting = isa_setting()
+    if setting == "auto":
+        return
+    try:
+        kernel_set_isa(L, setting)
+    except ValueError as exc:
+        raise ValueError(f"OFFLOAD_ISA={setting}: {exc}: unset OFFLOAD_ISA or name an ISA at or below "
+                         f"{best_isa(L)}") from None
 
 
 def best_isa(L: ctypes.CDLL) -> str:
@@ -362,8 +395,58 @@ def pool_held():
         pool_release(L)
 
 
+# Frozen-weight dequantization (native/quant.c; formats in offload/quantize.py).
+QFMT_NF4, QFMT_INT8_ROWS = 0, 1   # enum offload_qformat
+
+
+class DequantArgs(ctypes.Structure):
+    """Mirror of offload_dequant_args: one dequantization of n elements (raw addresses)."""
+    _fields_ = [("codes", ctypes.c_void_p), ("absmax", ctypes.c_void_p), ("absmax_q", ctypes.c_void_p),
+                ("absmax_scale", ctypes.c_void_p), ("absmax_code", ctypes.c_void_p), ("code", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("n", ctypes.c_int64), ("blocksize", ctypes.c_int64),
+                ("absmax_offset", ctypes.c_float), ("format", ctypes.c_int32), ("out_dtype", ctypes.c_int32)]
+
+
+class QuantArgs(ctypes.Structure):
+    """Mirror of offload_quant_args: one quantization of n elements (raw addresses)."""
+    _fields_ = [("x", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("absmax", ctypes.c_void_p),
+                ("code", ctypes.c_void_p), ("n", ctypes.c_int64), ("blocksize", ctypes.c_int64),
+                ("format", ctypes.c_int32), ("in_dtype", ctypes.c_int32)]
+
+
+def _quant_fn(L: ctypes.CDLL, name: str, args_type: type):
+    """offload_<name>, declared and its args struct checked against args_type once."""
+    fn = _kernels.get(name)
+    if fn is None:
+        size_name = {"dequantize": "offload_dequant_args_size", "quantize": "offload_quant_args_size"}[name]
+        try:
+            size, fn = getattr(L, size_name), getattr(L, f"offload_{name}")
+        except AttributeError:
+            raise OSError(f"the native library has no offload_{name}: rebuild with `make native`") from None
+        size.argtypes, size.restype = [], ctypes.c_int64
+        if size() != ctypes.sizeof(args_type):
+            raise OSError(f"struct {args_type.__name__} is {ctypes.sizeof(args_type)} bytes here but {size()} in "
+                          f"the library: rebuild with `make native`")
+        fn.argtypes, fn.restype = [ctypes.POINTER(args_type)], ctypes.c_int
+        _kernels[name] = fn
+    return fn
+
+
+def dequantize(L: ctypes.CDLL, args: DequantArgs) -> None:
+    """One pass of offload_dequantize over the pool, at the kernels' ISA. Shapes and dtypes
+    are checked by the caller (offload/quantize.py); the library re-checks codes, sizes and
+    null pointers. Releases the GIL."""
+    _kernel_check(_quant_fn(L, "dequantize", DequantArgs)(ctypes.byref(args)), "offload_dequantize")
+
+
+def quantize(L: ctypes.CDLL, args: QuantArgs) -> None:
+    """One pass of offload_quantize (codes and absmax written), as ``dequantize``."""
+    _kernel_check(_quant_fn(L, "quantize", QuantArgs)(ctypes.byref(args)), "offload_quantize")
+
+
 def _kernel_info(lib: ctypes.CDLL) -> dict:
-    return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "threads": lib.offload_kernel_get_num_threads(),
+    return {"isa": ISA_NAMES[lib.offload_kernel_isa()], "best_isa": ISA_NAMES[lib.offload_kernel_best_isa()],
+            "isa_setting": isa_setting(), "threads": lib.offload_kernel_get_num_threads(),
             "pool": lib.offload_pool_runtime().decode(), "pool_linger_s": lib.offload_pool_linger_ns() / 1e9}
 # END KERNEL SECTION
 

@@ -316,6 +316,85 @@ def test_quantize_picks_nearest_code(signed):
     assert ((back - x).abs()[big] / x.abs()[big]).max().item() <= half_gap * 1.001 < 0.3
 
 
+def _adversarial_block_values(signed: bool) -> torch.Tensor:
+    """Values for int8 quantization with a block maximum of 1: every midpoint of the code
+    and its neighbouring floats, the codes themselves, +-0, denormals, +-inf, NaN."""
+    code = quant.dynamic_map(signed)
+    mid = (code[:-1] + code[1:]) * 0.5
+    up, down = torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0))
+    x = torch.cat([mid, up, down, code, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45, float("nan")])])
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_int8_quantization_at_midpoints_every_isa(signed, monkeypatch):
+    """The kernels' int8 requantization on the values where a search can go wrong (exact
+    midpoints and their neighbours, ties, zeros of both signs, denormals, NaN; blocks whose
+    maximum is inf or a denormal): every ISA stores the codes and scales of the torch reference
+    (quant.quantize), bit for bit. SGD with momentum at its first step stores the gradient in
+    its one row, so the row is the quantization of chosen values; odd sizes, a short last block."""
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+    try:
+        L = _native.lib()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    x = _adversarial_block_values(signed)
+    gen = torch.Generator().manual_seed(5)
+    parts = []
+    for scale in (1.0, 0.37, 3e-39):          # block maxima 1, 0.37 and a denormal
+        v = x[torch.randperm(x.numel(), generator=gen)] * scale
+        for b0 in range(0, v.numel(), quant.BLOCK - 1):
+            parts += [torch.tensor([scale]), v[b0:b0 + quant.BLOCK - 1]]
+    inf_block = torch.randn(quant.BLOCK, generator=gen)
+    inf_block[7] = float("inf")
+    g = torch.cat(parts + [inf_block if signed else inf_block.abs(), x[:77]])
+    rule, group = get_rule("SGD"), dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
+    want_codes, want_absmax = torch.empty(g.numel(), dtype=torch.uint8), torch.empty(quant.nblocks(g.numel()))
+    quant.quantize(g, want_codes, want_absmax, signed=True)   # momentum is a signed row
+    isas = [n for c, n in sorted(_native.ISA_NAMES.items()) if c <= L.offload_kernel_best_isa()]
+    try:
+        for isa in isas:
+            _native.kernel_set_isa(L, isa)
+            p = torch.zeros(g.numel())
+            st = rule.init_state(p, group, "int8")
+            rule.cpu_step(p, g, st, group, 1)
+            assert torch.equal(st["momentum_buffer"], want_codes), isa
+            assert torch.equal(st["momentum_buffer_absmax"], want_absmax), isa
+    finally:
+        _native.kernel_set_isa(L, None)
+
+
+def test_offload_isa_setting(monkeypatch):
+    """OFFLOAD_ISA forces the kernels' ISA (reported by native_info), stays the default that
+    kernel_set_isa(None) returns to, and a bad value is an error naming the valid ones."""
+    monkeypatch.setenv("OFFLOAD_NATIVE", "on")
+    try:
+        L = _native.lib()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setenv("OFFLOAD_ISA", "avx3")
+    with pytest.raises(ValueError, match="OFFLOAD_ISA='avx3' is not valid: use auto or one of scalar, avx2"):
+        _native.isa_setting()
+    lower = "avx2" if L.offload_kernel_best_isa() >= 1 else "scalar"
+    try:
+        monkeypatch.setenv("OFFLOAD_ISA", lower)
+        _native._apply_isa_setting(L)
+        info = _native.native_info()
+        assert (info["isa"], info["isa_setting"]) == (lower, lower)
+        assert info["best_isa"] == _native.best_isa(L)
+        _native.kernel_set_isa(L, "scalar")
+        _native.kernel_set_isa(L, None)
+        assert _native.native_info()["isa"] == lower
+        if L.offload_kernel_best_isa() < max(_native.ISA_NAMES):
+            monkeypatch.setenv("OFFLOAD_ISA", _native.ISA_NAMES[max(_native.ISA_NAMES)])
+            with pytest.raises(ValueError, match="unset OFFLOAD_ISA or name an ISA at or below"):
+                _native._apply_isa_setting(L)
+    finally:
+        monkeypatch.delenv("OFFLOAD_ISA")
+        _native.kernel_set_isa(L, None)
+    assert _native.native_info()["isa"] == _native.best_isa(L)
+
+
 def test_int8_state_bytes_per_param():
     adam = get_rule("AdamW")
     assert adam.bytes_per_param("host", "int8") <= 6.2

@@ -11,7 +11,7 @@ spans many decades). Signed rows (exp_avg, momentum) use the signed map; non-neg
 Quantizing a block: ``absmax = max |x|``, then each ``x / absmax`` (computed as
 ``x * (1 / absmax)``) goes to its nearest code: ``q = #{k : x * inv > mid[k]}`` with
 ``mid[k] = (code[k] + code[k + 1]) / 2`` in fp32 (ties to the lower code; an all-zero
-block stores absmax 0 and the code nearest 0). native/kernel.c does exactly this inside the
+block stores absmax 0 and the code nearest 0; NaN, greater than no midpoint, stores code 0). native/kernel.c does exactly this inside the
 fused step (dequantize a block, step it in fp32, requantize), bit for bit the same as the
 torch functions here, which are the fallback and the readable reference.
 
@@ -74,9 +74,10 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed:
         mid = _midpoints(signed)
         start = 0
         for b0, part in enumerate(parts):
-            a = part.abs().nan_to_num(nan=0.0).amax(dim=1)
+            a = part.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(dim=1)  # NaN ignored, inf kept
             inv = torch.where(a > 0, 1.0 / a, torch.zeros_like(a))
-            q = torch.searchsorted(mid, (part * inv[:, None]).contiguous(), side="left")
+            y = (part * inv[:, None]).contiguous()
+            q = torch.searchsorted(mid, y, side="left").masked_fill_(y.isnan(), 0)  # NaN: above no midpoint
             nb = part.shape[0]
             first = start // BLOCK
             absmax[first:first + nb] = a
