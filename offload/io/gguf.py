@@ -10,8 +10,9 @@ tensors are quantized in llama.cpp's layout (transformers permutes and dequantiz
 
 The cache entry is named by the file's name, the dtype and a key over the file's absolute path,
 size and modification time, so an edited or replaced file is converted again. It is written
-into a hidden ``.partial-*`` sibling and renamed into place only when complete: a crash leaves
-no entry that a later run could take for a whole one (the stale partial is removed then).
+into a hidden ``.partial-*`` sibling, synced, and renamed into place only when complete: a crash
+leaves no entry that a later run could take for a whole one (the stale partial is removed then).
+The conversion holds the whole model in host memory once (in ``dtype``); training then streams it.
 ``gguf`` is an optional dependency (``pip install 'offload[gguf]'``).
 """
 from __future__ import annotations
@@ -86,12 +87,14 @@ def convert(src: PathLike, cache_dir: Optional[PathLike] = None, dtype: torch.dt
         (tmp / MARKER).write_text(json.dumps({"source": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                                               "architecture": arch, "file_type": kind,
                                               "dtype": DTYPE_NAMES[dtype]}, indent=2))
+        _sync(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
             if not (target / MARKER).is_file():    # not another run's finished copy: a real failure
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+        _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -177,6 +180,21 @@ def _write(path: pathlib.Path, arch: str, out: pathlib.Path, dtype: torch.dtype)
     del loaded
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+def _sync(d: pathlib.Path) -> None:
+    """The entry's files and directory on disk before it is renamed into place."""
+    for f in d.iterdir():
+        _fsync(f)
+    _fsync(d)
+
+
+def _fsync(p: pathlib.Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove_stale(root: pathlib.Path, name: str) -> None:
