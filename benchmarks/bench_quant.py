@@ -10,6 +10,9 @@ Each ratio is the median over `--pairs` pairs run back to back (a b a b ..., aft
 b), so both methods find the threads awake and the cache as the other left it. The kernels use
 the pool's threads (`--threads`, default all); torch the same count.
 
+Quantization (once per tensor, at load): each format's native quantizer at the best ISA and
+at AVX2 against its torch reference (`<fmt>_quantize_vs_torch`, `<fmt>_quantize_avx2_ms`).
+
 Claims (the last line, one JSON object): `<fmt>_<dtype>_<isa>_vs_copy`: the copy's time over the
 kernel's (1.0: as fast as a copy of its output, i.e. memory-bound; the native ISAs should be
 near each other), `<fmt>_<dtype>_vs_torch`: the torch reference's time over the best ISA's, and
@@ -102,6 +105,20 @@ def main() -> None:
                     claims[f"avx2_vs_best_{fmt}_{dname}"] = round(times[best] / times["avx2"], 2)
                 results[f"{fmt}_{dname}"] = r
                 print(fmt, dname, json.dumps(r), flush=True)
+        quantizers = {"nf4": (Q.quantize_nf4, Q.quantize_nf4_reference),
+                      "int8_rows": (Q.quantize_int8_rows, Q.quantize_int8_rows_reference)}
+        for fmt, (quant, ref) in quantizers.items():
+            r = {}
+            for isa in ([i for i in ("avx2",) if i in isas] + [isas[-1]]):
+                _native.kernel_set_isa(L, isa)
+                ratio, t_native, t_torch = paired(lambda: quant(w), lambda: ref(w), 3)
+                r[f"{isa}_ms"] = round(t_native * 1e3, 2)
+                claims[f"{fmt}_quantize_{isa}_ms"] = r[f"{isa}_ms"]
+            r["torch_ms"] = round(t_torch * 1e3, 2)
+            claims[f"{fmt}_quantize_vs_torch"] = round(ratio, 1)
+            _native.kernel_set_isa(L, None)
+            results[f"{fmt}_quantize"] = r
+            print(fmt, "quantize", json.dumps(r), flush=True)
     finally:
         _native.kernel_set_isa(L, None)
     print(json.dumps({"benchmark": "bench_quant", "size": n, "threads": threads, "native": _native.native_info(),

@@ -58,14 +58,34 @@ I256 __m256 nf4_lookup_8(__m256 t0, __m256 t1, __m256i idx) { /* code[idx & 15] 
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))); /* bit 3 */
 }
 
+/* f32_to_bf16 of 8 lanes, as int32 lanes holding the 16 bits */
+I256 __m256i bf16_bits_8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+/* 16 values to bf16 with one pack for both halves (st_8 packs each half on its own). */
+I256 void st_bf16_16(void *base, int64_t i, __m256 a, __m256 b) {
+    const __m256i p = _mm256_packus_epi32(bf16_bits_8(a), bf16_bits_8(b)); /* a0-3 b0-3 a4-7 b4-7 */
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm256_permute4x64_epi64(p, 0xD8));
+}
+
 TARGET_f32x8 static void nf4_block_avx2(const offload_dequant_args *a, int64_t i, int64_t end, float s) {
     const __m256 t0 = _mm256_loadu_ps(a->code), t1 = _mm256_loadu_ps(a->code + 8), sv = _mm256_set1_ps(s);
     for (; i + 16 <= end; i += 16) { /* i is even: byte i / 2 starts the step */
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(a->codes + (i >> 1))));
         const __m256 even = nf4_lookup_8(t0, t1, _mm256_srli_epi32(b, 4)), odd = nf4_lookup_8(t0, t1, b);
         const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
-        st_8(a->out, a->out_dtype, i, (f32x8)_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sv), 0);
-        st_8(a->out, a->out_dtype, i + 8, (f32x8)_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), sv), 0);
+        const __m256 v0 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sv);
+        const __m256 v1 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), sv);
+        if (a->out_dtype == OFFLOAD_BF16) {
+            st_bf16_16(a->out, i, v0, v1);
+        } else {
+            st_8(a->out, a->out_dtype, i, (f32x8)v0, 0);
+            st_8(a->out, a->out_dtype, i + 8, (f32x8)v1, 0);
+        }
     }
     nf4_block_scalar(a, i, end, s);
 }
