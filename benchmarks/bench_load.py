@@ -84,7 +84,7 @@ def write_checkpoint(out_dir: str, cfg, dtype=torch.bfloat16, shard_bytes: int =
 def _groups(model):
     """The parameter groups the engine loads together: its blocks (every parameter, frozen
     or not, under each block root; the rest last)."""
-    from offload.engine.blocks import auto_block_roots
+    from offload.core.blocks import auto_block_roots
     mods = dict(model.named_modules())
     seen, groups = set(), []
     for r in auto_block_roots(model):

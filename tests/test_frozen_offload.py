@@ -101,7 +101,7 @@ def engine_run(model, data, config, probe=False):
 def block_bytes(model):
     """Device bytes of each block root's parameters as the engine stores them (bf16 base,
     fp32 adapters): a lower bound for the budget."""
-    from offload.engine.blocks import auto_block_roots
+    from offload.core.blocks import auto_block_roots
     mods = dict(model.named_modules())
     return {r: sum(p.numel() * p.element_size() for p in mods[r].parameters()) for r in auto_block_roots(model)}
 

@@ -10,7 +10,7 @@ import torch
 import offload
 from offload import _native
 from offload.engine import landing_copier as lc
-from offload.engine.block_shard import BlockShard
+from offload.core.block_shard import BlockShard
 
 from test_step import batches, cfg, check, make_model, train
 

@@ -188,7 +188,7 @@ def reference(cell: dict, *, fused: bool):
 
 def block_bytes(model: nn.Module, dtype: torch.dtype) -> dict:
     """Device bytes of each block root's parameters stored in ``dtype``."""
-    from offload.engine.blocks import auto_block_roots
+    from offload.core.blocks import auto_block_roots
     mods = dict(model.named_modules())
     size = torch.empty((), dtype=dtype).element_size()
     return {r: sum(p.numel() * size for p in mods[r].parameters()) for r in auto_block_roots(model)}

@@ -5,7 +5,7 @@ import threading
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from offload.engine.telemetry import Telemetry
+from offload.core.telemetry import Telemetry
 
 
 def test_span_times_without_a_profiler_and_enters_no_range(ranges_entered):

@@ -21,7 +21,7 @@ import offload
 import _forked
 import _zero_worker
 from _models import batches, make_model
-from offload.dist import sharding
+from offload.core import sharding
 
 STEPS = 3
 GAS_STEPS = 2      # optimizer steps of the accumulation jobs (two micro-steps each)

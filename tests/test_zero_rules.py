@@ -21,8 +21,8 @@ import torch
 
 import offload
 from _models import batches, make_model
-from offload.dist import sharding
-from offload.engine import blocks as blk
+from offload.core import sharding
+from offload.core import blocks as blk
 from test_zero import CLIP, EPS, STEPS, TOL, max_diff, spawn
 
 LR_AF = 1e-2

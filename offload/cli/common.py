@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import List
 
+from offload import dtypes
 from offload import config as config_mod
 from offload.cli.progress import fmt_bytes
 
@@ -120,7 +121,7 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     g.add_argument("--largest-layer", type=float, help="parameters of the largest layer, e.g. 2e8")
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     g.add_argument("--model", metavar="MOD:FN", help="module:callable building the model (run on the meta device)")
-    g.add_argument("--precision", default="bf16" if not gpt_defaults else "fp32", choices=("fp32", "bf16", "fp16"))
+    g.add_argument("--precision", default="bf16" if not gpt_defaults else "fp32", choices=dtypes.PRECISIONS)
     f = p.add_argument_group("fine-tuning: frozen parameters have no gradient and no optimizer state")
     f.add_argument("--lora-rank", type=int, metavar="R",
                    help="PEFT LoRA adapters of rank R on --lora-targets, the base frozen (with --hf-config, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from offload import dtypes
 from offload.cli.common import CLIError, fmt_bytes
 
 
@@ -69,6 +70,6 @@ def register(sub) -> None:
                         "(from_pretrained loads it), a PEFT model's adapter in PEFT's layout")
     x.add_argument("--peft", choices=("adapter", "merged"), default=None,
                    help="a PEFT model: its adapter in PEFT's layout (default) or merged into the base")
-    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+    x.add_argument("--dtype", choices=dtypes.PRECISIONS, default=None,
                    help="convert floating-point tensors (default: each tensor's training dtype)")
     x.add_argument("--max-shard-size", default=None, help="largest safetensors shard (default 5GB), e.g. 2GB")

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from offload import config as config_mod
+from offload import dtypes
 from offload.cli.common import CLIError, activations_tier, format_summary, prefer_huge_pages
 from offload.cli.progress import Progress
 
@@ -201,7 +202,7 @@ def _model_dir(args, precision: str, say) -> str:
     try:
         if gguf.find(args.model_dir) is None:
             return args.model_dir
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        dtype = dtypes.compute_dtype(precision) if precision in dtypes.PRECISIONS else torch.float32
         return str(gguf.convert(args.model_dir, cache_dir=args.gguf_cache, dtype=dtype, say=say))
     except gguf.GGUFError as exc:
         raise CLIError(str(exc)) from None

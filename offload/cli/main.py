@@ -58,7 +58,7 @@ def _user_errors():
     from offload.planner.estimate import EstimateError
     errs = [EstimateError]
     try:
-        from offload.engine.blocks import ModelError
+        from offload.core.blocks import ModelError
         errs.append(ModelError)
     except ImportError:
         pass

@@ -94,7 +94,7 @@ def read_json(path: str, what: str, fix: str = "", error=ConfigError, missing_er
 OPTIMIZER_HPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "lr_decay",
                      "initial_accumulator_value", "beta2_decay", "d")
 OPTIMIZER_TYPES = ("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor")
-STATE_DTYPES = ("fp32", "bf16", "int8")
+from offload.dtypes import PRECISIONS, STATE_DTYPES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -357,7 +357,7 @@ class Config:
 
     def __post_init__(self):
         _check_finite(self, "")
-        _check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        _check_choice("precision", self.precision, PRECISIONS)
         if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
             raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps!r} must be an integer >= 1")
         _check_positive("gradient_clipping", self.gradient_clipping, allow_zero=True)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Sequence
 
-from offload.engine.block_shard import BlockShard
+from offload.core.block_shard import BlockShard
 from offload.dist.comm import Comm, _Work
-from offload.engine.telemetry import Telemetry
+from offload.core.telemetry import Telemetry
 
 
 class _Pending:

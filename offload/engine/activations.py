@@ -1,7 +1,7 @@
 """Activation offload: tensors saved for backward leave the device during forward and come
 back ahead of their use in backward.
 
-A handler of the saved-tensor chain (engine/hooks.py). ``pack`` claims a saved tensor of at
+A handler of the saved-tensor chain (core/hooks.py). ``pack`` claims a saved tensor of at
 least ``min_bytes`` that is not a parameter, a view of a parameter or a buffer (parameter
 offload owns those), copies it off the device and returns a handle; ``unpack`` returns the
 tensor from the handle, bit for bit, with its shape, strides and dtype. A tensor saved twice
@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from offload import device as dev
-from offload.engine.hooks import NOT_MINE, in_backward
+from offload.core.hooks import NOT_MINE, in_backward
 from offload.engine.read_window import ReadWindow
 from offload.storage.pinned_pool import PAGE, PoolBudgetError
 

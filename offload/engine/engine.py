@@ -47,15 +47,16 @@ import torch
 from torch import nn
 from torch.optim import optimizer as _torch_optimizer
 
-from offload.engine import blocks as blk
+from offload.core import blocks as blk
 from offload import device as dev
-from offload.dist import sharding
-from offload.engine.block_shard import BlockShard
+from offload import dtypes
+from offload.core import sharding
+from offload.core.block_shard import BlockShard
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.engine.grads import GradBuffer
-from offload.engine.hooks import Hooks
+from offload.core.hooks import Hooks
 from offload.engine.memory_plan import GradHome
 from offload.engine.landing_copier import LandingCopier
 from offload.engine.loss_scaler import LossScaler
@@ -66,9 +67,8 @@ from offload.optim.state import OptimState, Tier, chunk_key
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params.residency import ParamState
 from offload.params.writeback import ParamWriteBack
-from offload.engine.telemetry import Telemetry, profiler_range
+from offload.core.telemetry import Telemetry, profiler_range
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ class _StepCounters:
 
 
 class _UpdateAndGrads:
-    """The engine's part of each block's lifecycle (a participant of engine/hooks.py): a
+    """The engine's part of each block's lifecycle (a participant of core/hooks.py): a
     block's update lands before any module reads its parameters (its own module and modules
     sharing a tied parameter); each parameter's gradient leaves the device as it accumulates,
     and a block whose gradients are all in is complete (StepControl is told; it tells the hook
@@ -227,7 +227,7 @@ class Engine:
                                      or acts_offloaded, keep=acts_offloaded)
         if self.device.type == "cpu":
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
-        self.dtype = _DTYPES[config.precision]
+        self.dtype = dtypes.compute_dtype(config.precision)
         self.telemetry = Telemetry()
         from offload.optim import get_rule, quant
         self.rule = get_rule(config.optimizer.type)     # the update rule (offload/optim)
@@ -496,10 +496,7 @@ class Engine:
         """The dtype a frozen parameter is kept in: its own, or the compute dtype when that is
         narrower (an fp32 frozen weight in a bf16 run); a bf16 base beside fp32 training
         stays bf16. Integer parameters keep theirs."""
-        if not p.is_floating_point():
-            return p.dtype
-        own, comp = p.element_size(), torch.empty((), dtype=self.dtype).element_size()
-        return self.dtype if comp < own else p.dtype
+        return dtypes.kept_dtype(p.dtype, self.dtype)
 
     def _unit_parts(self) -> list:
         """(name, module, trainable layout or None, frozen part layouts) per block that
@@ -697,11 +694,7 @@ class Engine:
                                              wait_timeout_s=self.config.wait_timeout_s)
 
     def _grad_dtype(self) -> torch.dtype:
-        # Without accumulation the gradient crosses to the host in the compute dtype and the
-        # kernel reads it directly; with accumulation the host sums in fp32.
-        if self.config.gradient_accumulation_steps == 1 and self.config.precision == "bf16":
-            return self.dtype
-        return torch.float32
+        return dtypes.grad_dtype(self.config.precision, self.config.gradient_accumulation_steps)
 
     @staticmethod
     def _state_key(lay: blk.BlockLayout) -> str:
@@ -860,7 +853,7 @@ class Engine:
                     m._buffers[name] = b.to(device=self.device, dtype=self.dtype if b.is_floating_point() else None)
 
     def _install_hooks(self) -> None:
-        """One owner installs every hook (engine/hooks.py); each feature joins as a participant:
+        """One owner installs every hook (core/hooks.py); each feature joins as a participant:
         the engine's own part first, then the update waits for reads outside a block's modules
         (without parameter offload, whose materialize waits itself), parameter offload,
         activation offload."""

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
-from offload.dist import sharding
+from offload import budgets, dtypes
+from offload.core import sharding
 
 PAGE = 4096
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -124,11 +125,8 @@ def chunk_state_bytes(config, numel: int, chunks: Sequence[tuple], params: Seque
 
 
 def grad_bytes_per_param(config) -> int:
-    """Host gradient element size: the compute dtype crosses as is without accumulation in
-    bf16, else gradients are summed in fp32 (as Engine._grad_dtype)."""
-    if config.gradient_accumulation_steps == 1 and config.precision == "bf16":
-        return 2
-    return 4
+    """Host gradient element size (offload/dtypes.py ``grad_dtype``)."""
+    return dtypes.grad_bytes(config.precision, config.gradient_accumulation_steps)
 
 
 class GradHome(enum.Enum):
@@ -327,7 +325,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     else:
         sizes = [b.device_bytes for b in bps]
         largest = max(sizes)
-        budget = pc.device_budget_bytes or max(2 * largest, working_set)
+        budget = budgets.device_budget(pc.device_budget_bytes, largest, working_set)
         device += budget
         homes = [([b.home_bytes] if b.padded_numel else []) + list(b.frozen) for b in bps]
         if home == "cpu":
@@ -340,7 +338,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
                        for b, s in zip(bps, blocks)]
             nvme["params"] = sum(_page(h) for hs in swapped for h in hs)
             pf = config.prefetch
-            host_lookahead = pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
+            host_lookahead = budgets.host_lookahead(pf.host_lookahead_bytes, budget)
             slots, total = [], 0
             for n, hs in sorted(zip(sizes, homes), key=lambda t: t[0], reverse=True):
                 if total >= budget + host_lookahead + largest:
@@ -359,10 +357,8 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
 
 
 def host_lookahead(config, budget: int) -> int:
-    pf = config.prefetch
-    return pf.host_lookahead_bytes if pf.host_lookahead_bytes is not None else 2 * budget
+    return budgets.host_lookahead(config.prefetch.host_lookahead_bytes, budget)
 
 
 def device_lookahead(config, budget: int, largest: int) -> int:
-    pf = config.prefetch
-    return pf.device_lookahead_bytes if pf.device_lookahead_bytes is not None else budget - largest
+    return budgets.device_lookahead(config.prefetch.device_lookahead_bytes, budget, largest)

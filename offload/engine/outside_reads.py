@@ -4,7 +4,7 @@ After a commit the next forward trails the optimizer: a forward pre-hook on each
 owns (or shares) a block's parameters waits for that block's update. A parameter can also be
 read where no such hook runs first: ``F.linear(x, self.embed.weight)`` in a parent's
 forward, a child's bias added before the child runs. ``UpdateWaits`` covers those reads: it
-joins the hook owner (engine/hooks.py), whose torch-function mode, entered for a forward
+joins the hook owner (core/hooks.py), whose torch-function mode, entered for a forward
 that starts with updates in flight (``wants_reads``), reports every parameter that reaches a
 torch function (``param_read``), and waits for its block's update first. Forwards that start
 with no update in flight run without the mode. (With parameter offload the parameter side
@@ -18,7 +18,7 @@ from torch import nn
 
 
 class UpdateWaits:
-    """A participant of the hook owner (engine/hooks.py); ``blocks`` are the BlockShards."""
+    """A participant of the hook owner (core/hooks.py); ``blocks`` are the BlockShards."""
 
     def __init__(self, blocks: Sequence, telemetry):
         self.blocks = list(blocks)

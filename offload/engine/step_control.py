@@ -56,12 +56,12 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from offload.dist import sharding
+from offload.core import sharding
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
-from offload.engine.block_shard import BlockShard
+from offload.core.block_shard import BlockShard
 from offload.engine.loss_scaler import LossScaler
-from offload.engine.telemetry import Telemetry
+from offload.core.telemetry import Telemetry
 
 
 class Window(enum.Enum):

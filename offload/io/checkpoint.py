@@ -57,7 +57,7 @@ from typing import Dict
 import numpy as np
 import torch
 
-from offload.dist.sharding import clip_range
+from offload.core.sharding import clip_range
 from offload.io import origin
 
 FORMAT = "offload-checkpoint"

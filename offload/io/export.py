@@ -113,8 +113,8 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 10**
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     if isinstance(dtype, str):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) or \
-            getattr(torch, dtype)
+        from offload import dtypes
+        dtype = dtypes.compute_dtype(dtype) if dtype in dtypes.PRECISIONS else getattr(torch, dtype)
     checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
     src = _Source(checkpoint_dir)
     hf = src.meta.get("hf") or {}

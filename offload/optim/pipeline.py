@@ -43,11 +43,11 @@ import torch
 
 from offload import _native
 from offload import device as dev
-from offload.engine.block_shard import BlockShard
-from offload.errors import BlockError, block_error
+from offload.core.block_shard import BlockShard
+from offload.core.errors import BlockError, block_error
 from offload.optim.state import Residency, Tier
 from offload.optim.thread_split import ThreadSplit, openmp_backend
-from offload.engine.telemetry import Telemetry
+from offload.core.telemetry import Telemetry
 from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 
 

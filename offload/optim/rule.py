@@ -32,11 +32,12 @@ from typing import ClassVar, Dict, Optional, Sequence
 
 import torch
 
-from offload import _native
+from offload import _native, dtypes
 from offload.optim import quant
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from offload.dtypes import STATE_DTYPES  # noqa: E402  (re-exported: offload.optim.rule.STATE_DTYPES)
+
+_TORCH_DTYPE = {name: dtypes.state_storage_dtype(name) for name in ("fp32", "bf16")}   # the float rows
 _NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                  torch.float16: _native.DTYPE_F16}
 # the dtypes a CPU step writes the new parameters in (param_copy), native codes

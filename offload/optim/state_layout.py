@@ -29,12 +29,12 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from offload import dtypes
 from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
 
 ALIGN = 4096
-_ITEM = {"fp32": 4, "bf16": 2, "int8": 1}
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+_ITEM = {name: dtypes.element_size(dtypes.state_storage_dtype(name)) for name in dtypes.STATE_DTYPES}
 
 
 def _align(n: int) -> int:
@@ -168,7 +168,7 @@ class StateLayout:
                              f"{buf.dtype} {tuple(buf.shape)}")
         out: Dict[str, torch.Tensor] = {}
         for r in self.regions:
-            out[r.name] = buf[r.offset:r.offset + r.nbytes].view(_TORCH[r.dtype])
+            out[r.name] = buf[r.offset:r.offset + r.nbytes].view(dtypes.state_storage_dtype(r.dtype))
         return out.pop("master"), out
 
     def describe(self) -> dict:

@@ -1,6 +1,6 @@
 """Parameter offload: blocks live on their home tier and visit the device around each use.
 
-This is a participant of the engine's hook owner (engine/hooks.py), which installs every
+This is a participant of the engine's hook owner (core/hooks.py), which installs every
 hook and calls the verbs below. Uses are found three ways, all ending in ``materialize(block)``:
   * ``pre_forward(i)``: a module that owns (or shares, for tied weights) a block's parameters
     starts; ``post_forward(i)`` releases the block unless the trace uses it again soon;
@@ -15,7 +15,7 @@ input gradient after its adapters' gradients landed: released at the gradients, 
 block would be read again for them). A handle (``_Handle``) lives exactly as long as autograd
 keeps the saved tensor: it is dropped once the node that saved it has run (or its graph is
 freed), so "no handle alive" is "the backward that reads its saved tensors is done". This
-handler is innermost (engine/hooks.py): parameters saved inside ``torch.utils.checkpoint``
+handler is innermost (core/hooks.py): parameters saved inside ``torch.utils.checkpoint``
 regions and by their recomputation (reentrant or not) are handles too, so a block re-entered
 by recomputation stays on the device from the recompute until the backward that reads what
 it saved is done; a block evicted meanwhile (the budget holds) is fetched again by the
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from offload import device as dev
-from offload.engine.hooks import NOT_MINE, in_backward
-from offload.errors import BlockError
+from offload.core.hooks import NOT_MINE, in_backward
+from offload.core.errors import BlockError
 from offload.params.parts import BlockParts
 from offload.params.residency import ParamState
 from offload.params.prefetch import Prefetcher
@@ -120,7 +120,7 @@ class ParamOffload:
         self._kept: set = set()
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
-    # ---- lifecycle verbs (called by engine/hooks.py) ---------------------------------------
+    # ---- lifecycle verbs (called by core/hooks.py) ---------------------------------------
     def begin_forward(self, recompute: bool) -> None:
         if not recompute:
             self._live = {}                # handles of an earlier graph are not waited for

@@ -36,8 +36,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from offload.params.residency import BlockParams, ParamState
-from offload.engine.hooks import in_backward
-from offload.engine.telemetry import Telemetry
+from offload.core.hooks import in_backward
+from offload.core.telemetry import Telemetry
 
 
 class Prefetcher:

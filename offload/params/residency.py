@@ -51,8 +51,8 @@ from typing import Optional
 import torch
 
 from offload import device as dev
-from offload.engine.blocks import BlockLayout
-from offload.errors import block_error
+from offload.core.blocks import BlockLayout
+from offload.core.errors import block_error
 from offload.storage.tier import LoanState, NvmeTier
 
 

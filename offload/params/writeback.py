@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from offload import device as dev
-from offload.errors import BlockError
+from offload.core.errors import BlockError
 from offload.storage.tier import DEFAULT_WAIT_S
 
 

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 
 TIERS = ("none", "cpu", "nvme")
-BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
+from offload.dtypes import BYTES_PER_PARAM  # noqa: F401 (offload estimate's p; planner/rss.py reads it here)
 
 
 class EstimateError(ValueError):
@@ -99,11 +99,11 @@ def spec_from_counts(params: float, largest_layer: Optional[float] = None,
 
 def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen_in_place: bool = False) -> ModelSpec:
     """From a built module (the meta device is fine), blocked the way the engine blocks it
-    (``offload.engine.blocks.auto_block_roots``); a tied parameter is counted once, in its first block.
+    (``offload.core.blocks.auto_block_roots``); a tied parameter is counted once, in its first block.
     A module with frozen parameters (``requires_grad`` False: a LoRA model's base) gets its
     trainable count and the memory plan's blocks as the engine groups them
     (``blocks_of_module`` at ``precision``; ``frozen_in_place``: read in place from the checkpoint)."""
-    from offload.engine.blocks import auto_block_roots
+    from offload.core.blocks import auto_block_roots
     modules = dict(model.named_modules())
     claimed = set()
     blocks = []
@@ -308,20 +308,18 @@ def spec_blocks(spec: ModelSpec, precision: str = "bf16") -> list:
 
 def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False) -> list:
     """A built module (the meta device is fine) as the memory plan's blocks, grouped the way
-    the engine groups it (``engine/blocks.py``): each block root's trainable parameters, and
+    the engine groups it (``core/blocks.py``): each block root's trainable parameters, and
     its frozen ones as one part per storage dtype (their own, or the compute dtype when that
     is narrower), trained blocks first, then roots holding only frozen parameters.
     ``frozen_in_place``: frozen parts are read in place from the checkpoint (no swap bytes)."""
     import torch
-    from offload.engine import blocks as blk
+    from offload.core import blocks as blk
     from offload.engine.memory_plan import BlockSize
-    comp = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    esize = torch.empty((), dtype=comp).element_size()
+    from offload import dtypes
+    comp = dtypes.compute_dtype(precision)
 
     def kept(p):
-        if not p.is_floating_point():
-            return p.dtype
-        return comp if esize < p.element_size() else p.dtype
+        return dtypes.kept_dtype(p.dtype, comp)
     group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
     layouts = blk.build_layouts(model, None, group_of) if group_of else []
     frozen = {name: parts for name, _, parts in blk.frozen_parts(model, None, kept)}

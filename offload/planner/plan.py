@@ -70,9 +70,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload import budgets, dtypes
+from offload.dtypes import BYTES_PER_PARAM
 from offload.planner.estimate import TIERS, Machine, ModelSpec, Placement, check_fit, placement_bytes
-
-BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -410,7 +410,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
     Pt = spec.trained if trainable is None else trainable
-    grad_bytes = p if (gas == 1 and precision == "bf16") else 4        # as Engine._grad_dtype
+    grad_bytes = dtypes.grad_bytes(precision, gas)
     gb = 1e9
     t = {"forward": compute.forward_s * gas, "backward": compute.backward_s * gas}
     offload_opt = optimizer != "none"
@@ -435,7 +435,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     park = mp.grad_home(cfg, 1, 1) is mp.GradHome.SPILL
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
     g_park = Pt * mp.grad_bytes_per_param(cfg) * gas if park else 0
-    budget = device_budget_bytes or 2 * spec.largest_block * p
+    budget = budgets.device_budget(device_budget_bytes, spec.largest_block * p)
     fetch = P * p + max(0, P * p - budget)          # bytes read per micro-step: forward + backward
     back_blocks = max(0, n - budget // max(spec.largest_block * p, 1))
     nvme_read = (S * Pt if opt_nvme else 0) + (fetch * gas if prm_nvme else 0) + g_park

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload.dist import sharding
+from offload.core import sharding
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

@@ -14,15 +14,13 @@ import torch
 
 from offload import _native
 from offload import device as dev
-from offload.engine.blocks import BlockLayout
-from offload.engine.grads import GradBuffer
-from offload.errors import BlockError
-from offload.optim.state import OptimState
+from offload.core.blocks import BlockLayout
+from offload.core.errors import BlockError
 
 
 class BlockShard:
-    def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state: OptimState,
-                 grad: GradBuffer, shard: tuple, params=None, landing: Optional[GradBuffer] = None,
+    def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state,
+                 grad, shard: tuple, params=None, landing=None,
                  ahead=None):
         self.layout = layout
         self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
