@@ -8,7 +8,7 @@ import difflib
 import warnings
 from typing import Any, Mapping
 
-from offload.config.schema import Config, ConfigError, _build
+from offload.config.errors import ConfigError
 
 
 # ----------------------------------------------------------------
@@ -65,11 +65,6 @@ def is_deepspeed_config(d: Mapping[str, Any]) -> bool:
         return True
     opt = d.get("optimizer")
     return isinstance(opt, Mapping) and "params" in opt
-
-
-def from_deepspeed(ds: Mapping[str, Any]) -> Config:
-    """Translate a DeepSpeed config; keys this engine does not use are named in one warning."""
-    return _build(Config, translate_deepspeed(ds), "")
 
 
 def translate_deepspeed(ds: Mapping[str, Any]) -> dict:

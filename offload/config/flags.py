@@ -6,7 +6,7 @@ import json
 from typing import Any, Mapping
 
 from offload.config.deepspeed import is_deepspeed_config, translate_deepspeed
-from offload.config.schema import Config, ConfigError, _build, read_json
+from offload.config.errors import ConfigError, read_json
 
 
 # ---- command-line flags -----------------------------------------------------------------------
@@ -153,14 +153,8 @@ def _plain(m: Mapping) -> dict:
     return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in m.items()}
 
 
-def build_config(d: Mapping[str, Any]) -> Config:
-    """Validate a dict already in this engine's layout (as ``flags_to_dict`` returns it),
-    without DeepSpeed detection."""
-    return _build(Config, d, "")
-
-
-def from_flags(argv) -> Config:
-    """A Config from command-line flags, e.g. ``["--offload-optimizer", "nvme", "--nvme-path", d]``."""
+def parse_flags(argv) -> dict:
+    """The engine-layout dict of command-line flags (``Config.from_flags`` validates it)."""
     import argparse
 
     class _Parser(argparse.ArgumentParser):
@@ -172,7 +166,7 @@ def from_flags(argv) -> Config:
     ns, extra = parser.parse_known_args(list(argv))
     if extra:
         raise ConfigError(unknown_flag_message(parser, extra[0]))
-    return build_config(flags_to_dict(ns))
+    return flags_to_dict(ns)
 
 
 def unknown_flag_message(parser, arg: str) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import tempfile
@@ -21,9 +20,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names it and the fix."""
+from offload.config import deepspeed, flags
+from offload.config.errors import ConfigError, read_json  # noqa: F401 (read_json: offload.config.schema.read_json)
+from offload.dtypes import PRECISIONS, STATE_DTYPES
 
 
 TIER_DEVICES = ("none", "cpu", "nvme")
@@ -77,24 +76,11 @@ def check_nvme_path(where: str, path: Optional[str]) -> None:
         raise ConfigError(f"{where}={path!r} is not writable ({exc.strerror}): choose a writable directory") from None
 
 
-def read_json(path: str, what: str, fix: str = "", error=ConfigError, missing_error=None):
-    """The parsed JSON in ``path``; a missing file or invalid JSON is one clear error naming
-    ``what`` and the path (``fix``, e.g. ": give a JSON config file", follows the former)."""
-    if not os.path.isfile(path):
-        raise (missing_error or error)(f"{what} {path!r} does not exist{fix}")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as exc:
-            raise error(f"{what} {path!r} is not valid JSON: {exc}") from None
-
-
 # The hyper-parameter fields of OptimizerConfig: the union of every update rule's (torch's
 # names). A field left None takes the rule's default (offload/optim/<rule>.py ``defaults``).
 OPTIMIZER_HPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "lr_decay",
                      "initial_accumulator_value", "beta2_decay", "d")
 OPTIMIZER_TYPES = ("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor")
-from offload.dtypes import PRECISIONS, STATE_DTYPES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -372,8 +358,7 @@ class Config:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Config":
         """From the engine's own dict layout; a DeepSpeed-style dict is detected and translated."""
-        from offload.config.deepspeed import from_deepspeed, is_deepspeed_config
-        if is_deepspeed_config(d):
+        if deepspeed.is_deepspeed_config(d):
             return from_deepspeed(d)
         return _build(cls, d, "")
 
@@ -384,7 +369,6 @@ class Config:
     @classmethod
     def from_flags(cls, argv) -> "Config":
         """From command-line flags (``offload train --help`` lists them)."""
-        from offload.config.flags import from_flags
         return from_flags(argv)
 
     @classmethod
@@ -451,3 +435,19 @@ def _build(cls, d: Mapping[str, Any], prefix: str):
         return cls(**kwargs)
     except TypeError as exc:  # a wrongly typed value inside a check
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from None
+
+
+def from_deepspeed(ds: Mapping[str, Any]) -> Config:
+    """A Config from a DeepSpeed-style config dict (config/deepspeed.py translates it)."""
+    return _build(Config, deepspeed.translate_deepspeed(ds), "")
+
+
+def build_config(d: Mapping[str, Any]) -> Config:
+    """Validate a dict already in this engine's layout (as ``flags.flags_to_dict`` returns
+    it), without DeepSpeed detection."""
+    return _build(Config, d, "")
+
+
+def from_flags(argv) -> Config:
+    """A Config from command-line flags, e.g. ``["--offload-optimizer", "nvme", "--nvme-path", d]``."""
+    return build_config(flags.parse_flags(argv))
