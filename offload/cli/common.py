@@ -122,7 +122,8 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     g.add_argument("--model", metavar="MOD:FN", help="module:callable building the model (run on the meta device)")
     if gpt_defaults:      # plan: measured rates decide (offload.planner.precision)
         g.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
-                       help="the run's precision (default: fp32; bf16's and fp16's slowdown here is told)")
+                       help="the run's precision (default fp32; a precision slow on the profile's device is told, "
+                            "with its measured factor)")
     else:
         g.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     f = p.add_argument_group("fine-tuning: frozen parameters have no gradient and no optimizer state")
