@@ -25,6 +25,11 @@ def is_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def device_name(device: torch.device) -> str:
+    """``cpu``, or the CUDA device's product name."""
+    return torch.cuda.get_device_name(device) if is_cuda(device) else "cpu"
+
+
 def can_pin() -> bool:
     return torch.cuda.is_available()
 

@@ -25,3 +25,19 @@ def ranges_entered(monkeypatch):
     monkeypatch.setattr(torch.profiler, "record_function", counting)
     monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)
     return entered
+
+
+# The matmul rates (TFLOP/s) of a CPU without native bf16 / fp16 (AVX2): bf16 45x slower than fp32.
+AVX2_RATES = {"fp32": 0.9, "bf16": 0.02, "fp16": 0.03}
+
+
+@pytest.fixture
+def matmul_rates(monkeypatch):
+    """``use(table)``: offload.planner.precision reads its matmul rates per precision from
+    ``table`` instead of measuring this machine; nothing has been told yet in the test."""
+    from offload.planner import precision
+    monkeypatch.setattr(precision, "_told", set())
+
+    def use(table):
+        monkeypatch.setattr(precision, "matmul_tflops", lambda p, device=None: table[p])
+    return use

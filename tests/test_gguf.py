@@ -242,19 +242,35 @@ def packaged() -> pathlib.Path:
 DATA = pathlib.Path(__file__).resolve().parent.parent / "offload" / "data"
 
 
-def test_lora_on_the_packaged_gguf(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def packaged_cache(tmp_path_factory):
+    """One conversion of the packaged file for the tests below (the first converts, the next reuses)."""
+    return tmp_path_factory.mktemp("smollm2-cache")
+
+
+def _converted_line(text: str, src: pathlib.Path, converted: pathlib.Path) -> bool:
+    return (f"model {src.name} (llama, Q4_1): converting once to fp32 safetensors in {converted}" in text
+            or f"model {src.name}: converted earlier, reusing {converted}" in text)
+
+
+def _held_one(tmp_path: pathlib.Path) -> pathlib.Path:
+    held = tmp_path / "held.jsonl"
+    held.write_text((DATA / "velloran-heldout.jsonl").read_text().splitlines()[0] + "\n")
+    return held
+
+
+def test_lora_on_the_packaged_gguf(tmp_path, capsys, packaged_cache):
     """SmolLM2-135M-Instruct (Q4_1) converted and LoRA-tuned one step on the shipped chat data:
     the held-out loss before training is plain transformers' on the converted model; the
     adapter loads on it with PEFT."""
     src = packaged()
-    held = tmp_path / "held.jsonl"
-    held.write_text((DATA / "velloran-heldout.jsonl").read_text().splitlines()[0] + "\n")
-    text = run_finetune(["finetune", src.parent, "--gguf-cache", tmp_path / "c", "--data", DATA / "velloran-train.jsonl",
+    held = _held_one(tmp_path)
+    text = run_finetune(["finetune", src.parent, "--gguf-cache", packaged_cache, "--data", DATA / "velloran-train.jsonl",
                          "--eval-data", held, "--out", tmp_path / "out", "--steps", 1, "--batch-size", 1,
                          "--seq-len", 64, "--lr", "1e-3", "--warmup", 0, "--lora", "r=4,alpha=8,targets=q_proj,v_proj",
                          "--offload-optimizer", "cpu"], capsys)
-    converted = gguf_mod.cache_entry(src, tmp_path / "c")
-    assert f"model {src.name} (llama, Q4_1): converting once to fp32 safetensors in {converted}" in text
+    converted = gguf_mod.cache_entry(src, packaged_cache)
+    assert _converted_line(text, src, converted), text
     s = json.load(open(tmp_path / "out" / "finetune_summary.json"))
     assert s["steps"] == 1 and s["model_dir"] == str(converted)
     base = AutoModelForCausalLM.from_pretrained(converted)
@@ -264,3 +280,25 @@ def test_lora_on_the_packaged_gguf(tmp_path, capsys):
     import peft
     model = peft.PeftModel.from_pretrained(base, tmp_path / "out")
     assert any(v.abs().max() > 0 for k, v in model.state_dict().items() if "lora_B" in k)
+
+
+def test_full_finetune_of_the_packaged_gguf(tmp_path, capsys, packaged_cache):
+    """The packaged .gguf file itself, fully fine-tuned one step (optimizer state on the CPU):
+    the held-out loss before training is plain transformers' on the converted model; the result
+    loads with from_pretrained, its embedding still tied to the output, every weight trained."""
+    src = packaged()
+    held = _held_one(tmp_path)
+    text = run_finetune(["finetune", src, "--gguf-cache", packaged_cache, "--data", DATA / "velloran-train.jsonl",
+                         "--eval-data", held, "--out", tmp_path / "out", "--steps", 1, "--batch-size", 1,
+                         "--seq-len", 64, "--lr", "1e-4", "--warmup", 0, "--offload-optimizer", "cpu"], capsys)
+    converted = gguf_mod.cache_entry(src, packaged_cache)
+    assert _converted_line(text, src, converted), text
+    s = json.load(open(tmp_path / "out" / "finetune_summary.json"))
+    assert (s["steps"], s["mode"], s["model_dir"]) == (1, "full", str(converted))
+    base = AutoModelForCausalLM.from_pretrained(converted)
+    assert s["eval_loss_start"] == plain_loss(base, AutoTokenizer.from_pretrained(converted), held, 64)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert out.config.tie_word_embeddings and out.lm_head.weight.data_ptr() == out.model.embed_tokens.weight.data_ptr()
+    want = base.state_dict()
+    changed = [k for k, v in out.state_dict().items() if not torch.equal(v, want[k])]
+    assert len(changed) == len(want), sorted(set(want) - set(changed))[:5]

@@ -15,6 +15,7 @@ peft = pytest.importorskip("peft")
 from offload import cli  # noqa: E402
 from offload.hf import data as data_mod  # noqa: E402
 from offload.hf.finetune import LoraSpec, parse_lora  # noqa: E402
+from conftest import AVX2_RATES  # noqa: E402
 
 
 def run(argv, capsys):
@@ -211,6 +212,24 @@ def test_finetune_errors_name_the_fix(base, capsys, argv, msg):
     code, _, err = run(["finetune", base / "base", "--data", base / "text.txt", "--out", base / "err", "--steps", 1,
                         "--offload-optimizer", "cpu", *argv], capsys)
     assert code == 2 and msg in err, err
+
+
+def test_finetune_precision_fits_the_machine(base, capsys, tmp_path, matmul_rates):
+    """bf16 45x slower than fp32 (an AVX2 CPU's rates): no --precision trains in fp32 and says
+    why, --precision bf16 trains in bf16 and tells the factor; each once (not again by Trainer)."""
+    matmul_rates(AVX2_RATES)
+    common = ["--data", base / "text.txt", "--steps", 1, "--batch-size", 2, "--seq-len", 16, "--offload-optimizer", "cpu"]
+    code, text, err = run(["finetune", base / "base", "--out", tmp_path / "fp32", *common], capsys)
+    assert code == 0, err
+    said = [ln for ln in (text + err).splitlines() if "bf16 computes 45x slower" in ln]
+    assert len(said) == 1 and said[0].startswith("precision fp32 (none asked for): bf16 computes 45x slower than fp32")
+    assert re.search(r"^tiers: .*; precision fp32$", text, re.M)
+    matmul_rates(AVX2_RATES)                    # a fresh process's worth of telling
+    code, text, err = run(["finetune", base / "base", "--out", tmp_path / "bf16", "--precision", "bf16", *common], capsys)
+    assert code == 0, err
+    said = [ln for ln in (text + err).splitlines() if "bf16 computes 45x slower" in ln]
+    assert len(said) == 1 and said[0].startswith("precision bf16 as asked, but bf16 computes 45x slower than fp32")
+    assert re.search(r"^tiers: .*; precision bf16$", text, re.M) and summary(tmp_path / "bf16")["steps"] == 1
 
 
 def test_finetune_input_errors(base, capsys, tmp_path):

@@ -3,12 +3,15 @@
 Tolerance: twice the distance between two plain Trainer runs that differ only in torch's own
 AdamW implementation (single-tensor vs fused), measured here on the same run, plus 1e-6."""
 import json
+import math
 import os
+import warnings
 
 import pytest
 import torch
 
 from _hf import args, dataset, max_diff, snapshot, tiny_llama, train_logs, transformers
+from conftest import AVX2_RATES
 
 from offload.config import ConfigError
 from offload.hf import Trainer
@@ -183,6 +186,48 @@ def test_precision_flags_map_to_the_engine(flag, precision, tmp_path):
         assert all(torch.isfinite(torch.tensor(l["loss"])) for l in train_logs(t))
     finally:
         t.close()
+
+
+def _precision_notes(make):
+    """(what ``make()`` returns, the messages offload.planner.precision told while it ran)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = make()
+    return got, [str(w.message) for w in caught if "as asked" in str(w.message) or "none asked for" in str(w.message)]
+
+
+def test_precision_fits_the_machine_where_bf16_is_slow(matmul_rates, tmp_path):
+    """bf16 45x slower than fp32 (an AVX2 CPU's rates): without bf16 / fp16 in the arguments or a
+    precision in the config, fp32 and why; bf16 asked for runs, its factor told once."""
+    matmul_rates(AVX2_RATES)
+
+    def trainer(**kw):
+        return Trainer(model=tiny_llama(), args=args(max_steps=2, **kw), train_dataset=dataset(),
+                       offload_config=_placement("host", tmp_path))
+    t, notes = _precision_notes(trainer)
+    assert t.offload_config.precision == "fp32"
+    assert len(notes) == 1 and notes[0].startswith("precision fp32 (none asked for): bf16 computes 45x slower than "
+                                                   "fp32 on this device (cpu: matmul fp32 0.9, bf16 0.02 TFLOP/s")
+    t, notes = _precision_notes(lambda: trainer(bf16=True))
+    assert len(notes) == 1 and notes[0].startswith("precision bf16 as asked, but bf16 computes 45x slower than fp32")
+    t.train()
+    try:
+        assert t.engine.dtype == torch.bfloat16 and all(math.isfinite(l["loss"]) for l in train_logs(t))
+    finally:
+        t.close()
+    assert _precision_notes(lambda: trainer(bf16=True))[1] == []          # once per process
+
+
+def test_precision_asked_in_the_config_or_fast_says_nothing(matmul_rates, tmp_path):
+    matmul_rates(AVX2_RATES)
+    t, notes = _precision_notes(lambda: Trainer(model=tiny_llama(), args=args(), train_dataset=dataset(),
+                                                offload_config={**_placement("host", tmp_path), "precision": "fp32"}))
+    assert t.offload_config.precision == "fp32" and notes == []
+    matmul_rates({"fp32": 0.05, "bf16": 0.15, "fp16": 0.05})            # bf16 faster than fp32
+    for kw in ({}, {"bf16": True}):
+        t, notes = _precision_notes(lambda: Trainer(model=tiny_llama(), args=args(**kw), train_dataset=dataset(),
+                                                    offload_config=_placement("host", tmp_path)))
+        assert notes == [] and t.offload_config.precision == ("bf16" if kw else "fp32")
 
 
 def test_config_from_training_arguments_and_deepspeed_auto(tmp_path):

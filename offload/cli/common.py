@@ -121,7 +121,12 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     g.add_argument("--largest-layer", type=float, help="parameters of the largest layer, e.g. 2e8")
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
     g.add_argument("--model", metavar="MOD:FN", help="module:callable building the model (run on the meta device)")
-    g.add_argument("--precision", default="bf16" if not gpt_defaults else "fp32", choices=dtypes.PRECISIONS)
+    if gpt_defaults:      # plan: measured rates decide (offload.planner.precision)
+        g.add_argument("--precision", default=None, choices=dtypes.PRECISIONS,
+                       help="the run's precision (default fp32; a precision slow on the profile's device is told, "
+                            "with its measured factor)")
+    else:
+        g.add_argument("--precision", default="bf16", choices=dtypes.PRECISIONS)
     f = p.add_argument_group("fine-tuning: frozen parameters have no gradient and no optimizer state")
     f.add_argument("--lora-rank", type=int, metavar="R",
                    help="PEFT LoRA adapters of rank R on --lora-targets, the base frozen (with --hf-config, "

@@ -125,6 +125,8 @@ def cmd_finetune(args) -> int:
     from offload.hf import finetune as ft
     from offload.hf.job import Job, JobError
     from offload.hf.versions import VersionError
+    from offload import device
+    from offload.planner import precision
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2 or args.ask_tokens < 1:
         raise CLIError("--steps, --batch-size and --ask-tokens must be >= 1 and --seq-len >= 2")
     d = config_mod.flags_to_dict(args)
@@ -146,10 +148,19 @@ def cmd_finetune(args) -> int:
     quiet_hf()
     import torch
     job = Job.start(use_cpu=not torch.cuda.is_available())    # under torchrun: this rank of the job
+    if ((d.get("offload_activations") or {}).get("device") or "none") != "none":
+        device.prefer_huge_pages()     # before any tensor (the precision probe's, a GGUF conversion's)
+    if fields.get("precision") not in (None, *precision.DTYPES):
+        raise CLIError(f"--precision {fields['precision']!r} is not valid: use fp32, bf16 or fp16")
     try:
+        # the precision: asked for, or fp32 (rank 0 measures the compute rate per dtype)
+        choice = job.main_only("measuring the compute rate per dtype",
+                               lambda: precision.decide(fields.get("precision")))
+        precision.announce(choice, say=job.say)
+        fields["precision"] = choice.precision
         # a GGUF file is converted (or found in the cache) by rank 0, the others wait for its path
         model_dir = job.main_only("converting the GGUF model",
-                                  lambda: _model_dir(args, fields.get("precision", "fp32"), job.say))
+                                  lambda: _model_dir(args, choice.precision, job.say))
         args.model_dir = model_dir
         spec = ft.FinetuneSpec(model_dir=model_dir, data=args.data, out=args.out, lora=lora, merge=args.merge,
                                merged_out=args.merged_out, eval_data=args.eval_data, ask=args.ask,
@@ -175,6 +186,7 @@ def _run(args, spec, d: dict, fields: dict, job) -> int:
         huge = prefer_huge_pages(cfg)      # before the model's tensors
         say(f"tiers: optimizer state -> {cfg.offload_optimizer.device}, parameters -> {cfg.offload_param.device}"
             + activations_tier(cfg, huge) + (f", nvme path {tmp} (temporary)" if tmp else "")
+            + f"; precision {spec.precision}"
             + (f"; {job.world} ranks (torchrun), rank 0 prints and writes the shared files" if job.world > 1 else ""))
         s = ft.finetune(spec, offload_config=d, progress=progress_callback(args.log_every), say=say, job=job)
     finally:

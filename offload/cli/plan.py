@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 
+from offload import dtypes
 from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, add_rss_args, fmt_bytes, model_spec,
                                parse_size, rss_prediction)
 
@@ -52,10 +53,28 @@ def _bench_step_case(layers=12, numel=1 << 20, fwd_ms=3.0, bwd_ms=6.0):
     return CheckCase(spec.name, build, lambda: (x,), spec, compute)
 
 
+def _scaled(profile, prec: str) -> bool:
+    """The GPT's compute in ``prec`` is too slow to measure here: fp32's, scaled."""
+    from offload.planner import precision
+    return profile.slowdown(prec) > precision.SLOW
+
+
+def _gpt_compute(case, device, profile, prec: str):
+    """The built-in GPT's forward and backward measured in ``prec`` on the device, or where
+    ``prec`` is slow here, in fp32 times the measured matmul slowdown."""
+    import dataclasses
+    from offload.planner import plan, precision
+    if not _scaled(profile, prec):
+        return plan.measure_compute(case.build(), case.make_batch, device, dtype=precision.DTYPES[prec])
+    c = plan.measure_compute(case.build(), case.make_batch, device)
+    f = profile.slowdown(prec)
+    return dataclasses.replace(c, forward_s=c.forward_s * f, backward_s=c.backward_s * f)
+
+
 def cmd_plan(args) -> int:
     import torch
     from offload.planner import estimate as est
-    from offload.planner import plan
+    from offload.planner import plan, precision
     nvme_path = args.nvme_path or tempfile.gettempdir()
     if not os.path.isdir(nvme_path):
         raise CLIError(f"--nvme-path {nvme_path!r} does not exist: give an existing directory")
@@ -75,10 +94,14 @@ def cmd_plan(args) -> int:
           f"{profile.device_adam_params_per_s / 1e9:.2f} Gparam/s; h2d {profile.h2d_gbps:.1f} GB/s, d2h "
           f"{profile.d2h_gbps:.1f} GB/s" + (" (host memcpy: no accelerator)" if not profile.cuda else "")
           + f"; nvme read {profile.nvme_read_gbps:.2f} GB/s, write {profile.nvme_write_gbps:.2f} GB/s "
-          f"({profile.io_backend}, {profile.nvme_read_latency_s * 1e3:.2f}/{profile.nvme_write_latency_s * 1e3:.2f} ms per request, duplex {profile.nvme_duplex:.0%}); matmul {profile.matmul_tflops:.2f} TFLOP/s")
+          f"({profile.io_backend}, {profile.nvme_read_latency_s * 1e3:.2f}/{profile.nvme_write_latency_s * 1e3:.2f} ms per request, duplex {profile.nvme_duplex:.0%}); matmul "
+          + ", ".join(f"{profile.tflops(p):.3g} {p}" for p in dtypes.PRECISIONS) + " TFLOP/s")
 
     if args.check:
         return _plan_check(args, profile, nvme_path)
+    choice = precision.decide(args.precision, table=profile.matmul_tflops_by_dtype, where=profile.device)
+    precision.announce(choice, say=print)
+    args.precision = choice.precision
 
     spec = model_spec(args, default_gpt=True)
     tokens = args.batch_size * args.seq_len
@@ -86,9 +109,9 @@ def cmd_plan(args) -> int:
         case = _gpt_case(args)
         spec = case.spec
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        compute = plan.measure_compute(case.build(), case.make_batch, device)
+        compute = _gpt_compute(case, device, profile, args.precision)
     else:
-        compute = plan.flops_compute(spec, tokens, profile)
+        compute = plan.flops_compute(spec, tokens, profile, args.precision)
     machine = est.this_machine(nvme_path, parse_size(args.device_memory, "--device-memory"))
     budget = parse_size(args.device_budget_bytes, "--device-budget-bytes")
     lookahead = parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes")
@@ -100,7 +123,9 @@ def cmd_plan(args) -> int:
           f"{args.optimizer} with {args.state_dtype} state" + (", update_ahead" if args.update_ahead else ""))
     print(f"compute (forward+backward) {compute.total_s * 1e3:.1f} ms per micro-step, "
           + ("measured on the device without offload" if compute.measured
-             else "from 6 x params x tokens at the measured matmul rate"))
+             else f"from 6 x params x tokens at the measured {args.precision} matmul rate")
+          + (f" (in fp32, times {args.precision}'s measured matmul slowdown)" if _scaled(profile, args.precision)
+             and compute.measured else ""))
     print(f"  {'rank':<5}{'optimizer':<10}{'param':<7}{'step':>10}{'tokens/s':>11}  {'bottleneck':<11}"
           f"{'device':>10}{'host':>10}{'nvme':>10}  fits")
     for i, r in enumerate(ranked, 1):

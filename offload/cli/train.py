@@ -23,16 +23,18 @@ _ADAM_TYPES = ("AdamW", "Adam")
 
 
 def _train_config(args) -> tuple:
-    """(Config, temporary NVMe dir or None). Without --config the train defaults apply
-    (parameters and optimizer state on NVMe, in a temporary directory unless --nvme-path;
-    saved activations sent to NVMe without a path go there too)."""
+    """(Config, temporary NVMe dir or None, whether the precision was asked for). Without
+    --config the train defaults apply (parameters and optimizer state on NVMe, in a temporary
+    directory unless --nvme-path; saved activations sent to NVMe without a path go there too;
+    bf16 on CUDA, else fp32, unless bf16 is slow there: see ``_precision``)."""
     import copy
     import torch
     base = None if args.config else copy.deepcopy(TRAIN_DEFAULTS)
     if base is not None and vars(args).get("cfg:optimizer.type", "AdamW") not in _ADAM_TYPES:
         base["optimizer"] = {}
     d = config_mod.flags_to_dict(args, base=base)
-    if "precision" not in d and not args.config:
+    asked = "precision" in d
+    if not asked and not args.config:
         d["precision"] = "bf16" if torch.cuda.is_available() else "fp32"
     tmp = None
     for tier in ("offload_optimizer", "offload_param", "offload_activations"):
@@ -44,11 +46,22 @@ def _train_config(args) -> tuple:
     try:
         cfg = config_mod.build_config(d)
         cfg.check_paths()      # before any model memory: the same messages initialize gives
-        return cfg, tmp
+        return cfg, tmp, asked
     except BaseException:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _precision(cfg, asked: bool):
+    """``cfg`` in the precision ``offload.planner.precision`` decides (its default, when not
+    asked for, the one ``_train_config`` filled in), its reason told once. Measures the
+    device: called after ``prefer_huge_pages``, which must come before any tensor."""
+    import dataclasses
+    from offload.planner import precision
+    choice = precision.decide(cfg.precision if asked else None, default=cfg.precision)
+    precision.announce(choice, say=print)
+    return cfg if choice.precision == cfg.precision else dataclasses.replace(cfg, precision=choice.precision)
 
 
 def _initialize(model_fn, cfg, say):
@@ -133,8 +146,9 @@ def cmd_train(args) -> int:
         gcfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     except ValueError as exc:
         raise CLIError(f"model: {exc}") from None
-    cfg, tmp_nvme = _train_config(args)     # validated before any model memory is allocated
+    cfg, tmp_nvme, asked = _train_config(args)     # validated before any model memory is allocated
     huge = prefer_huge_pages(cfg)           # before any tensor
+    cfg = _precision(cfg, asked)
     try:
         corpus = Corpus.load(args.corpus)
     except (FileNotFoundError, ValueError) as exc:

@@ -147,6 +147,35 @@ def _leftover_auto(d, where=""):
         yield where.rstrip(".")
 
 
+def _raw(offload_config: Any) -> Mapping:
+    """The mapping of a dict / JSON path ``offload_config`` ({} for None)."""
+    if offload_config is None:
+        raw: Mapping = {}
+    elif isinstance(offload_config, (str, os.PathLike)):
+        raw = read_json(os.fspath(offload_config), "offload_config", ": give a JSON file, a dict or offload.Config")
+    elif isinstance(offload_config, Mapping):
+        raw = offload_config
+    else:
+        raise ConfigError(f"offload_config must be a dict, a JSON path or offload.Config, "
+                          f"not {type(offload_config).__name__}")
+    if not isinstance(raw, Mapping):
+        raise ConfigError("offload_config must hold a JSON object")
+    return raw
+
+
+def precision_asked(offload_config: Any, args) -> bool:
+    """Whether the run's precision was chosen: bf16 / fp16 in ``args``, or a ``precision`` in
+    a native ``offload_config`` (an ``offload.Config``'s and a DeepSpeed config's follow the
+    arguments, which must agree with them). Otherwise ``Trainer`` trains in fp32 and says
+    why where bf16 is slow (``offload.planner.precision``)."""
+    if args.bf16 or args.fp16:
+        return True
+    if isinstance(offload_config, Config):
+        return False
+    raw = _raw(offload_config)
+    return not is_deepspeed_config(raw) and raw.get("precision") is not None
+
+
 def engine_config(offload_config: Any, args) -> Config:
     """The engine's ``Config`` for ``offload_config`` (dict, JSON path, DeepSpeed dict or
     ``offload.Config``) and ``TrainingArguments`` ``args``."""
@@ -161,17 +190,7 @@ def engine_config(offload_config: Any, args) -> Config:
         if sd is not None:
             _set(d, "optimizer.state_dtype", sd)
         return build_config(d)
-    if offload_config is None:
-        raw: Mapping = {}
-    elif isinstance(offload_config, (str, os.PathLike)):
-        raw = read_json(os.fspath(offload_config), "offload_config", ": give a JSON file, a dict or offload.Config")
-    elif isinstance(offload_config, Mapping):
-        raw = offload_config
-    else:
-        raise ConfigError(f"offload_config must be a dict, a JSON path or offload.Config, "
-                          f"not {type(offload_config).__name__}")
-    if not isinstance(raw, Mapping):
-        raise ConfigError("offload_config must hold a JSON object")
+    raw = _raw(offload_config)
     if is_deepspeed_config(raw):
         raw = fill_deepspeed_auto(raw, args)
         left = [k for k in _leftover_auto(raw) if not k.startswith(("scheduler.", "zero_optimization."))]

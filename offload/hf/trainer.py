@@ -44,7 +44,8 @@ versions.check("transformers", "accelerate")
 import transformers  # noqa: E402
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME  # noqa: E402
 
-from offload.hf.config import engine_config  # noqa: E402
+from offload.hf.config import engine_config, precision_asked  # noqa: E402
+from offload.planner import precision  # noqa: E402
 from offload.hf.weights import save_hf  # noqa: E402
 
 ENGINE_DIR = "offload"    # the engine's checkpoint inside a Trainer checkpoint folder
@@ -123,7 +124,9 @@ class Trainer(transformers.Trainer):
     ``offload_config``: the engine's config (dict, JSON path, ``offload.Config`` or a DeepSpeed
     config whose ``"auto"`` values are filled from ``TrainingArguments``); the arguments decide
     the learning rate, Adam betas / epsilon, weight decay, ``gradient_accumulation_steps``,
-    ``max_grad_norm`` and bf16 / fp16 (see ``offload.hf.config``). ``args.optim`` selects the
+    ``max_grad_norm`` and bf16 / fp16 (see ``offload.hf.config``): fp32 when neither is set,
+    saying why where bf16 is slow here, and an asked-for precision slow here gets a warning
+    with the measured factor (``offload.planner.precision``). ``args.optim`` selects the
     engine's update rule (``offload.hf.config.OPTIM_RULES``: the AdamW names, ``sgd``,
     ``adagrad``, ``adafactor``, the Lion names, the 8-bit names with int8 state; an AdamW name
     leaves the choice to ``offload_config`` ``optimizer.type``); another name is an error
@@ -160,6 +163,11 @@ class Trainer(transformers.Trainer):
                              "bypass the engine's master copy): pick the checkpoint from trainer_state.json and "
                              "resume_from_checkpoint or from_pretrained it")
         self.offload_config = engine_config(offload_config, self.args)   # fails here, before training
+        # fp32 unless asked for; an asked-for precision slow on this device, or fp32 chosen
+        # where bf16 is slow, is told once (offload.planner.precision)
+        asked = precision_asked(offload_config, self.args)
+        choice = precision.decide(self.offload_config.precision if asked else None)
+        precision.announce(choice)
 
     # ---- the accelerator and device placement -------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

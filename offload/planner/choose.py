@@ -34,7 +34,7 @@ def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_st
     frozen base is over-counted for optimizer state, so the choice errs towards offloading)."""
     spec = est.spec_from_module(model, name, precision)
     profile = profile or plan.measure_profile(nvme_path)
-    compute = plan.flops_compute(spec, tokens, profile)
+    compute = plan.flops_compute(spec, tokens, profile, precision)
     machine = est.this_machine(nvme_path, device_memory)
     ranked = plan.rank(spec, profile, compute, machine, precision, gradient_accumulation_steps, clipping,
                        rule=rule, state_dtype=state_dtype)

@@ -8,13 +8,13 @@ CPU-only machine the "link" is a host memcpy), NVMe write and read bandwidth and
 latency (through ``offload.storage.NvmeStore``, O_DIRECT, one block-sized request at a time as
 the engine's optimizer pipeline issues them; else plain file I/O with fsync and
 ``posix_fadvise(DONTNEED)`` so the page cache does not flatter the numbers) and the device's
-matmul rate.
+matmul rate, in fp32 and relative to it per dtype (``offload.planner.precision``).
 
 Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). Terms, seconds:
 
     compute   F + Bw: forward and backward, measured for the model on the device with no
               offload (``measure_compute``); for a model known only by its size,
-              6 * params * tokens / matmul rate, split 1:2
+              6 * params * tokens / matmul rate in the run's precision, split 1:2
     adam      params / (CPU Adam rate) when the optimizer is offloaded, else
               params / (device Adam rate), run on the device (on a CPU-only machine the
               engine's device optimizer is the CPU kernel on the CPU: the CPU Adam rate)
@@ -96,6 +96,18 @@ class Profile:
     matmul_tflops: float
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
     crc32c_gbps: float = 0.0            # the NVMe tier's checksum rate on one core (0: not counted)
+    # the quick per-dtype matmul probe (precision.rates: fp32, bf16, fp16); only the ratios are
+    # used, on matmul_tflops ({}: a profile saved before, every dtype at the fp32 rate)
+    matmul_tflops_by_dtype: Dict[str, float] = field(default_factory=dict)
+
+    def slowdown(self, precision: str) -> float:
+        """How many times longer a matmul takes in ``precision`` than in fp32 here (< 1: faster)."""
+        from offload.planner.precision import slowdown
+        return slowdown(precision, table=self.matmul_tflops_by_dtype)
+
+    def tflops(self, precision: str) -> float:
+        """The dense matmul rate in ``precision``: the fp32 rate over its measured slowdown."""
+        return self.matmul_tflops / self.slowdown(precision)
 
     @property
     def cuda(self) -> bool:
@@ -112,7 +124,7 @@ class Profile:
         d = read_json(path, "profile", f": measure one with --save-profile {path}", error=ValueError,
                       missing_error=FileNotFoundError)
         names = set(cls.__dataclass_fields__)
-        missing = names - set(d) - {"created", "crc32c_gbps"}
+        missing = names - set(d) - {"created", "crc32c_gbps", "matmul_tflops_by_dtype"}
         if missing:
             raise ValueError(f"profile {path!r} lacks {sorted(missing)}: measure it again with --save-profile")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -315,6 +327,7 @@ def measure_matmul(device: torch.device, dtype: torch.dtype = torch.float32, n: 
 def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
                     device: Optional[torch.device] = None) -> Profile:
     """Measure this machine (a few seconds)."""
+    from offload.planner import precision
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     adam, adam_backend = measure_cpu_adam()
     h2d, d2h, memcpy = measure_links(device)
@@ -328,7 +341,8 @@ def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
                    nvme_read_latency_s=io.read_latency_s, nvme_write_latency_s=io.write_latency_s,
                    nvme_duplex=io.duplex, io_backend=io.backend,
                    nvme_path=os.path.abspath(nvme_path or tempfile.gettempdir()),
-                   matmul_tflops=measure_matmul(device), crc32c_gbps=measure_crc32c())
+                   matmul_tflops=measure_matmul(device), crc32c_gbps=measure_crc32c(),
+                   matmul_tflops_by_dtype=precision.rates(device))
 
 
 def measure_crc32c(nbytes: int = 64 << 20) -> float:
@@ -372,9 +386,11 @@ def measure_compute(model: torch.nn.Module, make_batch: Callable[[], tuple], dev
     return Compute(statistics.median(fwd), statistics.median(bwd), True, device.type == "cpu")
 
 
-def flops_compute(spec: ModelSpec, tokens: int, profile: Profile) -> Compute:
-    """6 * params * tokens at the measured matmul rate (an upper bound on speed), split 1:2."""
-    total = 6.0 * spec.params * tokens / (profile.matmul_tflops * 1e12)
+def flops_compute(spec: ModelSpec, tokens: int, profile: Profile, precision: str = "fp32") -> Compute:
+    """6 * params * tokens at the measured matmul rate in ``precision`` (an upper bound on
+    speed), split 1:2."""
+    rate = profile.tflops(precision)
+    total = 6.0 * spec.params * tokens / (rate * 1e12) if rate > 0 else float("inf")
     return Compute(total / 3, 2 * total / 3, False, not profile.cuda)
 
 
