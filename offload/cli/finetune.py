@@ -150,7 +150,7 @@ def cmd_finetune(args) -> int:
     job = Job.start(use_cpu=not torch.cuda.is_available())    # under torchrun: this rank of the job
     if ((d.get("offload_activations") or {}).get("device") or "none") != "none":
         device.prefer_huge_pages()     # before any tensor (the precision probe's, a GGUF conversion's)
-    if fields.get("precision") not in (None, *precision.DTYPES):
+    if fields.get("precision") not in (None, *dtypes.PRECISIONS):
         raise CLIError(f"--precision {fields['precision']!r} is not valid: use fp32, bf16 or fp16")
     try:
         # the precision: asked for, or fp32 (rank 0 measures the compute rate per dtype)

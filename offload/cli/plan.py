@@ -65,7 +65,7 @@ def _gpt_compute(case, device, profile, prec: str):
     import dataclasses
     from offload.planner import plan, precision
     if not _scaled(profile, prec):
-        return plan.measure_compute(case.build(), case.make_batch, device, dtype=precision.DTYPES[prec])
+        return plan.measure_compute(case.build(), case.make_batch, device, dtype=dtypes.compute_dtype(prec))
     c = plan.measure_compute(case.build(), case.make_batch, device)
     f = profile.slowdown(prec)
     return dataclasses.replace(c, forward_s=c.forward_s * f, backward_s=c.backward_s * f)
