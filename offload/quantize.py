@@ -18,8 +18,10 @@ of 256 with bitsandbytes' signed dynamic map (offload/optim/quant.py: ``absmax_q
 bits per weight for the scales.
 
 int8 per row (LLM.int8()'s vector-wise quantization, bitsandbytes' ``int8_vectorwise_quant``):
-a 2-D tensor's row r keeps ``absmax[r] = max |x_r|`` (fp32) and ``q = round(x * (127 /
-absmax[r]))`` (half to even, within [-127, 127]; an all-zero row stores zeros); its values are
+a 2-D tensor's row r keeps ``absmax[r] = max |x_r|`` (fp32) and ``q = round(x * f[r])`` with
+``f[r] = fp32(1 / absmax[r]) * 127`` (what torch's ``127 / t`` computes, and so bitsandbytes;
+the correctly rounded quotient would move a code where ``x * f`` lands beside a half), half to
+even, within [-127, 127] (an all-zero row stores zeros); its values are
 ``(q * absmax[r]) * fp32(1 / 127)``.
 
 ``quantize_*`` and ``dequantize_*`` run the native SIMD kernels (native/quant.c) when the
@@ -277,13 +279,13 @@ def quantize_int8_rows(x: torch.Tensor) -> Int8RowTensor:
 
 def quantize_int8_rows_reference(x: torch.Tensor) -> Int8RowTensor:
     """``quantize_int8_rows`` in torch alone (the reference and the fallback). Codes are clamped
-    to [-127, 127] (which moves values only where 127 / absmax overflows: a denormal absmax)
+    to [-127, 127] (which moves values only where ``f`` overflows: absmax below ~3.7e-37)
     and NaN stores 0."""
     _check_int8_args(x)
     with torch.no_grad():
         xf = x.detach().float()
         absmax = xf.abs().amax(dim=1)
-        factor = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        factor = torch.where(absmax > 0, absmax.reciprocal() * 127.0, torch.zeros_like(absmax))
         codes = torch.round(xf * factor[:, None]).clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
     return Int8RowTensor(codes, absmax, x.dtype)
 

@@ -207,12 +207,23 @@ def _adversarial_weights(n: int, gen) -> torch.Tensor:
     return x
 
 
+def _int8_halfway_rows(gen, dtype, rows: int = 48) -> torch.Tensor:
+    """Rows whose values sit at, and one float beside, the halves (k + 0.5) * absmax / 127 of
+    their int8 steps (absmax not a power of two): where x * (127 / absmax) rounds one way or
+    the other depending on how 127 / absmax itself was rounded."""
+    a = (torch.rand(rows, 1, generator=gen, dtype=torch.float64) * 10 + 0.01).to(dtype).double()
+    v = ((torch.arange(127, dtype=torch.float64) + 0.5) * a / 127).float()
+    up, down = torch.nextafter(v, torch.full_like(v, 1e9)), torch.nextafter(v, torch.full_like(v, -1e9))
+    return torch.cat([a.float(), -a.float(), (a / 2).float(), (-a / 2).float(), v, -v, up, down], dim=1).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_quantize_equals_the_reference(dtype):
     """The native quantizers (NF4 codes and absmax; int8 rows' codes and absmax) at every ISA
     store the torch reference's bytes, from fp32, bf16 and fp16 inputs at unaligned
     addresses: odd sizes and short last blocks, values at and beside the midpoints, zero,
-    denormal, inf and NaN blocks, -0.0."""
+    denormal, inf and NaN blocks, -0.0; int8 rows with values at and beside the halves of
+    their steps."""
     L, isas = _isas()
     if L is None:
         pytest.skip("the native library is not in use")
@@ -236,6 +247,11 @@ def test_native_quantize_equals_the_reference(dtype):
             _native.kernel_set_isa(L, None)
             plain, plain_ref = Q.quantize_nf4(x), Q.quantize_nf4_reference(x)
             assert _same_bits(plain.absmax, plain_ref.absmax) and torch.equal(plain.packed, plain_ref.packed)
+        halfway = _unaligned(_int8_halfway_rows(gen, dtype), 1)
+        want8 = Q.quantize_int8_rows_reference(halfway)
+        for isa in isas:
+            _native.kernel_set_isa(L, isa)
+            assert torch.equal(Q.quantize_int8_rows(halfway).codes, want8.codes), (isa, dtype)
     finally:
         _native.kernel_set_isa(L, None)
 
