@@ -19,9 +19,10 @@
  *              the nearest code, ties to the lower one, NaN to the last (torch.bucketize; the
  *              reference's clamp to [-1, 1] moves no value across a midpoint); an odd n pads
  *              the last low half with the index of 0.0
- *   INT8_ROWS  absmax = max |x| over the row, f = absmax > 0 ? 127 / absmax : 0,
+ *   INT8_ROWS  absmax = max |x| over the row, f = absmax > 0 ? (1 / absmax) * 127 : 0 (two
+ *              roundings, as torch's 127 / t and so bitsandbytes: not the quotient 127 / absmax),
  *              q = round-half-even(x * f) clamped to [-127, 127] (moves only values of a row
- *              whose 127 / absmax overflows: a denormal absmax), NaN stored as 0
+ *              whose f overflows: absmax below ~3.7e-37), NaN stored as 0
  */
 #include "kernel.h"
 
@@ -338,7 +339,7 @@ static void q_chunk(void *ctx, long c) {
         const float absmax = q_absmax(j, i0, end);
         a->absmax[b] = absmax;
         if (a->format == OFFLOAD_QFMT_INT8_ROWS) {
-            const float f = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+            const float f = absmax > 0.0f ? (1.0f / absmax) * 127.0f : 0.0f;
 #ifdef HAVE_X86
             if (j->isa >= OFFLOAD_ISA_AVX512) { int8_block_quant_avx512(a, i0, end, f); continue; }
             if (j->isa == OFFLOAD_ISA_AVX2) { int8_block_quant_avx2(a, i0, end, f); continue; }

@@ -18,9 +18,21 @@ of 256 with bitsandbytes' signed dynamic map (offload/optim/quant.py: ``absmax_q
 bits per weight for the scales.
 
 int8 per row (LLM.int8()'s vector-wise quantization, bitsandbytes' ``int8_vectorwise_quant``):
-a 2-D tensor's row r keeps ``absmax[r] = max |x_r|`` (fp32) and ``q = round(x * (127 /
-absmax[r]))`` (half to even, within [-127, 127]; an all-zero row stores zeros); its values are
+a 2-D tensor's row r keeps ``absmax[r] = max |x_r|`` (fp32) and ``q = round(x * f[r])`` with
+``f[r] = fp32(1 / absmax[r]) * 127`` (what torch's ``127 / t`` computes, and so bitsandbytes;
+the correctly rounded quotient would move a code where ``x * f`` lands beside a half), half to
+even, within [-127, 127] (an all-zero row stores zeros); its values are
 ``(q * absmax[r]) * fp32(1 / 127)``.
+
+Against bitsandbytes' CPU backend (tests/test_quantize.py): the same bits (codes, absmax,
+offset and 8-bit scales of the double quantization, dequantized values) except (1) a short
+last NF4 block, which its torch op scales by ``x / max(absmax, 1e-38)`` and stores
+``max(absmax, 1e-38)`` where its other blocks and its CUDA kernel, like this module, multiply
+by the reciprocal (a code can differ by one beside a midpoint); (2) the 8-bit codes of the
+double-quantized absmax, where its CPU search now and then returns the neighbour of the
+nearest code (these are the nearest); (3) bf16 subnormal results, which its AVX-512 BF16
+conversion flushes to zero; (4) int8 rows whose ``f`` overflows (absmax below ~3.7e-37), its
+codes the int8 cast of +-inf, these clamped to +-127.
 
 ``quantize_*`` and ``dequantize_*`` run the native SIMD kernels (native/quant.c) when the
 library is in use and else the torch reference (``*_reference``), which computes the same
@@ -162,7 +174,8 @@ def _check_nf4_args(x: torch.Tensor, blocksize: int) -> None:
 def quantize_nf4(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool = False) -> NF4Tensor:
     """``x`` (fp32 / bf16 / fp16, any shape, CPU) as NF4; ``double_quant``: the absmax values
     8-bit quantized as QLoRA does. Equals bitsandbytes' ``quantize_4bit(x, blocksize,
-    quant_type="nf4", compress_statistics=double_quant)`` bit for bit (tests/test_quantize.py).
+    quant_type="nf4", compress_statistics=double_quant)`` bit for bit but for the cases the
+    module docstring lists (tests/test_quantize.py).
     The codes come from the native kernel when the library is in use, else from the torch
     reference (``quantize_nf4_reference``; the same bits)."""
     _check_nf4_args(x, blocksize)
@@ -261,7 +274,8 @@ def _check_int8_args(x: torch.Tensor) -> None:
 
 def quantize_int8_rows(x: torch.Tensor) -> Int8RowTensor:
     """A 2-D ``x`` (fp32 / bf16 / fp16, CPU) as int8 per row; equals bitsandbytes'
-    ``int8_vectorwise_quant(x)`` (threshold 0) where its rows are not all zero. Native kernel
+    ``int8_vectorwise_quant(x)`` (threshold 0) but in rows whose absmax is below ~3.7e-37
+    (the module docstring). Native kernel
     when the library is in use, else ``quantize_int8_rows_reference`` (the same bits)."""
     _check_int8_args(x)
     L = _native.lib()
@@ -277,13 +291,13 @@ def quantize_int8_rows(x: torch.Tensor) -> Int8RowTensor:
 
 def quantize_int8_rows_reference(x: torch.Tensor) -> Int8RowTensor:
     """``quantize_int8_rows`` in torch alone (the reference and the fallback). Codes are clamped
-    to [-127, 127] (which moves values only where 127 / absmax overflows: a denormal absmax)
+    to [-127, 127] (which moves values only where ``f`` overflows: absmax below ~3.7e-37)
     and NaN stores 0."""
     _check_int8_args(x)
     with torch.no_grad():
         xf = x.detach().float()
         absmax = xf.abs().amax(dim=1)
-        factor = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        factor = torch.where(absmax > 0, absmax.reciprocal() * 127.0, torch.zeros_like(absmax))
         codes = torch.round(xf * factor[:, None]).clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
     return Int8RowTensor(codes, absmax, x.dtype)
 
