@@ -1055,14 +1055,17 @@ class Engine:
         self.synchronize()
         return checkpoint.save(self, path)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, rng: bool = True) -> None:
         """Weights, optimizer state, counters and loss scale as of the checkpoint's last
-        commit; the gradients of an open accumulation window are discarded."""
+        commit; the gradients of an open accumulation window are discarded. Buffers and
+        frozen parameters that stay with the model come back through the model's own
+        ``load_state_dict``. ``rng=False`` leaves the RNG states as they are (a best
+        checkpoint loaded at the end of a run) instead of restoring the checkpoint's."""
         from offload.io import checkpoint
         self._check_open()
         self.control.zero_grad()
         self.synchronize()
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, rng=rng)
 
     def stats(self) -> dict:
         self._check_open()
