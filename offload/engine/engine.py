@@ -122,11 +122,16 @@ class _ParamGroups(torch.optim.Optimizer):
     """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
     torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping;
     ``zero_grad()`` is the engine's (it discards the open window's gradients, which the
-    engine holds in its own buffers)."""
+    engine holds in its own buffers). Built from a user's torch optimizer (``shared``), it
+    shares that optimizer's ``param_groups`` list: the groups are one set of dicts, so a
+    scheduler built on either drives the engine's learning rate."""
 
-    def __init__(self, groups, defaults, engine: "Engine"):
+    def __init__(self, groups, defaults, engine: "Engine", shared: Optional[torch.optim.Optimizer] = None):
         super().__init__(groups, defaults)
         self._engine = weakref.ref(engine)     # the engine owns this object, not the reverse
+        self._shared = shared
+        if shared is not None:
+            self.param_groups = shared.param_groups
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -138,6 +143,10 @@ class _ParamGroups(torch.optim.Optimizer):
         the GIL right after the commit handed the blocks to the optimizer workers, and
         taking it back cost the main thread 0.07-4 ms of ``step()``."""
         args = (self,) if closure is None else (self, closure)
+        if self._shared is not None:
+            # the user's optimizer counts as stepped: torch's schedulers built on it check this
+            # flag (set by their wrapper of its step(), which the engine never calls)
+            self._shared._opt_called = True
         with profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
             for hook in (*_torch_step_hooks("pre"), *self._optimizer_step_pre_hooks.values()):
                 if hook(self, args, {}) is not None:
@@ -192,7 +201,12 @@ def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequ
 
     ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
     ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
-    by default one group of all parameters with ``requires_grad``.
+    by default one group of all parameters with ``requires_grad``. Or a torch optimizer
+    (``torch.optim.SGD(model.parameters(), lr=..., momentum=...)``, ``AdamW``, ``Adam``,
+    ``Adagrad``, ``Adafactor``; ``offload/optim/from_torch.py``): the engine runs its rule
+    (the config's ``optimizer.type`` must name the same one) with its groups
+    and hyper-parameters, and shares its ``param_groups``, so a learning-rate scheduler built
+    on it drives the engine; the optimizer itself never steps.
     ``weights``: a pretrained checkpoint (a .safetensors file, a model.safetensors.index.json,
     a Hugging Face model directory or a torch state-dict file) streamed block by block into
     the model, which may be built on the meta device; ``key_map(checkpoint_key)`` returns the
@@ -382,6 +396,14 @@ class Engine:
         defaults = o.hparams()
         rule = self.rule
         rows = [r.name for r in rule.rows(defaults)]
+        shared = None
+        if isinstance(param_groups, torch.optim.Optimizer):
+            from offload.optim import from_torch
+            name = from_torch.rule_name(param_groups)
+            if name != rule.name:
+                raise ConfigError(f"param_groups is a {type(param_groups).__name__}, whose update is {name}, but the "
+                                  f"config's optimizer.type is {rule.name!r}: set optimizer.type={name!r}")
+            shared, param_groups = param_groups, from_torch.param_groups(param_groups, rule)
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = []
@@ -398,7 +420,7 @@ class Engine:
                 raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
                                   f"section): every group keeps the same rows; set it in the optimizer section")
             groups.append(g)
-        return _ParamGroups(groups, defaults, self)
+        return _ParamGroups(groups, defaults, self, shared=shared)
 
     def _block_sizes(self) -> list:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
