@@ -1350,13 +1350,19 @@ class Engine:
         self._master_params = []
 
     def _restore_wanted(self, restore: Optional[bool]) -> bool:
+        """``restore``, or (None) whether the offloaded parameters fit in half the available
+        host memory. With ZeRO-3 across ranks, where handing back all-gathers every block,
+        the ranks decide together (it fits on all of them): a collective."""
         if restore is not None:
             return bool(restore)
         import psutil
         held = sum(part.handed_back.numel() * part.handed_back.element_size()
                    for bp in self.param_offload.params if bp is not None for part in bp.parts
                    if part.handed_back is not None)   # copies that exist already cost nothing more
-        return self._offloaded_bytes() - held <= psutil.virtual_memory().available // 2
+        fits = self._offloaded_bytes() - held <= psutil.virtual_memory().available // 2
+        if self.comm.active and self.stage == 3:
+            fits = all(self.comm.gather_objects(fits, "hand back: whether the parameters fit on every rank"))
+        return fits
 
     def _release_storage(self) -> None:
         clean = True
