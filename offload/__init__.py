@@ -9,8 +9,9 @@ from offload.io.export import export_hf
 from offload.io.hf import WeightsError
 from offload.config import Config, ConfigError
 from offload.engine.engine import Engine, initialize
+from offload.engine.holders import EngineInUseError
 from offload.errors import BlockError, BlockIOError
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "export_hf", "CheckpointError",
-           "WeightsError", "native_info", "BlockError", "BlockIOError"]
+           "WeightsError", "native_info", "BlockError", "BlockIOError", "EngineInUseError"]
 __version__ = "0.1.0"
