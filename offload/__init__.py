@@ -10,7 +10,8 @@ from offload.io.hf import WeightsError
 from offload.config import Config, ConfigError
 from offload.engine.engine import Engine, initialize
 from offload.core.errors import BlockError, BlockIOError
+from offload.engine.holders import EngineInUseError
 
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "export_fp32", "export_hf", "CheckpointError",
-           "WeightsError", "native_info", "BlockError", "BlockIOError"]
+           "WeightsError", "native_info", "BlockError", "BlockIOError", "EngineInUseError"]
 __version__ = "0.1.0"

@@ -127,7 +127,7 @@ def test_resume_is_bit_exact_and_checkpoints_rotate(tmp_path):
     for name in ("checkpoint-4", "checkpoint-6"):
         folder = os.path.join(out, name)
         assert os.path.isdir(os.path.join(folder, "offload"))             # the engine's checkpoint inside
-        assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))   # HF layout beside it
+        assert os.path.isfile(os.path.join(folder, "model.safetensors"))   # HF layout beside it
     resumed = Trainer(model=tiny_llama(seed=5), args=args(out), train_dataset=dataset(), offload_config=cfg)
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
     got = resumed.engine.full_state_dict()
@@ -247,10 +247,11 @@ def test_config_from_training_arguments_and_deepspeed_auto(tmp_path):
                 offload_config={"optimizer": {"lr": "auto"}})
     with pytest.raises(ValueError, match="optim='rmsprop' has no update rule in the engine"):
         Trainer(model=tiny_llama(), args=args(optim="rmsprop"), train_dataset=dataset())
-    with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
-        Trainer(model=tiny_llama(), args=args(load_best_model_at_end=True, eval_strategy="steps", eval_steps=2,
-                                              save_strategy="steps", save_steps=2), train_dataset=dataset(),
-                eval_dataset=dataset())
+    with pytest.raises(ValueError, match="load_best_model_at_end with save_only_model=True.*set save_only_model=False"):
+        Trainer(model=tiny_llama(), args=args(load_best_model_at_end=True, save_only_model=True, eval_strategy="steps",
+                                              eval_steps=2, save_strategy="steps", save_steps=2,
+                                              metric_for_best_model="eval_loss"),
+                train_dataset=dataset(), eval_dataset=dataset())
 
 
 def test_torchrun_two_ranks_match_one_process(tmp_path):

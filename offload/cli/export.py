@@ -1,6 +1,6 @@
 """``offload export``: a checkpoint's weights: one consolidated fp32 file (.pt or
-.safetensors), or with ``--format hf`` the Hugging Face layout (sharded safetensors + index +
-config.json; a PEFT model's adapter in PEFT's layout, or merged)."""
+.safetensors), or with ``--format hf`` the Hugging Face layout (safetensors laid out as save_pretrained
+lays them out, config.json; a PEFT model's adapter in PEFT's layout, or merged)."""
 from __future__ import annotations
 
 import os

@@ -47,6 +47,8 @@ stays while such handles live and is fetched again by their unpack if it was evi
 from __future__ import annotations
 
 import enum
+import itertools
+import weakref
 from typing import Dict, List, Sequence
 
 import torch
@@ -158,10 +160,38 @@ class _OutsideReads(TorchFunctionMode):
 _SEQUENCES = (list, tuple)
 
 
+_HANDLES: Dict[int, list] = {}     # token -> an owner's hook handles (see Hooks.__init__)
+_TOKENS = itertools.count()
+
+
+def _weakly(method):
+    """``method`` of the hook owner as a hook the model keeps: it holds the owner weakly, so
+    the model never keeps the engine alive (an engine nobody holds is collected and closed,
+    Engine.__del__); once the owner is gone it does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args, **kwargs):
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+    return hook
+
+
+def _weakly_with(method, *first):
+    """``_weakly`` with the leading arguments ``first`` bound (the block indices a hook serves)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        m = ref()
+        return None if m is None else m(*first, *args)
+    return hook
+
+
 class Hooks:
     """Installs and removes every hook on ``model`` for the blocks of ``layouts``.
 
-    ``join(participant)`` before ``install()``; ``remove()`` takes every hook off again."""
+    ``join(participant)`` before ``install()``; ``remove()`` takes every hook off again. The
+    hooks hold this object (and through it the engine) weakly: what keeps an engine alive is
+    whoever holds it, never the model it trains."""
 
     def __init__(self, model: nn.Module, layouts: Sequence, units: Sequence = ()) -> None:
         """``layouts``: the trained blocks (their parameters get gradient hooks). ``units``:
@@ -183,7 +213,10 @@ class Hooks:
         n = 1 + max([lay.index for lay in self.layouts] + [u.index for u in units])
         self.phase = [BlockPhase.IDLE] * n
         self._depth = [0] * n                        # nesting of FORWARD (re-used modules)
-        self._handles: list = []
+        # the hooks' handles, in a table of this module: an owner nobody holds is collected with
+        # its own weak references cleared, and the handles must outlive it to take the hooks off
+        self._token = next(_TOKENS)
+        self._handles: list = _HANDLES.setdefault(self._token, [])
         self._context = None                         # the saved-tensor hooks context while a forward runs
         self._chain_pack = self.saved.pack           # the root context's pack, as pushed (identity checks)
         self._nested: List = []                      # per hooked module call: its NestedSaved or None
@@ -218,27 +251,29 @@ class Hooks:
         self._innermost = [k for k, h in enumerate(self.saved.handlers) if getattr(h, "innermost", False)]
         root = bool(self.saved.handlers or self._reads or self._begin or self._end)
         if root:   # before the root's own block hooks: the chain is active for all of the forward
-            self._handles.append(model.register_forward_pre_hook(self._enter_forward, prepend=True))
+            self._handles.append(model.register_forward_pre_hook(_weakly(self._enter_forward), prepend=True))
         for m in model.modules():
             used = sorted({self._owner[id(p)] for p in m.parameters(recurse=False) if id(p) in self._owner}
                           | set(self._roots.get(id(m), ())))
             if used:
-                self._handles.append(m.register_forward_pre_hook(self._make_pre(used)))
-                self._handles.append(m.register_forward_hook(self._make_post(used), always_call=True))
+                self._handles.append(m.register_forward_pre_hook(_weakly_with(self._pre_forward, used)))
+                self._handles.append(m.register_forward_hook(_weakly_with(self._post_forward, used),
+                                                             always_call=True))
         for lay in self.layouts:
             for k, s in enumerate(lay.segments):
                 if self._grad_ready:
-                    self._handles.append(s.param.register_hook(self._make_grad_ready(lay.index, k)))
+                    self._handles.append(s.param.register_hook(_weakly_with(self._grad_ready_hook, lay.index, k)))
                 self._handles.append(s.param.register_post_accumulate_grad_hook(
-                    self._make_grad_accumulated(lay.index, k)))
+                    _weakly_with(self._grad_accumulated_hook, lay.index, k)))
         if root:
-            self._handles.append(model.register_forward_hook(self._exit_forward, always_call=True))
+            self._handles.append(model.register_forward_hook(_weakly(self._exit_forward), always_call=True))
         self._installed = True
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _HANDLES.pop(self._token, None)
 
     # ---- the root forward ----------------------------------------------------------------
     def _enter_forward(self, module, args) -> None:
@@ -302,32 +337,28 @@ class Hooks:
             nested.context.__exit__(None, None, None)
 
     # ---- block verbs ---------------------------------------------------------------------
-    def _make_pre(self, used: List[int]):
-        def pre(module, args):
-            self._enter_nested()
+    def _pre_forward(self, used: List[int], module, args) -> None:
+        self._enter_nested()
+        for i in used:
+            self._depth[i] += 1
+            self.phase[i] = BlockPhase.FORWARD
+        for f in self._pre:
             for i in used:
-                self._depth[i] += 1
-                self.phase[i] = BlockPhase.FORWARD
-            for f in self._pre:
+                f(i)
+
+    def _post_forward(self, used: List[int], module, args, output) -> None:
+        back = in_backward()
+        for i in used:
+            assert self._depth[i] > 0, f"block {i}: post_forward without pre_forward"
+            self._depth[i] -= 1
+            if self._depth[i] == 0:
+                self.phase[i] = BlockPhase.BACKWARD if back else BlockPhase.FORWARD_DONE
+        try:
+            for f in self._post:
                 for i in used:
                     f(i)
-        return pre
-
-    def _make_post(self, used: List[int]):
-        def post(module, args, output):
-            back = in_backward()
-            for i in used:
-                assert self._depth[i] > 0, f"block {i}: post_forward without pre_forward"
-                self._depth[i] -= 1
-                if self._depth[i] == 0:
-                    self.phase[i] = BlockPhase.BACKWARD if back else BlockPhase.FORWARD_DONE
-            try:
-                for f in self._post:
-                    for i in used:
-                        f(i)
-            finally:
-                self._exit_nested()
-        return post
+        finally:
+            self._exit_nested()
 
     def _enter_backward(self, i: int) -> None:
         if self.phase[i] is not BlockPhase.BACKWARD:
@@ -335,20 +366,16 @@ class Hooks:
             for f in self._pre_bwd:
                 f(i)
 
-    def _make_grad_ready(self, i: int, k: int):
-        def hook(grad):
-            self._enter_backward(i)
-            for f in self._grad_ready:
-                f(i, k)
-            return grad
-        return hook
+    def _grad_ready_hook(self, i: int, k: int, grad):
+        self._enter_backward(i)
+        for f in self._grad_ready:
+            f(i, k)
+        return grad
 
-    def _make_grad_accumulated(self, i: int, k: int):
-        def hook(param):
-            self._enter_backward(i)
-            for f in self._grad_acc:
-                f(i, k, param)
-        return hook
+    def _grad_accumulated_hook(self, i: int, k: int, param) -> None:
+        self._enter_backward(i)
+        for f in self._grad_acc:
+            f(i, k, param)
 
     def end_backward(self) -> None:
         """A backward has returned: blocks that get no gradient (frozen parameters only, or

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence
@@ -48,6 +50,7 @@ from torch import nn
 from torch.optim import optimizer as _torch_optimizer
 
 from offload.core import blocks as blk
+from offload.engine import holders
 from offload import device as dev
 from offload import dtypes
 from offload.core import sharding
@@ -119,11 +122,16 @@ class _ParamGroups(torch.optim.Optimizer):
     """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
     torch LR schedulers work. The update itself is the engine's; ``step()`` is bookkeeping;
     ``zero_grad()`` is the engine's (it discards the open window's gradients, which the
-    engine holds in its own buffers)."""
+    engine holds in its own buffers). Built from a user's torch optimizer (``shared``), it
+    shares that optimizer's ``param_groups`` list: the groups are one set of dicts, so a
+    scheduler built on either drives the engine's learning rate."""
 
-    def __init__(self, groups, defaults, engine: "Engine"):
+    def __init__(self, groups, defaults, engine: "Engine", shared: Optional[torch.optim.Optimizer] = None):
         super().__init__(groups, defaults)
         self._engine = weakref.ref(engine)     # the engine owns this object, not the reverse
+        self._shared = shared
+        if shared is not None:
+            self.param_groups = shared.param_groups
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,6 +143,10 @@ class _ParamGroups(torch.optim.Optimizer):
         the GIL right after the commit handed the blocks to the optimizer workers, and
         taking it back cost the main thread 0.07-4 ms of ``step()``."""
         args = (self,) if closure is None else (self, closure)
+        if self._shared is not None:
+            # the user's optimizer counts as stepped: torch's schedulers built on it check this
+            # flag (set by their wrapper of its step(), which the engine never calls)
+            self._shared._opt_called = True
         with profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
             for hook in (*_torch_step_hooks("pre"), *self._optimizer_step_pre_hooks.values()):
                 if hook(self, args, {}) is not None:
@@ -189,7 +201,12 @@ def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequ
 
     ``config``: a dict, a path to a JSON file (engine or DeepSpeed layout) or ``offload.Config``.
     ``param_groups``: optional torch-style groups (``[{"params": [...], "lr": ...}, ...]``);
-    by default one group of all parameters with ``requires_grad``.
+    by default one group of all parameters with ``requires_grad``. Or a torch optimizer
+    (``torch.optim.SGD(model.parameters(), lr=..., momentum=...)``, ``AdamW``, ``Adam``,
+    ``Adagrad``, ``Adafactor``; ``offload/optim/from_torch.py``): the engine runs its rule
+    (the config's ``optimizer.type`` must name the same one) with its groups
+    and hyper-parameters, and shares its ``param_groups``, so a learning-rate scheduler built
+    on it drives the engine; the optimizer itself never steps.
     ``weights``: a pretrained checkpoint (a .safetensors file, a model.safetensors.index.json,
     a Hugging Face model directory or a torch state-dict file) streamed block by block into
     the model, which may be built on the meta device; ``key_map(checkpoint_key)`` returns the
@@ -214,6 +231,7 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload.initialize needs an nn.Module, not {type(model).__name__}")
         config.check_paths()       # Config construction does no I/O: the directories are checked here
+        holders.take_over(model)
         self.config = config
         self.comm = Comm(config.zero_optimization.timeout_s)
         self.stage = config.zero_optimization.stage
@@ -323,6 +341,8 @@ class Engine:
             read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
             ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
             on_block_complete=self.hooks.post_backward)   # every participant's post_backward
+        holders.register(self)
+        self._built = True            # fully built: close() (or __del__) has everything to release
 
     # The counters a checkpoint records (StepControl owns them; they move at step() only).
     @property
@@ -376,6 +396,14 @@ class Engine:
         defaults = o.hparams()
         rule = self.rule
         rows = [r.name for r in rule.rows(defaults)]
+        shared = None
+        if isinstance(param_groups, torch.optim.Optimizer):
+            from offload.optim import from_torch
+            name = from_torch.rule_name(param_groups)
+            if name != rule.name:
+                raise ConfigError(f"param_groups is a {type(param_groups).__name__}, whose update is {name}, but the "
+                                  f"config's optimizer.type is {rule.name!r}: set optimizer.type={name!r}")
+            shared, param_groups = param_groups, from_torch.param_groups(param_groups, rule)
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = []
@@ -392,7 +420,7 @@ class Engine:
                 raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
                                   f"section): every group keeps the same rows; set it in the optimizer section")
             groups.append(g)
-        return _ParamGroups(groups, defaults, self)
+        return _ParamGroups(groups, defaults, self, shared=shared)
 
     def _block_sizes(self) -> list:
         """The blocks as the memory plan sees them (trained blocks first, then frozen-only)."""
@@ -1042,14 +1070,17 @@ class Engine:
         self.synchronize()
         return checkpoint.save(self, path)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, rng: bool = True) -> None:
         """Weights, optimizer state, counters and loss scale as of the checkpoint's last
-        commit; the gradients of an open accumulation window are discarded."""
+        commit; the gradients of an open accumulation window are discarded. Buffers and
+        frozen parameters that stay with the model come back through the model's own
+        ``load_state_dict``. ``rng=False`` leaves the RNG states as they are (a best
+        checkpoint loaded at the end of a run) instead of restoring the checkpoint's."""
         from offload.io import checkpoint
         self._check_open()
         self.control.zero_grad()
         self.synchronize()
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, rng=rng)
 
     def stats(self) -> dict:
         self._check_open()
@@ -1122,6 +1153,11 @@ class Engine:
                                             ("activations", self._act_store)) if st is not None}
 
     # ---- teardown -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (also when a newer engine took the model over)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this engine is closed: create a new one with offload.initialize")
@@ -1131,6 +1167,57 @@ class Engine:
         naming its block and stage. The engine cannot go on after one: ``close()`` it."""
         self._check_open()
         self.pipeline.raise_failure()
+
+    def hand_back(self, restore: Optional[bool] = None) -> bool:
+        """Give the model its current weights while the engine stays open: after waiting for
+        the updates in flight, every offloaded parameter (``offload_param`` cpu / nvme,
+        ZeRO-3) views a copy of its current value, in the compute dtype, on the device it was
+        on at initialize (the CPU for a model built on the meta device), so ``state_dict()``,
+        ``save_pretrained`` and attribute reads see the trained weights, as after ``close()``.
+        Parameters that are not offloaded hold them already. The engine keeps its master copy
+        and optimizer state: its next forward takes each block back (the copy goes as the
+        block visits the device) and training goes on from where it was. The copies are the
+        model's, not the engine's: writing into them changes nothing the engine trains (its
+        ``load_checkpoint`` does). ``restore`` as in ``close()``: None hands back when the
+        offloaded parameters fit in host memory (at most half of what is available now).
+        Returns whether the model holds its weights now. With ZeRO-3 across ranks this is a
+        collective: every rank calls it."""
+        self._check_ok()
+        self.synchronize()
+        if self.param_offload is None:
+            return True
+        if not self._restore_wanted(restore):
+            return False
+        self._hand_back_blocks()
+        return True
+
+    def _offloaded_bytes(self) -> int:
+        return sum(bp.nbytes for bp in self.param_offload.params if bp is not None)
+
+    def _hand_back_blocks(self) -> list:
+        """Every offloaded block's parameters bound to host copies (``BlockParams.hand_back``)
+        of their current values, on the device each block was on at initialize; blocks handed
+        back already keep theirs. Returns (segment, tensor) of every offloaded parameter."""
+        po, out = self.param_offload, []
+        for i, bp in enumerate(po.params):
+            if bp is None:
+                continue
+            origin = self._origin[i] if i < len(self._origin) else torch.device("cpu")
+            todo = [part for part in bp.parts if part.handed_back is None]
+            if todo:
+                if all(part.home_numel == part.numel for part in todo):   # homes hold whole flats: read them
+                    po._release(i)
+                    flats = [part.read_home().to(origin) for part in todo]
+                else:                          # shards (ZeRO-3): gathered on the device
+                    po.materialize(i)
+                    flats = [part.device_buf.detach().to(origin, copy=True) for part in todo]
+                    po._release(i)
+                for part, flat in zip(todo, flats):
+                    part.hand_back(flat)
+            for part in bp.parts:              # the trainable part and each frozen part
+                flat = part.handed_back
+                out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in part.layout.segments]
+        return out
 
     def close(self, restore: Optional[bool] = None) -> None:
         """Wait for the updates in flight, remove every hook, release host buffers and swap
@@ -1147,22 +1234,43 @@ class Engine:
         * offloaded parameters (``offload_param`` cpu / nvme, and ZeRO-3, whose parameters
           live as shards) are brought back, in the compute dtype, to the device they were on
           at initialize (the CPU for a model built on the meta device) when ``restore`` is
-          True. Frozen parameters and buffers stay on the compute device: ``model.to()``
-          puts the whole model in one place. Default (None): restore when they fit, i.e. their bytes are at most half
-          the host memory available now. A model larger than that (built on the meta device to
-          train from NVMe, larger than RAM) keeps its offloaded parameters released: each is
-          an empty placeholder and the trained weights leave only through
-          ``full_state_dict()``, ``save_checkpoint()`` or the exports, called before close().
-          ``restore=False`` always releases. With ZeRO-3 across ranks restoring all-gathers
-          every block: every rank calls close().
+          True, as ``hand_back`` does. Frozen parameters and buffers stay on the compute
+          device: ``model.to()`` puts the whole model in one place. Default (None): restore
+          when they fit, i.e. their bytes are at most half the host memory available now. A
+          model larger than that (built on the meta device to train from NVMe, larger than
+          RAM) keeps its offloaded parameters released: each is an empty placeholder and the
+          trained weights leave only through ``full_state_dict()``, ``save_checkpoint()`` or
+          the exports, called before close(). ``restore=False`` always releases. With ZeRO-3
+          across ranks restoring all-gathers every block: every rank calls close().
+
+        An engine nobody holds any more (its model's hooks hold it weakly) is closed when
+        Python collects it, with ``restore`` None (False with ZeRO-3 across ranks, where
+        restoring is a collective), and a warning where the model is left with placeholders.
         """
         if self._closed:
             return
         self._closed = True
+        holders.forget(self)
         try:
             self._shut_down(restore)
         finally:
             self._let_go()
+
+    def __del__(self):
+        if not self.__dict__.get("_built") or self.__dict__.get("_closed", True) or sys.is_finalizing():
+            return                   # (at interpreter exit the process lets everything go)
+        collective = self.comm.active and self.stage == 3
+        try:
+            self.close(restore=False if collective else None)
+            lost = self.__dict__.get("_lost") or []
+        except Exception as exc:     # nothing to raise to: say it
+            warnings.warn(f"offload: an engine dropped without close() failed to close: {exc!r}", RuntimeWarning)
+            return
+        if lost:
+            warnings.warn(f"offload: an engine was dropped without close() and its model's offloaded parameters "
+                          f"({', '.join(lost)}, ...) did not fit in host memory to be restored: they are empty "
+                          f"placeholders now. Keep the engine (or its Trainer) until its weights are saved, and "
+                          f"close() it", RuntimeWarning)
 
     def _shut_down(self, restore: Optional[bool]) -> None:
         """close()'s work: the updates and writes waited for, every hook, thread, buffer and
@@ -1181,7 +1289,7 @@ class Engine:
                     raise
             else:
                 if self.param_offload is not None and self._restore_wanted(restore):
-                    restored = self._gather_offloaded_params()
+                    restored = self._hand_back_blocks()
         finally:
             self.pipeline.settle_threads(force=True)
             if getattr(self, "_landing", None) is not None:
@@ -1191,6 +1299,9 @@ class Engine:
             if self.hooks is not None:
                 self.hooks.remove()
             if self.param_offload is not None:
+                if restored is None:          # what close() leaves as placeholders (__del__ warns)
+                    self._lost = [s.name for bp in self.param_offload.params if bp is not None
+                                  for part in bp.parts if part.handed_back is None for s in part.layout.segments][:3]
                 self.param_offload.close()
             if self.activations is not None:
                 self.activations.close()
@@ -1205,7 +1316,7 @@ class Engine:
     # telemetry for a trace written after training) and what describes it (its rule, tiers,
     # dtypes, memory plan): no buffer, nothing that holds one.
     _KEPT_AFTER_CLOSE = ("_closed", "module", "optimizer", "config", "telemetry", "rule", "plan", "tier",
-                         "state_dtype", "device", "dtype", "stage")
+                         "state_dtype", "device", "dtype", "stage", "_lost")
 
     def _let_go(self) -> None:
         """Drop everything else the closed engine holds, and collect the cycles its parts
@@ -1232,27 +1343,19 @@ class Engine:
         self._master_params = []
 
     def _restore_wanted(self, restore: Optional[bool]) -> bool:
+        """``restore``, or (None) whether the offloaded parameters fit in half the available
+        host memory. With ZeRO-3 across ranks, where handing back all-gathers every block,
+        the ranks decide together (it fits on all of them): a collective."""
         if restore is not None:
             return bool(restore)
         import psutil
-        nbytes = sum(bp.nbytes for bp in self.param_offload.params if bp is not None)
-        return nbytes <= psutil.virtual_memory().available // 2
-
-    def _gather_offloaded_params(self) -> list:
-        """(segment, tensor) of every offloaded parameter, on the device it was on at
-        initialize (the CPU for the meta device), block by block: each block visits the
-        compute device once (waiting for its update) and is copied out whole."""
-        po, out = self.param_offload, []
-        for i, bp in enumerate(po.params):
-            if bp is None:
-                continue
-            po.materialize(i)
-            origin = self._origin[i] if i < len(self._origin) else torch.device("cpu")
-            for part in bp.parts:             # the trainable part and each frozen part
-                flat = part.device_buf.detach().to(origin, copy=True)
-                out += [(s, flat[s.offset:s.offset + s.numel].view(s.shape)) for s in part.layout.segments]
-            po.release_all()
-        return out
+        held = sum(part.handed_back.numel() * part.handed_back.element_size()
+                   for bp in self.param_offload.params if bp is not None for part in bp.parts
+                   if part.handed_back is not None)   # copies that exist already cost nothing more
+        fits = self._offloaded_bytes() - held <= psutil.virtual_memory().available // 2
+        if self.comm.active and self.stage == 3:
+            fits = all(self.comm.gather_objects(fits, "hand back: whether the parameters fit on every rank"))
+        return fits
 
     def _release_storage(self) -> None:
         clean = True

@@ -16,6 +16,11 @@ choose one too. An AdamW name (transformers' default) leaves the choice to the c
 other name and a config type that differs are an error naming both. ``adafactor`` runs
 torch's Adafactor (``torch.optim.Adafactor``: its own relative step and update clipping, the
 learning rate from ``learning_rate``), not transformers' own Adafactor class.
+
+A torch optimizer given to Trainer (``optimizers=(optimizer, scheduler)``, or built from
+``optimizer_cls_and_kwargs``) decides instead of ``optim`` and the optimizer arguments, as in
+transformers: its class the rule (``offload/optim/from_torch.py``), its ``defaults`` the
+optimizer section's hyper-parameters; the config may repeat them, not contradict them.
 """
 from __future__ import annotations
 
@@ -112,6 +117,26 @@ _WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer
           "gradient_clipping": "max_grad_norm", "precision": "bf16/fp16"}
 
 
+def _owned_by_optimizer(optimizer, args) -> tuple:
+    """(the engine keys a torch optimizer and TrainingArguments decide, where each comes
+    from) when Trainer is given the optimizer."""
+    from offload.optim import get_rule
+    from offload.optim.from_torch import param_groups, rule_name
+    name = rule_name(optimizer)
+    param_groups(optimizer, get_rule(name))      # its groups checked now, before training
+    owned = {"optimizer.type": name}
+    where = {"optimizer.type": f"the optimizer's class ({type(optimizer).__name__})"}
+    for k in get_rule(name).defaults:
+        v = optimizer.defaults[k]
+        v = float(v) if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v
+        owned[f"optimizer.{k}"] = tuple(v) if isinstance(v, list) else v
+        where[f"optimizer.{k}"] = f"the optimizer's {k}"
+    owned.update({"gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+                  "gradient_clipping": float(args.max_grad_norm or 0.0), "precision": precision_of(args)})
+    return owned, dict(where, **{k: f"TrainingArguments {_WHERE[k]}"
+                                 for k in ("gradient_accumulation_steps", "gradient_clipping", "precision")})
+
+
 def fill_deepspeed_auto(ds: Mapping[str, Any], args) -> dict:
     """A copy of a DeepSpeed config with its ``"auto"`` values filled from ``args``, as
     transformers' ``HfTrainerDeepSpeedConfig`` does for the keys this engine reads. An
@@ -176,13 +201,21 @@ def precision_asked(offload_config: Any, args) -> bool:
     return not is_deepspeed_config(raw) and raw.get("precision") is not None
 
 
-def engine_config(offload_config: Any, args) -> Config:
+def engine_config(offload_config: Any, args, optimizer=None) -> Config:
     """The engine's ``Config`` for ``offload_config`` (dict, JSON path, DeepSpeed dict or
-    ``offload.Config``) and ``TrainingArguments`` ``args``."""
+    ``offload.Config``) and ``TrainingArguments`` ``args``; with ``optimizer`` (a torch
+    optimizer Trainer was given) its rule and hyper-parameters instead of ``args.optim`` and
+    the optimizer arguments."""
     if isinstance(offload_config, Config):
         # A Config has every key set: the arguments decide the keys they own (its optimizer
         # type counts as chosen where it is not the default AdamW).
         d = offload_config.to_dict()
+        if optimizer is not None:
+            owned, _ = _owned_by_optimizer(optimizer, args)
+            d["optimizer"] = {"state_dtype": _get(d, "optimizer.state_dtype")}
+            for key, value in owned.items():
+                _set(d, key, value)
+            return build_config(d)
         t = _get(d, "optimizer.type")
         rule, sd = rule_of(args, None if t == "AdamW" else t)
         for key, value in _owned(args, rule).items():
@@ -203,12 +236,16 @@ def engine_config(offload_config: Any, args) -> Config:
         left = list(_leftover_auto(d))
         if left:
             raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
-    rule, sd = rule_of(args, _get(d, "optimizer.type"), _get(d, "optimizer.state_dtype"))
-    if sd is not None:
-        _set(d, "optimizer.state_dtype", sd)
-    if _get(d, "optimizer.type") is not None:
-        _set(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
-    for key, value in _owned(args, rule).items():
+    if optimizer is not None:
+        owned, where = _owned_by_optimizer(optimizer, args)
+    else:
+        rule, sd = rule_of(args, _get(d, "optimizer.type"), _get(d, "optimizer.state_dtype"))
+        if sd is not None:
+            _set(d, "optimizer.state_dtype", sd)
+        if _get(d, "optimizer.type") is not None:
+            _set(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
+        owned, where = _owned(args, rule), {k: f"TrainingArguments {v}" for k, v in _WHERE.items()}
+    for key, value in owned.items():
         given = _get(d, key)
         if given is None:
             _set(d, key, value)
@@ -216,9 +253,8 @@ def engine_config(offload_config: Any, args) -> Config:
         same = tuple(given) == value if isinstance(value, tuple) and isinstance(given, (list, tuple)) \
             else given == value
         if not same:
-            raise ConfigError(f"offload_config {key}={given!r} disagrees with TrainingArguments "
-                              f"{_WHERE[key]} ({value!r}): remove it from offload_config (the arguments decide it) "
-                              f"or make them equal")
+            raise ConfigError(f"offload_config {key}={given!r} disagrees with {where[key]} ({value!r}): remove it "
+                              f"from offload_config (that decides it) or make them equal")
     return build_config(d)
 
 

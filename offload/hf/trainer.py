@@ -9,8 +9,11 @@
 
 How it plugs in, the way transformers' DeepSpeed integration does:
 - The engine is created where Trainer creates its optimizer (``create_optimizer``), with
-  Trainer's parameter groups (weight decay on / off); ``self.optimizer`` is the engine's
-  torch-facing optimizer, so Trainer's LR scheduler (warm-up, decay) drives the engine.
+  Trainer's parameter groups (weight decay on / off), or with the torch optimizer Trainer was
+  given (``optimizers=``, ``optimizer_cls_and_kwargs``: its rule, groups and hyper-parameters,
+  offload/optim/from_torch.py); ``self.optimizer`` is the engine's torch-facing optimizer
+  (sharing a given optimizer's param groups), so Trainer's LR scheduler or the user's drives
+  the engine.
 - Trainer's accelerator is wrapped (``EngineAccelerator``): the model and the engine's
   optimizer are not prepared (no device move, no DDP, no autocast: the engine owns placement,
   precision and gradient communication); ``backward`` runs the engine's backward on the loss
@@ -23,6 +26,10 @@ How it plugs in, the way transformers' DeepSpeed integration does:
   Hugging Face layout, the scheduler, RNG and trainer state.
 - The model is never moved to the device whole (``place_model_on_device`` off); with
   ``weights=`` it may be built on the meta device and is filled by the engine's streamed load.
+- After ``train()`` / ``evaluate()`` / ``predict()`` the model holds its trained weights
+  (``Engine.hand_back``) where they fit in host memory; ``load_best_model_at_end`` loads the
+  best checkpoint's engine state. A Trainer whose engine another took over (a second Trainer
+  on the model) or ``close()`` closed builds a new one when it is used again.
 
 Other trainers built on ``transformers.Trainer`` (TRL's ``SFTTrainer``, ``DPOTrainer``, ...)
 run on the engine with this class first in their method order, so that its methods wrap
@@ -33,6 +40,7 @@ when the class is defined.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -43,12 +51,14 @@ versions.check("transformers", "accelerate")
 
 import transformers  # noqa: E402
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from offload.hf.config import engine_config, precision_asked  # noqa: E402
 from offload.planner import precision  # noqa: E402
 from offload.hf.weights import save_hf  # noqa: E402
 
 ENGINE_DIR = "offload"    # the engine's checkpoint inside a Trainer checkpoint folder
+logger = hf_logging.get_logger(__name__)
 
 
 def _is_peft(model) -> bool:
@@ -134,6 +144,9 @@ class Trainer(transformers.Trainer):
     ``weights``: a pretrained checkpoint (a Hugging Face model directory, safetensors, an index)
     streamed by the engine into the model block by block (``offload.initialize(weights=)``), so
     the model may be built on the meta device and never exist whole in host memory.
+    ``optimizers=(optimizer, scheduler)`` / ``optimizer_cls_and_kwargs``: a torch optimizer whose
+    update the engine has decides the rule and hyper-parameters instead (another is an error
+    naming those it takes); the scheduler drives the engine's learning rate.
     ``engine`` is the live engine once training (or evaluation) started; ``close()`` frees its
     host buffers and swap files."""
 
@@ -153,16 +166,16 @@ class Trainer(transformers.Trainer):
         if _is_peft(self.model):
             versions.check("peft")
         self.place_model_on_device = False
-        opt, sched = kwargs.get("optimizers", (None, None))
-        if opt is not None or sched is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
-            raise ValueError("offload.hf.Trainer: the engine runs the optimizer and Trainer's scheduler drives it: "
-                             "leave optimizers / optimizer_cls_and_kwargs unset (choose the schedule with "
-                             "lr_scheduler_type / warmup_steps)")
-        if self.args.load_best_model_at_end:
-            raise ValueError("offload.hf.Trainer: load_best_model_at_end is not supported (the best weights would "
-                             "bypass the engine's master copy): pick the checkpoint from trainer_state.json and "
-                             "resume_from_checkpoint or from_pretrained it")
-        self.offload_config = engine_config(offload_config, self.args)   # fails here, before training
+        # a torch optimizer given (optimizers=) or described (optimizer_cls_and_kwargs) decides the
+        # engine's rule and hyper-parameters, as it decides Trainer's; the engine runs the update
+        self._user_optimizer = self.optimizer
+        probe = self._user_optimizer if self._user_optimizer is not None else _probe(self.optimizer_cls_and_kwargs)
+        if self.args.load_best_model_at_end and self.args.save_only_model:
+            raise ValueError("offload.hf.Trainer: load_best_model_at_end with save_only_model=True: the best weights "
+                             "come back with the engine's checkpoint (weights, master copy and optimizer state), "
+                             "which save_only_model leaves out; set save_only_model=False")
+        self.offload_config = engine_config(offload_config, self.args, optimizer=probe)   # fails here, before training
+        self._told_not_handed_back = False
         # fp32 unless asked for; an asked-for precision slow on this device, or fp32 chosen
         # where bf16 is slow, is told once (offload.planner.precision)
         asked = precision_asked(offload_config, self.args)
@@ -179,34 +192,80 @@ class Trainer(transformers.Trainer):
         return None
 
     # ---- the engine ------------------------------------------------------------------------
+    def _live_engine(self):
+        """The engine, while it is open (another engine may have taken the model over, or
+        ``close()`` closed it: then a new one is built when needed)."""
+        return self.engine if self.engine is not None and not self.engine.closed else None
+
     def create_optimizer(self, model=None):
-        if self.optimizer is not None:
+        engine = self._live_engine()
+        if engine is not None and engine.module is self.model and self.optimizer is engine.optimizer:
             return self.optimizer
         import offload
         model = self.model
-        if self.engine is not None:      # model_init gave a new model: the old engine's buffers go
-            self.engine.close()
-        decay = set(self.get_decay_parameter_names(model))
-        groups = [
-            {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
-             "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
-             "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        if not groups:
-            raise ValueError("offload.hf.Trainer: the model has no parameter with requires_grad: nothing to train")
+        if engine is not None:             # model_init gave a new model: the old engine's buffers go
+            engine.close()
+        self.engine = None
+        user = self._user_optimizer
+        if user is None and self.optimizer_cls_and_kwargs is not None:
+            self.optimizer = None
+            user = super().create_optimizer()   # the class and its kwargs on Trainer's groups, as Trainer builds it
+        if user is not None:
+            groups = user                    # its rule, groups and hyper-parameters (offload/optim/from_torch.py)
+        else:
+            decay = set(self.get_decay_parameter_names(model))
+            groups = [
+                {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
+                 "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
+                 "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            if not groups:
+                raise ValueError("offload.hf.Trainer: the model has no parameter with requires_grad: nothing to train")
         self.engine = offload.initialize(model, self.offload_config, param_groups=groups, weights=self.offload_weights)
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
+    def train(self, *args, **kwargs):
+        """Trainer's ``train()``; then the model holds its trained weights (``hand_back``)."""
+        out = super().train(*args, **kwargs)
+        self._hand_back()
+        return out
+
     def evaluate(self, *args, **kwargs):
-        if self.engine is None:        # evaluation before training runs on the engine too
+        if self._live_engine() is None:        # evaluation before training runs on the engine too
             self.create_optimizer()
-        return super().evaluate(*args, **kwargs)
+        out = super().evaluate(*args, **kwargs)
+        if not self.is_in_train:
+            self._hand_back()
+        return out
+
+    def predict(self, *args, **kwargs):
+        if self._live_engine() is None:
+            self.create_optimizer()
+        out = super().predict(*args, **kwargs)
+        if not self.is_in_train:
+            self._hand_back()
+        return out
+
+    def _hand_back(self) -> None:
+        """After train() / evaluate() / predict(): ``trainer.model`` holds the trained weights
+        (``Engine.hand_back``) where the offloaded parameters fit in host memory; else they stay
+        with the engine (said once) and leave through ``save_model`` or checkpoints."""
+        engine = self._live_engine()
+        if engine is None or engine.hand_back():
+            return
+        if not self._told_not_handed_back:
+            self._told_not_handed_back = True
+            warnings.warn("offload.hf.Trainer: the model's offloaded parameters do not fit in host memory, so "
+                          "trainer.model holds empty placeholders for them; the trained weights are the engine's: "
+                          "save them with trainer.save_model(dir) (or a checkpoint) and load them from there",
+                          UserWarning, stacklevel=3)
 
     def close(self) -> None:
-        """Wait for updates in flight, then free the engine's host buffers and swap files."""
+        """Wait for updates in flight, then free the engine's host buffers and swap files; the
+        model keeps its trained weights where they fit in host memory (``Engine.close``)."""
         if self.engine is not None:
             self.engine.close()
 
@@ -216,7 +275,7 @@ class Trainer(transformers.Trainer):
         safetensors + config.json, ``offload.export_hf``), a PEFT model's adapter in PEFT's
         layout; the tokenizer / processor and the training arguments beside them, as Trainer
         writes them."""
-        if self.engine is None:
+        if self._live_engine() is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_hf(self.engine, output_dir, is_main=self.args.should_save)   # every rank: the checkpoint is per rank
@@ -228,15 +287,22 @@ class Trainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.engine is None:
+        if self._live_engine() is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))   # every rank writes its shard
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            try:        # the save's lock file: this checkpoint folder is the run's alone, and the save is over
+                os.remove(os.path.join(output_dir, ENGINE_DIR + ".lock"))
+            except FileNotFoundError:
+                pass
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine's checkpoint (``_load_optimizer_and_scheduler``);
-        here only check that the folder has one, before training starts."""
+        here only check that the folder has one, before training starts: a path that is not a
+        checkpoint gets Trainer's own message."""
+        if not os.path.isdir(resume_from_checkpoint):
+            raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
         path = os.path.join(resume_from_checkpoint, ENGINE_DIR)
         if not os.path.isdir(path):
             raise ValueError(f"{resume_from_checkpoint!r} has no engine checkpoint ({ENGINE_DIR}/): resume from a "
@@ -246,13 +312,36 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
             return
-        if self.engine is None:
+        if self._live_engine() is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         self._load_from_checkpoint(checkpoint)
         self.engine.load_checkpoint(os.path.join(checkpoint, ENGINE_DIR))
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's engine state (weights, master copy,
+        optimizer state and step counts, consistently) replaces the engine's, so training that
+        goes on continues from it; the RNG states and the schedule stay as they are, as
+        Trainer's own best-model load leaves them. The model gets the weights at the end of
+        ``train()`` (``hand_back``)."""
+        engine = self._live_engine()
+        if engine is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        self._load_from_checkpoint(best)
+        engine.load_checkpoint(os.path.join(best, ENGINE_DIR), rng=False)
+
+
+def _probe(cls_and_kwargs):
+    """The optimizer ``optimizer_cls_and_kwargs`` describes, on one placeholder parameter:
+    what the engine's config needs (its class and defaults) before the model's groups exist."""
+    if cls_and_kwargs is None:
+        return None
+    cls, kwargs = cls_and_kwargs
+    return cls([torch.nn.Parameter(torch.zeros(1))], **dict(kwargs))
 
 
 # ---- other trainers on the engine ------------------------------------------------------------

@@ -487,7 +487,8 @@ def block_master(path: str, binfo: dict) -> torch.Tensor:
     return out
 
 
-def load(engine, path: str) -> None:
+def load(engine, path: str, rng: bool = True) -> None:
+    """``engine``'s state as of checkpoint ``path``; ``rng=False`` leaves the RNG states."""
     path = resolve(path)
     meta = read_meta(path)
     _check_optimizer(engine, meta, path)
@@ -531,10 +532,12 @@ def load(engine, path: str) -> None:
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
         sd = engine.module.state_dict(keep_vars=True)
         offloaded = engine.param_offload.frozen_ids() if engine.param_offload is not None else set()
-        with torch.no_grad():
-            for k, v in extra["tensors"].items():
-                if k in sd and id(sd[k]) not in offloaded:
-                    sd[k].copy_(v)
+        # buffers and the frozen parameters the model keeps go through the model's own
+        # load_state_dict, as torch loads them: a module that resizes or converts what it
+        # loads (its _load_from_state_dict / load_state_dict) does it here too
+        rest = {k: _like(v, sd.get(k)) for k, v in extra["tensors"].items() if k not in sd or id(sd[k]) not in offloaded}
+        if rest:
+            engine.module.load_state_dict(rest, strict=False)
         if offloaded:
             engine.param_offload.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items()
                                                if k in sd and id(sd[k]) in offloaded})
@@ -545,11 +548,22 @@ def load(engine, path: str) -> None:
         engine.global_step = meta["global_step"]
         engine.micro_step = meta["micro_step"]
         engine.scaler.load_state_dict(meta["scaler"])
-        rng = os.path.join(path, f"rng.rank{engine.comm.rank}.pt")
-        if engine.comm.rank and os.path.exists(rng):
-            _set_rng_state(torch.load(rng, map_location="cpu", weights_only=False)["rng"])
+        if not rng:
+            return
+        rng_file = os.path.join(path, f"rng.rank{engine.comm.rank}.pt")
+        if engine.comm.rank and os.path.exists(rng_file):
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False)["rng"])
         else:
             _set_rng_state(extra["rng"])
+
+
+def _like(v: torch.Tensor, live) -> torch.Tensor:
+    """A saved tensor on the live one's device (and, floating-point, in its dtype): what a
+    module that replaces a tensor it loads (a resized buffer) keeps."""
+    if live is None:
+        return v
+    dtype = live.dtype if live.is_floating_point() and v.is_floating_point() else None
+    return v.to(device=live.device, dtype=dtype)
 
 
 def _set_rng_state(state: dict) -> None:

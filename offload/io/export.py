@@ -1,10 +1,12 @@
 """A checkpoint out to the Hugging Face layout, one block in memory at a time.
 
-    offload.export_hf("ckpt", "out")                 # model-0000i-of-0000N.safetensors + index + config.json
+    offload.export_hf("ckpt", "out")                 # model.safetensors (or shards + index) + config.json
     offload.export_hf("ckpt", "out", peft="merged")  # a PEFT model: the adapter merged into the base
 
-Full model (or ``peft="merged"``): sharded safetensors with the model's own key names (PEFT's
-wrappers removed), ``model.safetensors.index.json``, the recorded ``config.json`` and the
+Full model (or ``peft="merged"``): safetensors with the model's own key names (PEFT's
+wrappers removed), laid out as ``save_pretrained`` lays them out (``model.safetensors``, or
+shards of ``max_shard_bytes`` beside ``model.safetensors.index.json``; an earlier save's
+weight files in ``out_dir`` are removed), the recorded ``config.json`` and the
 tokenizer / generation files of the source directory; ``from_pretrained(out)`` loads it. Tied
 parameters are written once (under their first key), as ``save_pretrained`` does.
 ``peft="adapter"`` (a PEFT model's default): ``adapter_model.safetensors`` and
@@ -30,8 +32,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from offload.io import checkpoint, origin
-from offload.io.hf import (TensorSpec, WeightsError, canonical_key, peft_adapter_key, plan_shards, read_header,
-                           shard_names, write_safetensors)
+from offload.io.hf import (INDEX_FILE, TensorSpec, WeightsError, canonical_key, peft_adapter_key, plan_shards,
+                           read_header, shard_names, stale_weight_files, write_safetensors)
 
 LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
@@ -123,11 +125,16 @@ def export_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 10**
         _export_adapters(src, out_dir, dtype)
     else:
         _export_model(src, out_dir, max_shard_bytes, dtype, merge=bool(hf.get("peft")))
-    for f in origin.aux_files(src.meta):
+    aux = origin.aux_files(src.meta)
+    for f in aux:
         if os.path.isfile(f):
             shutil.copy2(f, os.path.join(out_dir, os.path.basename(f)))
         else:
             warnings.warn(f"{f} (recorded beside the source weights) no longer exists: not copied to {out_dir}")
+    generation = hf.get("generation_config")
+    if generation is not None and not (hf.get("peft") and peft == "adapter") \
+            and "generation_config.json" not in {os.path.basename(f) for f in aux}:
+        _write_json(os.path.join(out_dir, "generation_config.json"), generation)   # as save_pretrained does
     return out_dir
 
 
@@ -171,16 +178,18 @@ def _export_model(src: _Source, out_dir: str, max_shard_bytes: int, dtype, merge
             t = _merge(t, src, lora[k], cfg)
         return _cast(t, spec.dtype if t.is_floating_point() else None)
 
-    shards = plan_shards(specs, max_shard_bytes)
+    shards = plan_shards(specs, max_shard_bytes) or [[]]
     files = shard_names(len(shards))
+    for f in stale_weight_files(out_dir, files + ([INDEX_FILE] if len(files) > 1 else [])):
+        os.remove(f)
     weight_map, total = {}, 0
     for fname, shard in zip(files, shards):
         write_safetensors(os.path.join(out_dir, fname), shard, produce)
         for s in shard:
             weight_map[s.key] = fname
             total += s.nbytes
-    _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if len(files) > 1:                        # one shard: model.safetensors alone, as save_pretrained writes it
+        _write_json(os.path.join(out_dir, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
     config = (meta.get("hf") or {}).get("config")
     if config is not None:
         config = dict(config)

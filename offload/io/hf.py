@@ -524,8 +524,26 @@ def write_safetensors(path: str, specs: Sequence[TensorSpec], produce: Callable[
     return 8 + len(hb) + off
 
 
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors$")
+
+
 def shard_names(n: int) -> List[str]:
+    """The files of ``n`` shards as ``save_pretrained`` names them: ``model.safetensors``
+    alone (no index), else ``model-0000i-of-0000n.safetensors`` beside an index."""
+    if n == 1:
+        return [SINGLE_FILE]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def stale_weight_files(out_dir: str, keep: Sequence[str]) -> List[str]:
+    """Weight files of an earlier save in ``out_dir`` that a save writing ``keep`` replaces
+    (``save_pretrained`` removes them too, so the folder holds one model)."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = [f for f in os.listdir(out_dir) if f in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(f)]
+    return [os.path.join(out_dir, f) for f in names if f not in keep]
 
 
 def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> List[List[TensorSpec]]:

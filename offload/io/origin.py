@@ -46,11 +46,20 @@ def hf_model(model: torch.nn.Module):
     return None
 
 
+def _can_generate(model) -> bool:
+    try:
+        return bool(model.can_generate())
+    except Exception:                      # a model class without the method, or one that cannot say
+        return False
+
+
 def record(engine) -> dict:
     """The "hf" and "base" fields of a checkpoint of ``engine``."""
     model = engine.module
     hf = hf_model(model)
     config = json.loads(hf.config.to_json_string(use_diff=False)) if hf is not None else None
+    gen = getattr(hf, "generation_config", None) if hf is not None and _can_generate(hf) else None
+    generation = json.loads(gen.to_json_string()) if gen is not None else None     # as save_pretrained writes it
     peft = None
     for m in model.modules():
         pc = getattr(m, "peft_config", None)
@@ -66,7 +75,7 @@ def record(engine) -> dict:
     refs = loader.base_reference()
     files = {f: {"size": os.path.getsize(f)} for f in sorted({r["file"] for r in refs.values()})}
     return {"hf": {"config": config, "architectures": [type(hf).__name__] if hf is not None else None,
-                   "peft": peft, "source": source, "files": aux},
+                   "peft": peft, "source": source, "files": aux, "generation_config": generation},
             "base": {"files": files, "tensors": refs}}
 
 

@@ -4,7 +4,9 @@ The block's canonical parameter copy (compute dtype, 1-D, padded numel) lives on
 tier: a persistent host buffer (``HOST``) or a swap-file extent (``NVME``). It is
 materialized on the device only around its use; in between, each parameter's ``.data`` is
 an empty placeholder, so a use that bypasses the engine fails loudly instead of reading
-stale values.
+stale values, or, once the engine handed the model back its weights (``hand_back``), a view
+of a host copy of the home copy, current until the block next visits the device or its home
+changes (both put the placeholder, or the device copy, back first).
 
 Transitions (guarded by assertions)::
 
@@ -107,6 +109,7 @@ class BlockParams:
         self._lock = threading.RLock()
         self._on_failure = on_failure     # a failed write-back's BlockError goes here (the engine's record)
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
+        self.handed_back: Optional[torch.Tensor] = None   # the copy the parameters view (hand_back)
 
     @property
     def on_nvme(self) -> bool:
@@ -254,6 +257,7 @@ class BlockParams:
                         self._drop_host()
                 for s in self.layout.segments:
                     s.param.data = self.device_buf[s.offset:s.offset + s.numel].view(s.shape)
+                self.handed_back = None
                 self._device_state = ParamState.ON_DEVICE
             return self.device_buf
 
@@ -264,6 +268,7 @@ class BlockParams:
         with self._lock:
             if self.state is ParamState.HOME:
                 return
+            self.handed_back = None
             if self._event is not None:
                 dev.sync_event(self._event)
                 self._event = None
@@ -294,8 +299,26 @@ class BlockParams:
     def release_initial(self) -> None:
         """After construction: the parameters' original memory goes, placeholders come."""
         with self._lock:
+            self._to_placeholders()
+
+    def _to_placeholders(self) -> None:
+        for s in self.layout.segments:
+            s.param.data = self.placeholder
+        self.handed_back = None
+
+    def hand_back(self, flat: torch.Tensor) -> None:
+        """The parameters view ``flat`` (1-D, this block's full flat in the compute dtype, a copy
+        of its current home copy that the caller made, wherever it lives) while the block is
+        at home: the model's own tensors hold the weights between the engine's uses. The copy
+        is the model's, not the engine's home: writing into it changes nothing the engine
+        trains. It goes (placeholders, or the device copy, come back) when the block next
+        visits the device or its home copy is replaced (``write_home``)."""
+        with self._lock:
+            assert self._device_state is None, f"{self.what}: handed back while on the device"
+            assert flat.numel() >= self.layout.numel, (flat.numel(), self.layout.numel)
             for s in self.layout.segments:
-                s.param.data = self.placeholder
+                s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
+            self.handed_back = flat
 
     # ---- the home copy ----------------------------------------------------------------
     def begin_write_through(self) -> Optional[torch.Tensor]:
@@ -342,6 +365,8 @@ class BlockParams:
         object's from the call on, whatever happens (released here when not lent to the
         home). Any earlier write-back of this home completes first: writes reach NVMe in order."""
         with self._lock:
+            if self.handed_back is not None:
+                self._to_placeholders()  # the model's copy is stale from now on
             if self._through:            # src is the staged buffer (begin_write_through): it stays
                 assert buffer is None
                 self._through = False
@@ -382,6 +407,8 @@ class BlockParams:
             if not self.on_nvme or self._gather is not None or self._device_state is not None:
                 return False
             assert not self._through, f"{self.what}: adopted while a write-through is in flight"
+            if self.handed_back is not None:
+                self._to_placeholders()
             self.finish_write()            # the last write-back (raises its own failure)
             self._loan.release()           # an old staged copy (a read in flight is waited for)
             self._loan.lend(lend(), read=False)
