@@ -25,6 +25,16 @@ def is_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def link(src: torch.device, dst: torch.device) -> str:
+    """The telemetry name of a copy from memory on ``src`` into memory on ``dst``: ``h2d`` /
+    ``d2h`` across the host-device boundary, ``h2h`` within host memory (every copy of a
+    CPU compute device, whose device memory is the host's), ``d2d`` within device memory."""
+    return _LINKS[src.type == "cuda", dst.type == "cuda"]
+
+
+_LINKS = {(False, False): "h2h", (False, True): "h2d", (True, False): "d2h", (True, True): "d2d"}
+
+
 def can_pin() -> bool:
     return torch.cuda.is_available()
 

@@ -100,7 +100,9 @@ class _UpdateAndGrads:
         seg = block.layout.segments[k]
         grad = param.grad
         buf = block.landing or block.grad    # full-size either way: land at the flat offset
-        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+        # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
+        with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
+                              grad.numel() * grad.element_size()):
             buf.land(k, seg.offset, grad, e._d2h, e._landing)
         param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream, LandingEvent)
         if buf.complete:

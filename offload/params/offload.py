@@ -284,8 +284,9 @@ class ParamOffload:
                         part.finish_write()  # read back once written (bounded)
             if bp.state is not ParamState.ON_DEVICE:
                 self._make_room(i, bp.nbytes - bp.device_bytes)
-                with self.telemetry.span("offload::param_fetch", "h2d", bp.nbytes):
-                    bp.ensure(self._h2d)
+                self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
+                with self.telemetry.span("offload::param_fetch", "h2d") as span:
+                    span.moved(bp.ensure(self._h2d))
                 for buf in bp.device_bufs():
                     holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
                     if i not in holders:

@@ -148,6 +148,7 @@ class Prefetcher:
                 ((ParamState.STAGING,) if self.deterministic else ())
             if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
                 if ahead_dev <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
-                    with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):
-                        bp.to_device(self.h2d)
+                    self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
+                    with self.telemetry.span("offload::prefetch_h2d", "h2d") as span:
+                        span.moved(bp.to_device(self.h2d))
                     on_device += bp.nbytes
