@@ -159,3 +159,42 @@ def test_cpu_device_reads_parameters_where_they_are(param, opt, tmp_path):
         disk_read, disk_written = io1[0] - io0[0], io1[1] - io0[1]
         assert moved["nvme_read"] <= disk_read <= moved["nvme_read"] + (1 << 20)
         assert moved["nvme_write"] <= disk_written
+
+
+@pytest.mark.parametrize("opt", ["none", "cpu"])
+def test_cpu_device_parameters_are_the_master(opt):
+    """Resident fp32 parameters on a CPU device are the fp32 master itself, wherever the state
+    lives in host memory (tier cpu, or none: the device's memory is the host's): the update
+    writes them in place and no copy follows it. The training is torch's AdamW within torch's
+    own noise (twice single-tensor vs fused, plus 1e-6, as tests/test_matrix.py)."""
+    from _hf import max_diff
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randint(0, VOCAB, (STEPS, 2, SEQ), generator=g)
+
+    def plain(fused):
+        m = tiny_llama()
+        opt_ = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0, fused=fused)
+        for x in xs:
+            m(input_ids=x, labels=x).loss.backward()
+            opt_.step()
+            opt_.zero_grad()
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+    ref, fused = plain(False), plain(True)
+    model = tiny_llama()
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-2, "weight_decay": 0.0},
+                                     "offload_optimizer": {"device": opt}})
+    try:
+        for x in xs:
+            eng.backward(eng(input_ids=x, labels=x).loss)
+            eng.step()
+        eng.synchronize()
+        for b in eng.blocks:
+            state = b.state.acquire()
+            lo, hi = state.data_ptr(), state.data_ptr() + state.numel()
+            for s in b.layout.segments:
+                p = s.param
+                assert lo <= p.data_ptr() and p.data_ptr() + p.numel() * 4 <= hi, s.name
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        eng.close()
+    assert max_diff(ref, got) <= 2 * max_diff(ref, fused) + 1e-6
