@@ -77,7 +77,7 @@ class _CountingLibc:
 @pytest.mark.parametrize("setting, gas, trims_per_step", [(None, 1, 0), ("0", 1, 1), ("0", 2, 2)])
 def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, gas, trims_per_step):
     """A small model's step frees far less than the default threshold: no trim per step
-    (the next step reuses those pages), the free heap read at most once a second; with the
+    (the next step reuses those pages), the process's RSS read at most once a second; with the
     threshold at 0, one trim per micro-step (accumulation 2: two per committed step)."""
     if setting is None:
         monkeypatch.delenv("OFFLOAD_STEP_TRIM_BYTES", raising=False)
@@ -89,8 +89,8 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, gas,
     libc = _CountingLibc()
     monkeypatch.setattr(dev, "_libc", libc)
     reads = []
-    free_heap = dev.free_heap_bytes
-    monkeypatch.setattr(dev, "free_heap_bytes", lambda: reads.append(1) or free_heap())
+    rss = dev._rss_bytes
+    monkeypatch.setattr(dev, "_rss_bytes", lambda: reads.append(1) or rss())
     monkeypatch.setattr(dev, "_step_trim_checked", float("-inf"))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
@@ -98,17 +98,54 @@ def test_engine_trims_after_a_step_past_the_threshold(monkeypatch, setting, gas,
                                      "gradient_accumulation_steps": gas})
     start = libc.trims
     assert start >= 1                              # initialize always trims
-    reads.clear()                                  # (and reads the free heap after each block)
+    reads.clear()
     for _ in range(3):
         for k in range(gas):
             eng.backward(eng(torch.randn(8, 64)).square().mean())
             assert eng.step() is (k == gas - 1)
     eng.close()
     assert libc.trims - start == 3 * trims_per_step
-    if setting is None:       # three quick steps: the heap read once (twice if a second passed)
+    if setting is None:       # three quick steps: RSS read once (twice if a second passed)
         assert 1 <= len(reads) < 3, reads
     else:
         assert not reads      # a threshold of 0 trims without reading
+
+
+@glibc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the heap is the device only on a CPU device")
+def test_engine_trims_after_steps_only_where_rss_grows(monkeypatch):
+    """Each step frees more than the threshold (its activations and autograd's gradients) and
+    the next allocates it again: not trimmed after every step, those pages are reused warm
+    (trimmed, every one faulted in again). Memory the steps do not reuse (freed memory left
+    resident in a hole of the heap beside training) is given back once RSS has grown past the
+    threshold over where the steps settled."""
+    monkeypatch.setenv("OFFLOAD_STEP_TRIM_BYTES", str(64 << 20))
+    monkeypatch.setattr(dev, "STEP_TRIM_CHECK_S", 0.0)             # a check after every step
+    libc = _CountingLibc()
+    monkeypatch.setattr(dev, "_libc", libc)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
+    eng = offload.initialize(model, {"optimizer": {"lr": 1e-3}, "offload_optimizer": {"device": "cpu"}})
+    x = torch.randn(2048, 1024)                    # 8 MiB per activation: ~64 MiB freed per step
+    try:
+        free_after = []
+        for _ in range(6):
+            eng.backward(eng(x).square().mean())
+            eng.step()
+            free_after.append(dev.free_heap_bytes())
+        assert max(free_after) > 64 << 20, free_after           # what a rule on the free heap trims
+        start = libc.trims
+        for _ in range(6):
+            eng.backward(eng(x).square().mean())
+            eng.step()
+        assert libc.trims == start                               # settled: no trim
+        keep = _heap_hole(320)                                   # more than a step can reuse
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        assert libc.trims == start + 1                           # grown past the threshold: given back
+        del keep
+    finally:
+        eng.close()
 
 
 _FAULTS_SCRIPT = r"""

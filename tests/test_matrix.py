@@ -265,18 +265,18 @@ def reference_start(cell: dict) -> dict:
     return _start(cell["kind"])
 
 
-def _last_step_h2d(cell: dict, tmp_path) -> int:
+def _last_step_fetched(cell: dict, tmp_path) -> int:
     """Parameter bytes fetched to the device (on demand and ahead) in the last of three steps."""
     model = build(cell)
     sizes = block_bytes(model, torch.float32)
     eng = offload.initialize(model, engine_config(cell, tmp_path, 2 * max(sizes.values()) + 8192))
     try:
         for x, y in data(cell)[:1] * 3:
-            before = eng.telemetry.bytes["h2d"]
+            before = eng.telemetry.counters["param_fetched_bytes"]
             eng.backward(eng(x, y))
             eng.step()
         assert eng.stats()["param_budget_overruns"] == 0
-        return eng.telemetry.bytes["h2d"] - before
+        return eng.telemetry.counters["param_fetched_bytes"] - before
     finally:
         eng.close()
 
@@ -288,10 +288,10 @@ def test_recomputed_blocks_stay_for_their_backward(tmp_path):
     is fetched twice)."""
     cell = {"kind": "lora", "ckpt": "off", "switch": "hf", "opt": "cpu", "param": "cpu", "act": "none",
             "dtype": "fp32", "gas": 1}
-    plain = _last_step_h2d(cell, tmp_path)
+    plain = _last_step_fetched(cell, tmp_path)
     assert plain > 0
     for ckpt in ("reentrant", "non_reentrant"):
-        assert _last_step_h2d(dict(cell, ckpt=ckpt), tmp_path) == plain, ckpt
+        assert _last_step_fetched(dict(cell, ckpt=ckpt), tmp_path) == plain, ckpt
 
 
 # ---- the same recipe through Trainer --------------------------------------------------------

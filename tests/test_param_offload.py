@@ -428,3 +428,54 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
     if prefetch:
         assert served_in_flight[0] > 0                     # a kept block served while written
     _assert_as_torch_adamw(base, xs, torch.stack(losses), got)
+
+
+def test_uses_that_need_no_fetch_fetch_nothing(tmp_path):
+    """A LoRA Llama with tied embeddings, parameters on NVMe, a device budget of two blocks:
+    the embedding the forward's lm_head reads last is read again at once by lm_head's backward,
+    so it stays on the device for it (not fetched again); the next forward's first block, which
+    no update changes (the frozen embedding), is read while backward ends, before step(); and the
+    next module of a block already in use fetches nothing and walks no block list (the
+    lookahead is advanced once per use of another block, not per module)."""
+    from _hf import tiny_llama, SEQ, VOCAB
+    from offload.engine.hooks import in_backward
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                              target_modules=["q_proj", "v_proj"]))
+    model.base_model.model.config.tie_word_embeddings = True
+    model.base_model.model.tie_weights()
+    embed = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embed
+    budget = 2 * max(embed.numel() * 4, 32 * 1024) + 8192
+    eng = offload.initialize(model, cfg(tmp_path, "nvme", opt="nvme", offload_param={"device_budget_bytes": budget}))
+    po = eng.param_offload
+    emb = next(u.index for u in po.params if u is not None and any(s.param is embed for _, s in u.segments))
+    assert po.params[emb].trainable is None                      # frozen only
+    seen, issues, calls = [], [0], [0]
+    real_materialize, real_issue = po.materialize, po.prefetcher.issue
+
+    def materialize(i):
+        calls[0] += 1
+        seen.append((i, po.params[i].state, in_backward()))
+        real_materialize(i)
+
+    def issue():
+        issues[0] += 1
+        real_issue()
+    po.materialize, po.prefetcher.issue = materialize, issue
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randint(0, VOCAB, (3, 2, SEQ), generator=g)
+    try:
+        for k, x in enumerate(xs):
+            seen.clear()
+            issues[0] = calls[0] = 0
+            eng.backward(eng(input_ids=x, labels=x).loss)
+            if k:
+                first_backward = next((i, st) for i, st, back in seen if back)
+                assert first_backward == (emb, ParamState.ON_DEVICE), first_backward
+                # its read for the next forward is on its way already
+                assert po.params[emb].state is not ParamState.HOME
+                assert calls[0] > 2 * issues[0], (calls[0], issues[0])
+            eng.step()
+    finally:
+        eng.close()

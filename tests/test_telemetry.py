@@ -24,6 +24,20 @@ def test_span_times_without_a_profiler_and_enters_no_range(ranges_entered):
     assert entered == []                       # no profiler: no range entered (~7 us each)
 
 
+def test_a_link_counts_only_bytes_moved_over_it():
+    tel = Telemetry()
+    with tel.span("offload::param_fetch", "h2d"):       # a CPU device's fetch: nothing copied
+        pass
+    with tel.span("offload::prefetch_h2d", "h2d", 64) as span:
+        span.moved(32)                                  # learned while the stage ran
+    with tel.span("offload::grad_d2h", "h2h", 16):
+        pass
+    snap = tel.snapshot()
+    assert snap["bytes"] == {"h2d": 96, "h2h": 16}
+    assert set(snap["gbps"]) == {"h2d", "h2h"}
+    assert set(snap["seconds"]) == {"param_fetch", "prefetch_h2d", "grad_d2h"}
+
+
 def test_span_is_a_profiler_range_on_every_thread_while_one_records():
     tel = Telemetry()
 

@@ -72,6 +72,7 @@ from offload.engine.read_window import ReadWindow
 from offload.storage.pinned_pool import PAGE, PoolBudgetError
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
+_HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
 
 
 class ActivationHostBudgetError(RuntimeError):
@@ -289,7 +290,7 @@ class ActivationOffload:
         rec = _Saved(self, len(self._records), t, layout == "dense", host)
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
-        with self.telemetry.span("offload::act_d2h", "act_d2h", rec.nbytes):
+        with self.telemetry.span("offload::act_d2h", "act_" + dev.link(t.device, _HOST), rec.nbytes):
             dst = host.view(rec.dtype, t.numel())
             # dense: its bytes in memory order (any permutation of dims); gapped: packed
             src = t.as_strided((t.numel(),), (1,)) if rec.dense else t.contiguous().view(-1)
@@ -321,7 +322,7 @@ class ActivationOffload:
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         self._device_hold(nbytes)                    # until its write is durable
-        with self.telemetry.span("offload::act_d2h", "act_d2h", nbytes):
+        with self.telemetry.span("offload::act_d2h", "act_h2h", head):   # only the head page is copied
             if head:
                 flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
                 host.view(torch.uint8, PAGE)[PAGE - head:].copy_(flat[:head])
@@ -725,7 +726,7 @@ class ActivationOffload:
         if rec.direct is not None:                    # CPU device, read from NVMe into device memory
             off = PAGE - rec.head if rec.head else 0   # a direct write's head page: the tensor starts in it
             src, rec.direct = rec.direct[off:off + rec.nbytes].view(rec.dtype), None
-            with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
+            with self.telemetry.span("offload::act_h2d", "act_h2h", 0 if rec.dense else rec.nbytes):
                 if rec.dense:
                     t = src.as_strided(rec.shape, rec.stride)     # the read's target is the tensor
                 else:
@@ -737,7 +738,7 @@ class ActivationOffload:
                 self.stats_["h2d_bytes"] += rec.nbytes
             return
         host = rec.host.view(torch.uint8, rec.nbytes).view(rec.dtype)
-        with self.telemetry.span("offload::act_h2d", "act_h2d", rec.nbytes):
+        with self.telemetry.span("offload::act_h2d", "act_" + dev.link(_HOST, self.device), rec.nbytes):
             if rec.dense:
                 flat = self._empty_on_h2d(rec, (host.numel(),), (1,))
                 ev = dev.copy_(flat, host, self._h2d)
@@ -801,7 +802,7 @@ class ActivationOffload:
                "saved_twice": c.get("saved_twice", 0), "direct_bytes": c.get("direct_bytes", 0),
                "direct_tensors": c.get("direct_tensors", 0),
                "bytes_moved": {"d2h": c.get("d2h_bytes", 0), "h2d": c.get("h2d_bytes", 0)},
-               "gbps": {k[4:]: snap["gbps"].get(k, 0.0) for k in ("act_d2h", "act_h2d")},
+               "gbps": {k[4:]: v for k, v in snap["gbps"].items() if k.startswith("act_")},   # per link copied over
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
                "host_pool_bytes": self.pool.capacity_bytes,

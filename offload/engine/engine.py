@@ -103,7 +103,9 @@ class _UpdateAndGrads:
         seg = block.layout.segments[k]
         grad = param.grad
         buf = block.landing or block.grad    # full-size either way: land at the flat offset
-        with e.telemetry.span("offload::grad_d2h", "d2h", grad.numel() * grad.element_size()):
+        # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
+        with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
+                              grad.numel() * grad.element_size()):
             buf.land(k, seg.offset, grad, e._d2h, e._landing)
         param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream, LandingEvent)
         if buf.complete:
@@ -747,9 +749,10 @@ class Engine:
             layout = self._state_layout(lay, s0, s1)
             nbytes = layout.nbytes
             assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
+            t = None                       # the state's own memory (device and host tiers)
             if self.tier is Tier.DEVICE:
-                state = OptimState(self._state_key(lay), layout, Tier.DEVICE,
-                                   tensor=torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
+                t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                state = OptimState(self._state_key(lay), layout, Tier.DEVICE, tensor=t)
                 grad = GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), len(lay.segments))
             else:
                 if self._grad_tier is not None:
@@ -831,9 +834,10 @@ class Engine:
     def _master_is_param(self, s0: int, s1: int, lay: blk.BlockLayout) -> bool:
         """Whether a block's device parameters can be the fp32 master itself: the compute
         device is the CPU (its memory is the host's), parameters are fp32, the state is a
-        persistent host buffer (offload_optimizer cpu) and this rank steps the whole flat
-        (ZeRO stage 0, or one rank), so nothing but the update ever writes them."""
-        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier is Tier.HOST
+        persistent buffer in that memory (offload_optimizer cpu, or none: the device's
+        memory is the host's) and this rank steps the whole flat (ZeRO stage 0, or one
+        rank), so nothing but the update ever writes them."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier in (Tier.HOST, Tier.DEVICE)
                 and (s0, s1) == (0, lay.padded_numel))
 
     def _init_ranges(self, lay, s0: int, s1: int) -> list:

@@ -94,6 +94,14 @@ class GradBuffer:
         # buffer, which holds another block's bytes (an int8 scale block may span a gap)
         self._gaps = tuple(gaps)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buffer lives: the device (a transient landing buffer, or one allocated
+        there), else host memory."""
+        if self._device is not None:
+            return self._device
+        return self.tensor.device if self.tensor is not None else torch.device("cpu")
+
     # ---- one backward ------------------------------------------------------------------
     def begin_backward(self) -> None:
         self.arrived = 0

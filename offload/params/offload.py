@@ -265,13 +265,19 @@ class ParamOffload:
     def materialize(self, i: int) -> None:
         """Block ``i`` (every part) on the device, current (waits for its update and its copies). An
         earlier failure of any block's update or write-back is raised here first, naming that
-        block."""
-        self.poll_writes()
+        block.
+
+        A use that repeats the last one (the next module of the same block, the next saved
+        parameter of it that backward unpacks: most of a step's thousand uses) of a block on
+        the device fetches nothing: the write-backs are settled, the lookahead windows
+        advanced and the peak noted only at a new use or a fetch, each a walk over the blocks."""
+        bp = self.params[i]
+        new_use = self.prefetcher.request(i)
+        if new_use:
+            self.poll_writes()
         self.engine.pipeline.raise_failure()
         self.busy = True
         try:
-            bp = self.params[i]
-            self.prefetcher.request(i)
             block = self._block(i)
             if block is not None and block.pending is not None:
                 with self.telemetry.span("offload::wait_update"):
@@ -282,16 +288,19 @@ class ParamOffload:
                 if part.state is ParamState.WRITING:
                     with self.telemetry.span("offload::param_write_wait"):
                         part.finish_write()  # read back once written (bounded)
-            if bp.state is not ParamState.ON_DEVICE:
+            fetch = bp.state is not ParamState.ON_DEVICE
+            if fetch:
                 self._make_room(i, bp.nbytes - bp.device_bytes)
-                with self.telemetry.span("offload::param_fetch", "h2d", bp.nbytes):
-                    bp.ensure(self._h2d)
+                self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
+                with self.telemetry.span("offload::param_fetch", "h2d") as span:
+                    span.moved(bp.ensure(self._h2d))
                 for buf in bp.device_bufs():
                     holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
                     if i not in holders:
                         holders.append(i)      # for pack; entries are checked on use
-            self.prefetcher.issue()
-            self._note_peak()
+            if new_use or fetch:
+                self.prefetcher.issue()
+                self._note_peak()
         finally:
             self.busy = False
 

@@ -111,17 +111,18 @@ class BlockParts:
         for p in self.parts:
             p.finish_write(timeout)
 
-    def to_device(self, h2d_stream) -> None:
-        for p in self.parts:
-            if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING):
-                p.to_device(h2d_stream)
+    def to_device(self, h2d_stream) -> int:
+        """Start every part's way to the device; the bytes copied from host to device memory
+        (none on a CPU device: ``BlockParams.to_device``)."""
+        return sum(p.to_device(h2d_stream) for p in self.parts
+                   if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING))
 
-    def ensure(self, h2d_stream) -> None:
-        """Every part on the device, current, its parameters bound to their views."""
+    def ensure(self, h2d_stream) -> int:
+        """Every part on the device, current, its parameters bound to their views; the bytes
+        copied from host to device memory for it."""
         if self.stale:
             self.release()
-        for p in self.parts:
-            p.ensure(h2d_stream)
+        return sum(p.ensure(h2d_stream) for p in self.parts)
 
     def release(self) -> None:
         for p in self.parts:

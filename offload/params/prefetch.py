@@ -57,6 +57,8 @@ class Prefetcher:
         self._recording: List[int] = []
         self._cursor = 0
         self._diverged = False
+        self._backward = False              # whether the last request came from backward
+        self._frozen_head: List[int] = []   # the trace's first blocks without a trainable part
 
     # ---- the trace ---------------------------------------------------------------------
     def next_order(self) -> Optional[List[int]]:
@@ -73,14 +75,25 @@ class Prefetcher:
         if order is not self.trace:
             self.trace = order
             self.telemetry.count("prefetch_retraces")
+            self._frozen_head = []
+            for i in order or ():
+                if getattr(self.params[i], "trainable", None) is not None:
+                    break
+                self._frozen_head.append(i)
         self._recording = []
         self._cursor = 0
         self._diverged = False
 
-    def request(self, index: int) -> None:
-        """Block ``index`` is about to be used: account hit/miss, follow or leave the trace."""
-        if self._recording and self._recording[-1] == index:
-            return                              # the same block again: one use
+    def request(self, index: int) -> bool:
+        """Block ``index`` is about to be used: account hit/miss, follow or leave the trace.
+        False when it is the same block as the last request of the same pass (one use,
+        nothing recorded). The first use in backward is a use of its own even where the
+        forward ended with the same block (a tied lm_head's weight, read again by its
+        backward at once): recorded, so the forward's end keeps the block for it."""
+        backward = in_backward()
+        if self._recording and self._recording[-1] == index and backward == self._backward:
+            return False                        # the same block again: one use
+        self._backward = backward
         self._recording.append(index)
         bp = self.params[index]
         hit = bp.state is not ParamState.HOME
@@ -91,6 +104,7 @@ class Prefetcher:
             else:
                 self._diverged = True           # another path: on demand until re-recorded
                 self.telemetry.count("prefetch_divergences")
+        return True
 
     def upcoming(self) -> List[int]:
         if not self.enabled or self.trace is None or self._diverged:
@@ -101,7 +115,12 @@ class Prefetcher:
             # forward only after step(), once updates are queued, so reads are not wasted;
             # backward runs with grad mode off too, and is not an inference pass.)
             return self.trace[self._cursor:] + self.trace[:self._cursor]
-        return self.trace[self._cursor:]
+        # training: the next forward's first blocks that no update changes (frozen only, an
+        # embedding) follow this pass, so their reads overlap its end rather than the next
+        # forward's start; a block with a trainable part is read only once its update is
+        # queued (after step())
+        return self.trace[self._cursor:] + self._frozen_head
+
 
     def next_use_within(self, index: int, nbytes: int) -> bool:
         """Whether ``index`` is used again within the next ``nbytes`` of trace."""
@@ -148,6 +167,7 @@ class Prefetcher:
                 ((ParamState.STAGING,) if self.deterministic else ())
             if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
                 if ahead_dev <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
-                    with self.telemetry.span("offload::prefetch_h2d", "h2d", bp.nbytes):
-                        bp.to_device(self.h2d)
+                    self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
+                    with self.telemetry.span("offload::prefetch_h2d", "h2d") as span:
+                        span.moved(bp.to_device(self.h2d))
                     on_device += bp.nbytes

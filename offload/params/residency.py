@@ -217,8 +217,10 @@ class BlockParams:
             except Exception as exc:
                 raise self._write_error(exc) from exc
 
-    def to_device(self, h2d_stream) -> None:
-        """Start the host -> device copy (-> FETCHING)."""
+    def to_device(self, h2d_stream) -> int:
+        """Start the host -> device copy (-> FETCHING). Returns the bytes it copies from host
+        to device memory: none on a CPU device, where the device copy is the host buffer
+        itself (the home, or the staging buffer the NVMe read landed in)."""
         with self._lock:
             if self.state is ParamState.HOME:
                 self._copy_version = self.home_version
@@ -226,6 +228,7 @@ class BlockParams:
             # NVMe: waits (bounded) for a staging buffer and for the read; STAGED_WRITING: the
             # held bytes at once, their write goes on (both only read them)
             src = self._staged() if self.on_nvme else self.home_buf
+            copied = 0 if self.device.type == "cpu" else self.home_nbytes
             if self._gather is not None:       # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 self._work = self._gather(self.device_buf, src.to(self.device))
@@ -235,16 +238,20 @@ class BlockParams:
                 self.device_buf = dev.empty_on(h2d_stream, self.numel, self.dtype, self.device)
                 self._event = dev.copy_(self.device_buf, src, h2d_stream)
             self._device_state = ParamState.FETCHING
+            return copied
 
-    def ensure(self, h2d_stream) -> torch.Tensor:
-        """The parameters on the device, current, with every parameter bound to its view."""
+    def ensure(self, h2d_stream) -> int:
+        """The parameters on the device, current, with every parameter bound to its view.
+        Returns the bytes copied from host to device memory to get them there (``to_device``;
+        0 when they were on their way already)."""
+        copied = 0
         with self._lock:
             if self.stale:
                 self.release()                 # stale: the optimizer wrote the home copy since
             if self.state is ParamState.WRITING:
                 self.finish_write()            # read back only once written: -> HOME
             if self.state in _READABLE:
-                self.to_device(h2d_stream)
+                copied = self.to_device(h2d_stream)
             if self.state is ParamState.FETCHING:
                 self._wait_gather()
                 ev, self._event = self._event, None
@@ -259,7 +266,7 @@ class BlockParams:
                     s.param.data = self.device_buf[s.offset:s.offset + s.numel].view(s.shape)
                 self.handed_back = None
                 self._device_state = ParamState.ON_DEVICE
-            return self.device_buf
+            return copied
 
     def release(self) -> None:
         """Drop the device copy (any state -> HOME, or WRITING while a write-back is in

@@ -22,8 +22,9 @@ Where the copy goes depends only on the parameters' residency:
     the device on a side stream after the block's backward kernels (``compute_done``); the
     compute stream waits for ``block.update_event`` before the next use;
   * resident fp32 parameters, or optimizer state on the device: ``out`` is None and the copy
-    is taken from the fp32 master; on a CPU device with the state on the host the parameters
-    are the master itself (engine ``_master_is_param``), so ``commit`` has nothing to copy.
+    is taken from the fp32 master; on a CPU device with the state in host memory (tier cpu,
+    or none: the device's memory is the host's) the parameters are the master itself (engine
+    ``_master_is_param``), so ``commit`` has nothing to copy.
 Offloaded parameters always get a ``target``, fp32 included: the CPU kernel writes the new
 values there in the pass that updates the master (a device-side update copies them there).
 """
