@@ -438,7 +438,7 @@ def test_uses_that_need_no_fetch_fetch_nothing(tmp_path):
     next module of a block already in use fetches nothing and walks no block list (the
     lookahead is advanced once per use of another block, not per module)."""
     from _hf import tiny_llama, SEQ, VOCAB
-    from offload.engine.hooks import in_backward
+    from offload.core.hooks import in_backward
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
                                                               target_modules=["q_proj", "v_proj"]))
