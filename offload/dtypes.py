@@ -44,7 +44,9 @@ def state_storage_dtype(state_dtype: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element, read off the dtype: allocating a probe tensor at import would be
+    torch's first CPU allocation and fix its huge-page switch before ``prefer_huge_pages``."""
+    return dtype.itemsize
 
 
 def grad_dtype(precision: str, gradient_accumulation_steps: int) -> torch.dtype:

@@ -265,7 +265,7 @@ class Engine:
         self._in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
         from offload.engine.memory_plan import plan as memory_plan
         sizes = self._block_sizes()
-        esize = torch.empty((), dtype=self.dtype).element_size()
+        esize = self.dtype.itemsize
         avail = None                  # sizes the cpu activation pool when host_bytes is not set
         if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
             import psutil
@@ -465,7 +465,7 @@ class Engine:
                 if exts is None:
                     continue
                 ranges, offsets, nbytes = in_place_layout(exts)
-                esize = torch.empty((), dtype=dtype).element_size()
+                esize = dtype.itemsize
                 for s, off in zip(part.segments, offsets):
                     s.offset = off // esize
                 part.padded_numel = nbytes // esize
@@ -515,7 +515,7 @@ class Engine:
         return s1 - s0 if self.stage == 3 else lay.padded_numel
 
     def _home_bytes(self, lay: blk.BlockLayout) -> int:
-        return self._home_numel(lay) * torch.empty((), dtype=self.dtype).element_size()
+        return self._home_numel(lay) * self.dtype.itemsize
 
     def _param_home_device(self) -> str:
         """ZeRO-3 keeps parameters as shards even without offload_param: at home on the host."""
@@ -538,7 +538,7 @@ class Engine:
         return units
 
     def _frozen_part_bytes(self, part: blk.BlockLayout) -> int:
-        return part.padded_numel * torch.empty((), dtype=self._frozen_dtype(part.segments[0].param)).element_size()
+        return part.padded_numel * self._frozen_dtype(part.segments[0].param).itemsize
 
     def _find_working_set(self, unit_bytes: List[int]) -> tuple:
         """(bytes, blocks): the largest set of blocks one module's forward needs on the
@@ -649,7 +649,7 @@ class Engine:
         from offload.params.residency import BlockParams
         from offload.storage.source import SourceTensor
         crcs = self.weights.refer_all([s.param for s in part.segments])
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         key = f"b{i}.frozen{k}"
         self._source_store.add(key, self._in_place[id(part)],
                                [SourceTensor(s.name, s.offset * esize, s.numel * esize, crcs[id(s.param)])
@@ -768,7 +768,7 @@ class Engine:
                     # glibc grew the heap for them in every backward and trimmed it when the
                     # updates freed them (1,000-5,000 page faults a backward, ~1 ms), while a
                     # freed gradient's memory is what autograd's next one reuses, still in cache
-                    nb = gn * torch.empty((), dtype=grad_dtype).element_size()
+                    nb = gn * grad_dtype.itemsize
                     grad = GradBuffer(self._host_pool.acquire(nb).view(grad_dtype, gn), len(lay.segments))
                 if self.tier is Tier.HOST:
                     t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
@@ -824,7 +824,7 @@ class Engine:
         spare = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
         out = out_buf = None
         if params is not None or self.dtype != torch.float32:
-            esize = torch.empty((), dtype=self.dtype).element_size()
+            esize = self.dtype.itemsize
             buf = self._host_pool.acquire(numel * esize)
             out = buf.view(self.dtype, numel)
             if params is not None and params.on_nvme and params.home_numel == numel and params.dtype == self.dtype:
@@ -1141,8 +1141,8 @@ class Engine:
     def _partitioned_bytes(self) -> dict:
         """This rank's resident bytes of each kind ZeRO partitions: 1/world_size of the
         single-rank figure (plus padding) for the kinds the stage partitions."""
-        gsize = torch.empty((), dtype=self._grad_dtype()).element_size()
-        esize = torch.empty((), dtype=self.dtype).element_size()
+        gsize = self._grad_dtype().itemsize
+        esize = self.dtype.itemsize
         params = 0
         for b in self.blocks:
             params += (b.params.home_numel if b.params is not None else b.param_flat.numel()) * esize

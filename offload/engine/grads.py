@@ -79,7 +79,7 @@ class GradBuffer:
         self.num_segments = num_segments
         self._numel, self._dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (numel, dtype)
         self._has_jobs = has_jobs
-        self._nbytes = self._numel * torch.empty((), dtype=self._dtype).element_size()
+        self._nbytes = self._numel * self._dtype.itemsize
         # the key's Loan on the NVMe tier (parked sums), None without a tier
         self._loan = tier.loan(key, self._nbytes, what or key) if tier is not None else None
         self._seen = [False] * num_segments           # landed in the current window

@@ -69,7 +69,7 @@ class SourceExtent:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def read_header(path: str) -> Tuple[Dict[str, SourceExtent], dict]:

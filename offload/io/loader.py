@@ -434,7 +434,7 @@ class WeightLoader:
         for t in tensors:
             ext = self.source_extent(t) if self.files is not None else None
             if ext is None or ext.dtype != dtype or tuple(ext.shape) != tuple(t.shape) \
-                    or ext.offset % torch.empty((), dtype=dtype).element_size():
+                    or ext.offset % dtype.itemsize:
                 return None
             out.append(ext)
         return out

@@ -83,11 +83,11 @@ class BlockParams:
         self.dtype = dtype
         self.device = device
         self.numel = layout.padded_numel  # the device copy: the full flat
-        self.nbytes = self.numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = self.numel * dtype.itemsize
         # The home copy: the full flat, or (ZeRO-3) only this rank's shard; then ``gather(full,
         # shard)`` (an async all-gather returning a work handle) assembles the device copy.
         self.home_numel = home_numel or self.numel
-        self.home_nbytes = self.home_numel * torch.empty((), dtype=dtype).element_size()
+        self.home_nbytes = self.home_numel * dtype.itemsize
         self._gather = gather
         self._work = None                 # all-gather in flight (FETCHING)
         self.home_buf = home_buf          # 1-D host tensor (HOST home), else None

@@ -325,7 +325,7 @@ def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = Fal
     frozen = {name: parts for name, _, parts in blk.frozen_parts(model, None, kept)}
 
     def nbytes(part):
-        return part.padded_numel * torch.empty((), dtype=kept(part.segments[0].param)).element_size()
+        return part.padded_numel * kept(part.segments[0].param).itemsize
     out = []
     for lay in layouts:
         parts = frozen.pop(lay.name, [])

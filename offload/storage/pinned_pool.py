@@ -91,7 +91,7 @@ class HostBuffer:
     def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
         """A 1-D CPU tensor of ``numel`` ``dtype`` elements at ``offset_bytes`` in the slot."""
         self._check()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if numel < 0 or offset_bytes < 0 or offset_bytes % itemsize:
             raise ValueError(f"offset_bytes={offset_bytes} must be >= 0 and a multiple of {itemsize} "
                              f"(the size of {dtype}); numel={numel} must be >= 0")
@@ -139,7 +139,7 @@ class OwnedBuffer:
     def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
         if self._data is None:
             raise RuntimeError("this buffer was already released")
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         end = offset_bytes + numel * itemsize
         if numel < 0 or offset_bytes < 0 or offset_bytes % itemsize or end > self.nbytes:
             raise ValueError(f"a view of {numel} x {dtype} at offset {offset_bytes} does not fit {self.nbytes} bytes")
