@@ -44,7 +44,7 @@ MOMENT_RTOL_BF16 = 2**-8
 
 @pytest.fixture(autouse=True, scope="module")
 def _torch_single_thread():
-    """torch's reference runs on one thread: its OpenMP pool slows down ~100x when the 2-core
+    """torch's reference runs on one thread: its OpenMP pool slows down badly when the 2-core
     machine is shared with other work, and elementwise results do not depend on it."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

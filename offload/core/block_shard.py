@@ -67,7 +67,7 @@ class BlockShard:
     def wait_update_before_use(self, telemetry) -> None:
         """Before a forward reads the block's parameters: ``wait_update()``, timed as an
         ``offload::wait_update`` span only when it waits (a finished update is collected
-        without a span: it cost 0.05-0.15 ms per block on the main thread)."""
+        without a span, which would cost the main thread more than the collection)."""
         if self.must_wait():
             with telemetry.span("offload::wait_update"):
                 self.wait_update()
