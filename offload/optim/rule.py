@@ -39,11 +39,9 @@ from offload.dtypes import STATE_DTYPES  # noqa: E402  (re-exported: offload.opt
 
 _TORCH_DTYPE = {name: dtypes.state_storage_dtype(name) for name in ("fp32", "bf16")}   # the float rows
 _ROW_DTYPES = tuple(dtypes.state_storage_dtype(name) for name in STATE_DTYPES)        # elementwise rows
+# the float dtypes a kernel reads or writes (grad, param_copy, float state rows): native codes
 _NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                  torch.float16: _native.DTYPE_F16}
-# the dtypes a CPU step writes the new parameters in (param_copy), native codes
-COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
-                torch.float32: _native.DTYPE_F32}
 
 State = Dict[str, torch.Tensor]
 
@@ -157,7 +155,7 @@ class UpdateRule:
         _check_flat("param", param, (torch.float32,), n)
         _check_flat("grad", grad, tuple(_NATIVE_DTYPE), n)
         if param_copy is not None:
-            _check_flat("param_copy", param_copy, tuple(COPY_DTYPES), n)
+            _check_flat("param_copy", param_copy, tuple(_NATIVE_DTYPE), n)
         for row in rows:
             if row.elementwise:
                 _check_flat(row.name, state[row.name], _ROW_DTYPES, n)
@@ -174,7 +172,7 @@ class UpdateRule:
                 return
             args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=n, nrows=len(rows),
                                     grad_dtype=_NATIVE_DTYPE[grad.dtype],
-                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else COPY_DTYPES[param_copy.dtype],
+                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else _NATIVE_DTYPE[param_copy.dtype],
                                     param_copy=None if param_copy is None else param_copy.data_ptr())
             args.state_dtype = _native.DTYPE_Q8 if dtype == "int8" else _NATIVE_DTYPE[_TORCH_DTYPE[dtype]]
             if src is not None:
