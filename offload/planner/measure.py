@@ -276,7 +276,8 @@ def measure_matmul(device: torch.device, dtype: torch.dtype = torch.float32, n: 
 
 def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
                     device: Optional[torch.device] = None) -> Profile:
-    """Measure this machine (a few seconds)."""
+    """Measure this machine: every rate of ``Profile``, each probe short and repeated (best of
+    a few runs), so ``offload plan`` can rank placements before any training starts."""
     from offload.planner import precision
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     adam, adam_backend = measure_cpu_adam()
