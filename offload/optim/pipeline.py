@@ -192,6 +192,13 @@ class StepPipeline:
             err.reported = True
             raise err
 
+    def _ahead_failure(self, block: BlockShard) -> Optional[BlockError]:
+        """The recorded failure of ``block``'s update computed ahead, or None (a failed job
+        leaves its slot idle: optim/ahead.py)."""
+        where = f"{block.index} ({block.name})"
+        with self._lock:
+            return next((e for e in self._failures if e.block == where and e.stage.endswith("(update ahead)")), None)
+
     def _abort(self, block: BlockShard) -> None:
         """After a failed job: give back everything the job held."""
         with self._lock:
@@ -239,8 +246,12 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is not None:
-            return self._commit_ahead(block, args, at)
+        if block.ahead is not None:
+            if block.ahead.pending_for(args.step, args.groups) is not None:
+                return self._commit_ahead(block, args, at)
+            err = self._ahead_failure(block)
+            if err is not None:                   # raised as it is, not met again by a second try
+                raise err
         chunks = block.state.chunks
         out = grad = master = None
         rule = args.rule
