@@ -10,8 +10,9 @@ only in the root forward: inside ``torch.utils.checkpoint`` regions the checkpoi
 hooks take precedence, so only the checkpoint boundaries (its saved inputs) move, and
 recomputation in backward saves its tensors on the device for their short life.
 
-saved.py: one saved tensor's record and its states; offload.py: ``ActivationOffload``, the
-handler, which moves the records (host pool, NVMe, back to the device in the expected order).
+saved.py: one saved tensor's record and its states; keys.py: the NVMe keys the copies are
+written to; offload.py: ``ActivationOffload``, the handler, which moves the records (host
+pool, NVMe, back to the device in the expected order).
 """
 from offload.engine.activations.offload import ActivationHostBudgetError, ActivationOffload
 from offload.engine.activations.saved import Saved, SavedState

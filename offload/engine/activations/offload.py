@@ -54,6 +54,7 @@ from torch import nn
 from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.lookahead import Lookahead
+from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, Transfers, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
 from offload.storage.pinned_pool import PAGE, PoolBudgetError
@@ -104,10 +105,9 @@ class ActivationOffload:
         # locked section of this one: counters take a re-entrant lock, retired keys go
         # through a deque (atomic appends) and are settled under the lock later.
         self._lock = threading.RLock()
-        self._free_keys: Dict[int, List[str]] = collections.defaultdict(list)
         self._retired = collections.deque()  # (keys, io, host, keep) of records whose last handle is gone
         self._draining: List[tuple] = []     # ... whose transfer was still in flight
-        self._reserved = collections.Counter()   # key size -> keys reserved
+        self._keys = SwapKeys(store) if store is not None else None   # NVMe keys of the copies
         self._param_storages: set = set()
         self._records: List[weakref.ref] = []        # this forward's records, pack order
         self._by_src: Dict[int, weakref.ref] = {}    # id(tensor) -> record (saved twice)
@@ -429,28 +429,11 @@ class ActivationOffload:
         with self._lock:
             self.host_bytes -= n
 
-    # ---- NVMe keys -----------------------------------------------------------------------------
-    @staticmethod
-    def _key_size(nbytes: int) -> int:
-        return -(-max(nbytes, 1) // 4096) * 4096
-
+    # ---- retired records: their ranges and keys back ------------------------------------------
     def _take_key(self, nbytes: int) -> str:
-        """A free NVMe key of this size; none free: reserve as many again as this size has
-        (sizes repeat per layer, so a step's keys take a few swap files, once)."""
-        size = self._key_size(nbytes)
         with self._lock:
             self._settle_retired()
-            free = self._free_keys[size]
-            if free:
-                return free.pop()
-            n = max(1, self._reserved[size])
-            base = sum(self._reserved.values())
-            names = [f"a{base + j}" for j in range(n)]
-            self._reserved[size] += n
-        self.store.reserve({k: size for k in names})
-        with self._lock:
-            self._free_keys[size].extend(names[1:])
-        return names[0]
+        return self._keys.take(nbytes)
 
     def _settle_retired(self) -> None:   # lock held; on the engine's thread
         while self._retired:
@@ -459,7 +442,7 @@ class ActivationOffload:
         for keys, io, host, keep in self._draining:
             if io is None or io.done():
                 for key, size in keys:
-                    self._free_keys[size].append(key)
+                    self._keys.give(key, size)
                 if host is not None:
                     self._give_back(host)
             else:
@@ -475,7 +458,7 @@ class ActivationOffload:
                 self.device_bytes -= rec.nbytes
         keys = []
         if rec.key is not None:
-            keys.append((rec.key, self._key_size(rec.nbytes - (rec.head or 0))))
+            keys.append((rec.key, SwapKeys.size_of(rec.nbytes - (rec.head or 0))))
         if rec.head_key is not None:
             keys.append((rec.head_key, PAGE))
         if keys or rec.host is not None:
