@@ -17,9 +17,11 @@ Two ways to know the order:
   ``advance(item)`` moves the cursor past an item, wherever it is ahead.
 
 ``window(size, limit)`` yields the items ahead of the cursor while their sizes add up to at
-most ``limit`` bytes (``first=True``: the next item always, however large: it is needed
-soonest). ``cyclic`` passes (inference, where the next pass starts where this one began)
-see the order's head after its tail. Telemetry counts hits, misses, divergences and
+most ``limit`` bytes (``first=True``: the next item of non-zero size always, however large:
+it is needed soonest; size 0 is an item the owner has nothing to bring for). ``cyclic``
+passes (inference, where the next pass starts where this one began) see the order's head
+after its tail; ``head=n`` passes see only its first n items after the tail (the part of
+the next pass known to be worth bringing early). Telemetry counts hits, misses, divergences and
 retraces under ``<name>_*`` when the owner reports them (``hit()`` / ``miss()``).
 
 Not thread-safe: each owner calls it from one thread (or under its own lock).

@@ -4,33 +4,35 @@ use in backward, and the host pool and NVMe keys their copies occupy.
 The handler's contract (``pack`` / ``unpack``) is the package's (activations/__init__.py).
 One saved tensor is a ``Saved`` record (saved.py), moved through its states here.
 
-Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs
-on a side stream after the producing kernels and ``record_stream`` keeps its memory from
-reuse until the copy ends. Every host copy is a range lent by the budgeted host pool
+Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs on
+a side stream after the producing kernels and ``record_stream`` keeps its memory from reuse
+until the copy ends. Every host copy is a range lent by the budgeted host pool
 ``offload-activations`` (a ``HostArena`` the engine sizes from the memory plan,
 ``offload_activations.host_bytes``; pinned on CUDA, page-aligned for O_DIRECT), never memory
 of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
-twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
-ahead of backward to the end of the copy back (on the CPU device the read lands straight
-in the tensor autograd gets: device memory, as an H2D copy's target would be, lent by the
-read window (``read_window.py``: reused pages, a range back when autograd frees the tensor
-over it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
-forward, so it adds nothing to backward's RSS). On the CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
-first page boundary on it is written straight from device memory, held (counted in
-``device_bytes``) until that write is durable, and only the bytes before that boundary go
-through a one-page range of the pool; a tensor needed again before its write is durable is
-handed back as it is. The NVMe extent (a key of the store, checksummed per extent like all the engine's swap data) returns
-to a free list when the last handle goes; ranges and keys of retired records are given back
-on this engine's thread (``_settle_retired``), never from a finalizer.
+twice); with ``nvme`` only until its write is durable, and on CUDA again from the read ahead
+of backward to the end of the copy back (on the CPU device the read lands straight in the
+tensor autograd gets: device memory, as an H2D copy's target would be, lent by the read
+window (``read_window.py``: reused pages, a range back when autograd frees the tensor over
+it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
+forward, so it adds nothing to backward's RSS). On the CPU device with ``nvme`` a dense
+tensor is not copied at all (``_pack_direct``): from its first page boundary on it is
+written straight from device memory, held (counted in ``device_bytes``) until that write is
+durable, and only the bytes before that boundary go through a one-page range of the pool; a
+tensor needed again before its write is durable is handed back as it is. The NVMe extent (a
+key of the store, checksummed per extent like all the engine's swap data) returns to a free
+list when the last handle goes; ranges and keys of retired records are given back on this
+engine's thread (``_settle_retired``), never from a finalizer.
 
 Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
 for the oldest write, never for the newest (a tensor larger than the lookahead is written
 while forward goes on, and waited for at the next pack if still in flight). A pack that
-finds the pool full makes room (``_lend``): it finishes the oldest D2H copy, the oldest write (``nvme``: the copy then lives on NVMe only) or the
-oldest copy back, and waits at most ``wait_timeout_s`` in all. With ``cpu`` nothing of the
-forward leaves the pool before its backward, so a forward whose copies exceed the pool
-fails at once with ``ActivationHostBudgetError`` naming the fix; copies held by an earlier
-graph still alive are waited for (bounded) first.
+finds the pool full makes room (``_lend``): it finishes the oldest D2H copy, the oldest
+write (``nvme``: the copy then lives on NVMe only) or the oldest copy back, and waits at
+most ``wait_timeout_s`` in all. With ``cpu`` nothing of the forward leaves the pool before
+its backward, so a forward whose copies exceed the pool fails at once with
+``ActivationHostBudgetError`` naming the fix; copies held by an earlier graph still alive
+are waited for (bounded) first.
 
 Backward order (``core.lookahead.Lookahead`` named ``act_prefetch``, a given order). Saved
 tensors are expected back in the order the last backward unpacked them (the first step:
