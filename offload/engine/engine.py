@@ -854,7 +854,7 @@ class Engine:
     def _build_units(self) -> None:
         """The BlockParts of parameter offload: each trained block's part with the frozen
         parts of the same root, then blocks holding only frozen parameters."""
-        from offload.params.parts import BlockParts
+        from offload.params.residency import BlockParts
         if self._param_home_device() == "none":
             return
         for i, (name, module, lay, parts) in enumerate(self._unit_parts()):
