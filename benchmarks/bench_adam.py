@@ -15,20 +15,13 @@ Sharing the cores with torch (one block-sized step, --block, right after torch w
 two places a step runs:
   main       adam_step called on the main thread (CPUAdam.step, a user's call): its chunks run
              on the main thread's own OpenMP team, torch's intra-op workers
-  pipeline   as the engine's optimizer pipeline runs it: the main thread takes the pool's
-             handoff hold (optim/pipeline.py: submit) and a worker thread runs the step; the
-             job releases the hold as it ends, before its future is done
-and, reported only, `unheld_worker`: a worker thread's step with no hold taken by the main
-thread. Nothing that thread can do ends the idle spin torch's workers started after the main
-thread's last op (only their master's next region does), so it shares the cores with that
-spin (~2-4 ms); the engine therefore takes its hold on the main thread (native/threadpool.c).
+  worker     as the engine's optimizer pipeline runs it: a worker thread runs the step
 Per placement, interleaved round by round:
   adam_isolated     the step after an idle pause (torch's OpenMP workers asleep)
   adam_after_torch  the step right after torch work (its OpenMP workers just went idle)
   torch_isolated    torch work (512x512 matmuls and 64K-element elementwise ops) after a pause
   torch_after_adam  the same torch work right after the step
-The step's time is the kernel's own (adam_step's call, on the thread that runs it); the main
-thread's cost of the handoff hold is reported beside it (`handoff_us`).
+The step's time is the kernel's own (adam_step's call, on the thread that runs it).
 Claims ``adam_after_torch_vs_isolated`` and ``torch_after_adam_vs_isolated`` (>= 0.95): the
 lower of the two placements (each the median of per-round ratios).
   small ops         torch's small elementwise op (64K floats, back to back) in this process once
@@ -39,9 +32,8 @@ Claim ``torch_small_op_with_pool_vs_without`` (<= 1.10): time per op with the po
 without, the median of per-round ratios. "Without" is another process because in this one it
 exists only before the pool first starts; taken there, once, before the rest, the two figures
 differed by up to +-25% on a VM whose speed drifts, with no pool at all (the op takes 10-30 us).
-The pool registers with torch's OpenMP runtime while it has work on its own threads (a kernel
-alone: for its own run; a phase under a hold: from its first kernel, or from a handoff hold,
-to the end of the phase), so that runtime cuts its idle spins next to the kernels; then the
+The pool registers with torch's OpenMP runtime while it has work on its own threads (and
+OFFLOAD_POOL_LINGER_MS after), so that runtime cuts its idle spins next to the kernels; then the
 registration ends and torch spins as before (native/threadpool.c; native_info()["pool"] names
 the runtime, "pthread" with OFFLOAD_POOL=pthread: never registered, never on torch's team).
 
@@ -142,7 +134,7 @@ def small_op_worker() -> None:
     serve(measure)
 
 
-PLACEMENTS = ("main", "pipeline", "unheld_worker")
+PLACEMENTS = ("main", "worker")
 SCENARIOS = ("adam_isolated", "adam_after_torch", "torch_isolated", "torch_after_adam")
 
 
@@ -156,29 +148,16 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
     worker = ThreadPoolExecutor(1, thread_name_prefix="bench-step")   # the engine's optimizer thread
     L = _native.lib()
     kernel_s = [0.0]
-    handoff_s = []
 
     def kernel():
         t0 = time.perf_counter()
         adam_step(p, g, m, v, step=10, **KW)
         kernel_s[0] = time.perf_counter() - t0
 
-    def held_kernel():       # the job releases the hold as it ends, before its future is done
-        try:
-            kernel()
-        finally:
-            _native.pool_release(L)
-
     def adam(placement: str) -> float:
         """One step in `placement`; returns the kernel's own seconds."""
         if placement == "main":
             kernel()
-        elif placement == "pipeline":                  # optim/pipeline.py's submit
-            t0 = time.perf_counter()
-            _native.pool_hold(L, handoff=True)
-            fut = worker.submit(held_kernel)
-            handoff_s.append(time.perf_counter() - t0)
-            fut.result()
         else:
             worker.submit(kernel).result()
         return kernel_s[0]
@@ -193,7 +172,6 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
 
     for placement in PLACEMENTS:                         # warm-up: threads exist, pages touched
         adam(placement), torch_work_here()
-    handoff_s.clear()
     times = {pl: {k: [] for k in SCENARIOS} for pl in PLACEMENTS}
     for r in range(rounds):
         for placement in PLACEMENTS:
@@ -232,7 +210,6 @@ def sharing(block: int, rounds: int, threads: int) -> dict:
     times["small_op_us"] = {"with_pool": round(statistics.median(p for p, _ in pairs), 2),
                             "without_pool": round(statistics.median(q for _, q in pairs), 2),
                             "ratio": round(statistics.median(p / q for p, q in pairs), 3)}
-    times["handoff_us"] = round(statistics.median(handoff_s) * 1e6, 1)
     return times
 
 
@@ -257,11 +234,9 @@ def main() -> None:
 
     share = sharing(parse_size(args.block), args.sharing_rounds, args.threads)
     small_op_us = share.pop("small_op_us")
-    handoff_us = share.pop("handoff_us")
     print(f"torch small op (64K floats): {small_op_us['with_pool']:.1f} us with the pool started and idle "
           f"(pool: {_native.native_info().get('pool')}), {small_op_us['without_pool']:.1f} us in a plain torch "
           f"process (medians of {SMALL_ROUNDS} rounds in turn; median ratio {small_op_us['ratio']:.3f})")
-    print(f"pipeline handoff hold on the main thread: median {handoff_us:.1f} us")
 
     def ratio(placement: str, base: str, after: str) -> float:
         ts = share[placement]
@@ -308,9 +283,9 @@ def main() -> None:
         "mixed_vs_two_pass": paired("ours_mixed", "two_pass"),
         "fp32_vs_inplace_roofline": paired("ours_fp32", "probe"),
         "adam_after_torch_vs_isolated": min(sharing_ratios[pl]["adam_after_torch_vs_isolated"]
-                                            for pl in ("main", "pipeline")),
+                                            for pl in PLACEMENTS),
         "torch_after_adam_vs_isolated": min(sharing_ratios[pl]["torch_after_adam_vs_isolated"]
-                                            for pl in ("main", "pipeline")),
+                                            for pl in PLACEMENTS),
         "torch_small_op_with_pool_vs_without": small_op_us["ratio"],
     }
     targets = {"fp32_vs_torch_fused": 1.0, "mixed_vs_two_pass": 1.3, "fp32_vs_inplace_roofline": 0.9,
@@ -323,7 +298,7 @@ def main() -> None:
                       "results": results, "block": parse_size(args.block),
                       "sharing_ms": {pl: {k: round(statistics.median(v) * 1e3, 3) for k, v in ts.items()}
                                      for pl, ts in share.items()},
-                      "sharing_ratios": sharing_ratios, "handoff_us": handoff_us,
+                      "sharing_ratios": sharing_ratios,
                       "small_op_us": small_op_us,
                       "claims": claims, "targets": targets,
                       "missed": [k for k, t in targets.items()

@@ -8,9 +8,7 @@ interleaved round by round, medians over steps and rounds:
   * torch: plain PyTorch, ``torch.optim.AdamW(fused=True)`` (the step without offload);
   * serial: the engine with ``overlap_step`` off and ``synchronize()`` after ``step()``:
     the optimizer's time after backward when nothing overlaps it;
-  * overlapped: the engine as configured by default (no clipping; on a CPU-only machine
-    torch's threads and the kernels' split the cores while updates are in flight,
-    optim/thread_split.py);
+  * overlapped: the engine as configured by default (no clipping);
   * clipped: the engine with ``gradient_clipping`` (the step needs the global norm).
 Step time = forward (with its waits for the previous step's updates), backward and step(). Exposed time = the ``step()`` call plus the forward's waits for updates
 (``stats()["seconds"]["wait_update"]``). Claims, paired within rounds:

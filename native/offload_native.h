@@ -71,8 +71,8 @@ OFFLOAD_API int offload_kernel_set_num_threads(int n); /* caller included, >= 1 
 OFFLOAD_API int offload_kernel_get_num_threads(void);
 /* The OpenMP runtime (torch's) the pool registers with while it has work, so that runtime
  * shortens its idle spins next to the kernels: its soname, or "pthread" (never registers;
- * threadpool.c). offload_pool_registered: registrations alive now (0 once no kernel runs, no
- * hold is taken, offload_pool_linger_ns has passed and the runtime stopped counting them). */
+ * threadpool.c). offload_pool_registered: registrations alive now (0 once no kernel runs,
+ * offload_pool_linger_ns has passed and the runtime stopped counting them). */
 OFFLOAD_API const char *offload_pool_runtime(void);
 OFFLOAD_API int offload_pool_registered(void);
 OFFLOAD_API int64_t offload_pool_registrations(void); /* started since the library loaded */
@@ -80,43 +80,6 @@ OFFLOAD_API int64_t offload_pool_linger_ns(void);
 /* Kernels run on the calling thread's own OpenMP team (the main thread, torch's team size
  * equal to the pool's; threadpool.c) since the library loaded. */
 OFFLOAD_API int64_t offload_pool_team_runs(void);
-/* A phase of kernels under way (an optimizer step over many blocks or tensors): while any
- * hold is taken, a registration started by a kernel lasts through the gaps between kernels.
- * Every hold is released exactly once (from any thread); release returns -EINVAL if none is
- * taken. */
-OFFLOAD_API void offload_pool_hold(void);
-OFFLOAD_API int offload_pool_release(void);
-/* offload_pool_hold, taken by the main thread for kernels another thread will run (the
- * engine's pipeline): also starts the registration now and ends the idle spin of torch's
- * workers (threadpool.c). offload_pool_handoffs_quieted: how often it did the latter. */
-OFFLOAD_API void offload_pool_hold_handoff(void);
-OFFLOAD_API int64_t offload_pool_handoffs_quieted(void);
-/* offload_pool_hold_handoff in two halves: the hold, with the registration started (no
- * wait); then, under that hold, the bounded wait for it and the quieting of torch's workers
- * (returns 1 when it quieted them). The main thread may run work between the two. */
-OFFLOAD_API void offload_pool_hold_begin_handoff(void);
-OFFLOAD_API int offload_pool_handoff_quiet(void);
-/* The calling thread's OpenMP team (torch's) sent out of its idle spin: omp_pause_resource_all
- * (soft) where the runtime has it, outside every region (threadpool.c). Returns 1 when it
- * paused; offload_pool_teams_paused counts them. */
-OFFLOAD_API int offload_pool_pause_team(void);
-OFFLOAD_API int64_t offload_pool_teams_paused(void);
-/* Helping: while set_helpable(1), a kernel call on one thread is published so that another
- * thread (waiting for that update) can join it: offload_pool_help claims the remaining
- * chunks of the call in progress, if any and if its caller's tag (offload_pool_set_tag,
- * per thread) is `tag` (any call for a negative tag), and returns 1 when it joined one
- * (threadpool.c). offload_pool_helped counts the joins. */
-OFFLOAD_API void offload_pool_set_helpable(int on);
-OFFLOAD_API int offload_pool_helpable(void);
-OFFLOAD_API void offload_pool_set_tag(int64_t tag);
-OFFLOAD_API int offload_pool_help(int64_t tag);
-OFFLOAD_API int64_t offload_pool_helped(void);
-/* The rest of such a wait: help the calls tagged `tag` and spin between them until *done is
- * set (returns 1) or spin_ns pass with none to join (returns 0; the caller blocks then). */
-OFFLOAD_API int offload_pool_help_wait(int64_t tag, const int *done, int64_t spin_ns);
-/* Calls that a pool worker, idle between two of them while a hold was taken, found during its
- * yielding poll instead of asleep (threadpool.c worker_wait_spin). */
-OFFLOAD_API int64_t offload_pool_held_spin_calls(void);
 OFFLOAD_API int offload_kernel_isa(void);             /* the ISA the kernels use now */
 OFFLOAD_API int offload_kernel_best_isa(void);        /* the best this CPU supports */
 OFFLOAD_API int offload_kernel_set_isa(int isa);      /* for tests: force an ISA, or AUTO */

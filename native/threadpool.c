@@ -2,9 +2,7 @@
  *
  * Work is split into many equal chunks claimed one at a time from an atomic counter, by
  * the caller and by whichever workers are running, so a call never waits for a worker to
- * be woken up and scheduled: measured on a 2-vCPU VM, a worker woken after a pause often
- * lands on the caller's CPU and starts 0.3-4 ms later. With static halves the caller then
- * waited; with chunks it just does more of them.
+ * be woken up and scheduled: a worker that starts late finds fewer chunks left.
  *
  * Synchronization, per call (one at a time, run_lock):
  *   caller, under `lock`: publish fn/ctx/nchunks, next = 0, open = 1, bump `generation`,
@@ -14,54 +12,25 @@
  *   caller, out of chunks: under `lock`, open = 0 (no worker joins from now on), then
  *     waits until active == 0. Every chunk has then returned, and no worker will touch
  *     fn/ctx (the caller's stack) again: late workers see open == 0 and go back to sleep.
- * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up;
- * while a hold is taken (below) they go on polling, yielding the CPU, up to HELD_SPIN_NS, so
- * the next kernel of a phase finds them awake (worker_wait_spin).
+ * Workers spin for a short while before sleeping, so back-to-back calls skip the wake-up.
  *
  * One thread budget with torch (OpenMP). torch's intra-op workers are OpenMP threads. After
- * each parallel region libgomp (the runtime torch ships) spins them GOMP_SPINCOUNT = 300000
- * pauses (~2-4 ms of a core here) before they sleep, unless the process holds more OpenMP
- * threads than CPUs: then 100 pauses (~5 us), decided when each spin starts. The long spin
- * is what lets back-to-back small torch ops find their workers awake (64K-float op: ~10 us;
- * with the short spin every op wakes a sleeping worker: ~90 us). It is also what slowed a
- * kernel started right after torch work: the spinning worker takes one core for its 2-4 ms.
- * So the pool registers with the runtime only while it has work: when a kernel starts and the
- * pool is not registered, a host pthread opens an OpenMP parallel region of the runtime the
- * process already loaded (torch's; found by soname with RTLD_NOLOAD, never loaded here) with
- * one thread per CPU, all asleep on a condition variable. The runtime then counts more
- * threads than CPUs, and every idle spin that starts from then on, torch's included, is the
- * short one: torch work interleaved with the kernels (the next forward during the optimizer
- * step, torch work between two blocks' updates) leaves no spinning worker next to a kernel.
- * Once no kernel runs and no hold is taken (below), and LINGER_NS (OFFLOAD_POOL_LINGER_MS,
- * default 0) has passed, the region ends and the host exits, which is when the runtime stops
- * counting those threads (libgomp frees a master's thread pool at its exit): torch's own work
- * then spins as it did before the pool existed.
- *
- * What a registration costs, and holds. Each one creates the host and the region's threads
- * (cpu_count + 1 thread creations and exits, ~0.1-0.3 ms of CPU here) and lasts as long as it
- * is wanted. Torch work inside it pays the short spin: back-to-back small ops each wake a
- * sleeping worker, so a registration that outlives the kernels slows the torch work after
- * them (with a 20 ms linger, torch work right after a block-sized step ran up to 1.45x
- * slower). A registration that ends with each kernel instead lets every gap between two
- * kernels of one optimizer step start torch spins at the full count, which then run next to
- * the following kernel (and the step re-registers per block). So the caller that knows a
- * phase of kernels is under way says so: offload_pool_hold() / offload_pool_release() bracket
- * it (the engine's optimizer pipeline: from a block's submission to its job's end; the
- * standalone optimizers: one step() over all their parameters). A hold starts no registration
- * by itself; the first kernel under it does, and the registration then lasts until the last
- * hold is released and no kernel runs: one per phase, ended as the phase ends.
- * Two things only the main thread can do, since it is the master of torch's team (the idle
- * spin of torch's workers ends only when their master starts its next region):
- *  - A kernel called on the main thread (CPUAdam.step, a user's adam_step) runs its chunks
- *    on that team (team_run below): torch's workers, spinning after the main thread's last
- *    torch op, claim the kernel's chunks instead of competing with it, and spin after it as
- *    after any torch op. No registration is made for it.
- *  - A handoff hold (offload_pool_hold_handoff: the engine's pipeline, submitting a block's
- *    job to its worker thread) starts the registration at once and opens an empty region of
- *    the main thread's team, so torch's workers leave their long spin for the short one
- *    before the worker's kernel starts.
- * Any other thread's kernel runs on the pthread workers, beside whatever spin torch's
- * workers are in. OFFLOAD_POOL=pthread never registers and never uses torch's team.
+ * each parallel region libgomp (the runtime torch ships) spins them for a long while before
+ * they sleep, unless the process holds more OpenMP threads than CPUs: then briefly, decided
+ * when each spin starts. The long spin keeps back-to-back small torch ops fast, and takes a
+ * core from a kernel started right after torch work. So the pool registers with the runtime
+ * while it has work: when a kernel starts and the pool is not registered, a host pthread
+ * opens an OpenMP parallel region of the runtime the process already loaded (torch's; found
+ * by soname with RTLD_NOLOAD, never loaded here) with one thread per CPU, all asleep on a
+ * condition variable. The runtime then counts more threads than CPUs, and every idle spin
+ * that starts from then on, torch's included, is the short one. Once no kernel runs and
+ * LINGER_NS (OFFLOAD_POOL_LINGER_MS, default 0) has passed, the region ends and the host
+ * exits, which is when the runtime stops counting those threads: torch's own work then spins
+ * as it did before the pool existed.
+ * A kernel called on the main thread (CPUAdam.step, a user's adam_step) runs its chunks on
+ * that thread's own OpenMP team instead (team_run below): torch's workers claim the kernel's
+ * chunks rather than compete with it, and no registration is made for it.
+ * OFFLOAD_POOL=pthread never registers and never uses torch's team.
  * offload_pool_runtime() names the runtime (or "pthread"); offload_pool_registered() says
  * whether a registration is alive; offload_pool_team_runs() counts kernels run on the team.
  */
@@ -91,7 +60,6 @@ static inline void cpu_relax(void) {}
 #endif
 
 #define WORKER_SPIN_NS 50000L  /* a worker polls this long for the next call before sleeping */
-#define HELD_SPIN_NS 2000000L  /* ... and, while a hold is taken, yields and polls up to this long */
 #define CALLER_SPIN_NS 200000L /* the caller polls this long for helpers to finish their last chunk */
 
 static struct {
@@ -109,10 +77,9 @@ static struct {
     int active;   /* workers in the current call */
     int started;  /* workers running: indices 1..started */
     int threads;  /* configured total, caller included; 0 = not set yet (use the CPU count) */
-    int64_t tag;  /* the caller's offload_pool_set_tag when it published the call */
     unsigned mxcsr; /* the caller's FP control word: workers round and flush like the caller */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, -1, 0};
+       PTHREAD_COND_INITIALIZER, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void register_atfork(void);
@@ -132,32 +99,14 @@ struct worker_start {
     unsigned long generation; /* the generation current when the worker was made */
 };
 
-static int pool_held_now(void);
-
-/* Between two calls a worker first polls WORKER_SPIN_NS (back-to-back calls of one kernel).
- * While a hold is taken (a phase of kernels: the engine's pipeline between one block's job
- * and the next, 0.2-0.5 ms of Python) it then goes on polling up to HELD_SPIN_NS, yielding
- * the CPU at every poll: a sleeping worker woken by the next call starts 0.3-4 ms late here,
- * so each block's kernel ran on its caller alone for most of its time (1.33 ms per block
- * against 0.92 ms back to back, measured); a yielding poll takes no time from a thread
- * that wants the CPU (torch's compute beside the pipeline), and stops with the hold. */
-static long HELD_SPIN_CALLS; /* atomic: calls a worker found during its held spin (tests) */
-
+/* Between two calls a worker polls WORKER_SPIN_NS (back-to-back calls of one kernel), then sleeps. */
 static void worker_wait_spin(unsigned long seen) {
     long t0 = now_ns();
     while (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen) {
         for (int i = 0; i < 64; i++) cpu_relax();
         if (now_ns() - t0 > WORKER_SPIN_NS) break;
     }
-    while (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) == seen) {
-        if (!pool_held_now() || now_ns() - t0 >= HELD_SPIN_NS) return;
-        sched_yield();
-        if (__atomic_load_n(&P.generation, __ATOMIC_ACQUIRE) != seen)
-            __atomic_add_fetch(&HELD_SPIN_CALLS, 1, __ATOMIC_RELAXED);
-    }
 }
-
-OFFLOAD_API int64_t offload_pool_held_spin_calls(void) { return __atomic_load_n(&HELD_SPIN_CALLS, __ATOMIC_RELAXED); }
 
 static void worker_loop(struct worker_start start) {
     unsigned long seen = start.generation;
@@ -198,7 +147,6 @@ static void *worker_main(void *arg) {
 /* ---- registration with the process's OpenMP runtime (see the header comment) --------- */
 typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 typedef int (*omp_thread_num_fn)(void);
-typedef int (*omp_pause_fn)(int kind);
 
 static struct {
     pthread_once_t once;
@@ -206,12 +154,11 @@ static struct {
     omp_thread_num_fn thread_num;
     omp_thread_num_fn level;       /* omp_get_level: 0 outside every parallel region */
     omp_thread_num_fn max_threads; /* omp_get_max_threads: the calling thread's team size (torch's) */
-    omp_pause_fn pause;            /* omp_pause_resource_all (OpenMP 5.0), or NULL */
     const char *name; /* the runtime's soname, or NULL: never register, never run on a team */
     int team_off;     /* a forked child: the parent's team threads do not exist here */
-} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+} OMP = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, NULL, NULL, 0};
 
-#define DEFAULT_LINGER_MS 0L /* holds bridge the gaps a phase of kernels has (see the header) */
+#define DEFAULT_LINGER_MS 0L /* the registration ends with the last kernel (see the header) */
 static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
 
 static void find_openmp(void) {
@@ -236,7 +183,6 @@ static void find_openmp(void) {
             OMP.thread_num = num;
             OMP.level = level;
             OMP.max_threads = max;
-            OMP.pause = (omp_pause_fn)dlsym(h, "omp_pause_resource_all");
             OMP.name = names[i];
             return; /* the handle stays open: the runtime outlives the pool */
         }
@@ -245,15 +191,14 @@ static void find_openmp(void) {
 }
 
 /* One registration: a host pthread, master of a region of `size` threads that only sleep.
- * Lifecycle (REG.lock): JOINING (host created) -> HELD (the region runs: the runtime counts
+ * Lifecycle (REG.lock): JOINING (host created) -> RUNNING (the region runs: the runtime counts
  * its threads) -> LEAVING (released once the pool idled LINGER_NS; the host returns and
  * exits) -> freed by the host. At most one registration is current; a kernel starting while
  * the current one is LEAVING makes a new one (both exist until the old host exits). */
-enum reg_state { REG_JOINING, REG_HELD, REG_LEAVING };
+enum reg_state { REG_JOINING, REG_RUNNING, REG_LEAVING };
 struct reg {
     enum reg_state state;
     unsigned size; /* threads in the region, master included */
-    int quieted;   /* the main thread's team was sent to its short spin under this registration */
 };
 
 static struct {
@@ -263,10 +208,9 @@ static struct {
     struct reg *current;   /* NULL: not registered (or the last one is leaving) */
     int alive;             /* registrations whose host has not exited */
     int busy;              /* pool_run calls in progress */
-    int held;              /* offload_pool_hold() calls not yet released */
     long made;             /* registrations started since the library loaded */
-    long last_end;         /* now_ns() when the last pool_run ended or the last hold was released */
-} REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0};
+    long last_end;         /* now_ns() when the last pool_run ended */
+} REG = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0};
 
 /* The condition variables' clock (CLOCK_REALTIME) ``ns`` from now, for a bounded wait. */
 static struct timespec realtime_in(long ns) {
@@ -281,20 +225,19 @@ static struct timespec realtime_in(long ns) {
     return t;
 }
 
-/* The region's body. The master waits until no kernel runs, no hold is taken and LINGER_NS
- * has passed since the last of them, then releases the team; the others sleep until
+/* The region's body. The master waits until no kernel runs and LINGER_NS has passed since
+ * the last one, then releases the team; the others sleep until
  * released. Nothing here touches the pool's work. */
 static void reg_team(void *arg) {
     struct reg *r = arg;
     pthread_mutex_lock(&REG.lock);
     if (OMP.thread_num() == 0) {
-        r->state = REG_HELD;
-        pthread_cond_broadcast(&REG.cond); /* a handoff hold waits for this (offload_pool_hold_handoff) */
+        r->state = REG_RUNNING;
         for (;;) {
             long now = now_ns(), due = REG.last_end + LINGER_NS;
-            if (REG.busy == 0 && REG.held == 0 && now >= due) break;
-            /* reg_exit and offload_pool_release broadcast; the timeout only bounds a lost wake-up */
-            struct timespec until = realtime_in(REG.busy > 0 || REG.held > 0 ? 100000000L : due - now);
+            if (REG.busy == 0 && now >= due) break;
+            /* reg_exit broadcasts; the timeout only bounds a lost wake-up */
+            struct timespec until = realtime_in(REG.busy > 0 ? 100000000L : due - now);
             pthread_cond_timedwait(&REG.cond, &REG.lock, &until);
         }
         r->state = REG_LEAVING;
@@ -313,7 +256,6 @@ static void *reg_host(void *arg) {
      * pool is freed by the runtime's thread destructor), a few microseconds from here. */
     pthread_mutex_lock(&REG.lock);
     REG.alive--;
-    pthread_cond_broadcast(&REG.cond); /* offload_pool_release waits for this */
     pthread_mutex_unlock(&REG.lock);
     free(r);
     return NULL;
@@ -331,7 +273,7 @@ static void reg_start_locked(void) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old); /* the host and the runtime's threads block signals */
     /* one thread per CPU besides the master: more threads than CPUs whatever torch's own count */
-    if (r != NULL) *r = (struct reg){REG_JOINING, (unsigned)cpu_count() + 1, 0};
+    if (r != NULL) *r = (struct reg){REG_JOINING, (unsigned)cpu_count() + 1};
     if (r != NULL && pthread_create(&tid, NULL, reg_host, r) == 0) {
         pthread_detach(tid);
         REG.current = r;
@@ -362,132 +304,13 @@ static void reg_exit(void) {
     pthread_mutex_unlock(&REG.lock);
 }
 
-/* A heuristic read (the spin of a worker between calls): no lock. */
-static int pool_held_now(void) { return __atomic_load_n(&REG.held, __ATOMIC_RELAXED) > 0; }
-
-OFFLOAD_API void offload_pool_hold(void) {
-    pthread_mutex_lock(&REG.lock);
-    __atomic_add_fetch(&REG.held, 1, __ATOMIC_RELAXED); /* also read without the lock (pool_held_now) */
-    pthread_mutex_unlock(&REG.lock);
-}
-
-/* The main thread hands kernels to another thread (the engine's optimizer pipeline): a hold,
- * plus what only the main thread can do about torch's workers. Right after its torch work
- * they are in their long idle spin, which the runtime decided when the spin started and
- * which nothing but a new region of their master ends; the kernels would run beside it.
- * So the registration starts now (waited for, at most HANDOFF_WAIT_NS: the host's thread
- * and its region's threads being created and scheduled; the whole handoff measured 0.45 ms
- * median on the 2-CPU VM at load 2.4, 1.5-2.2 ms at load 3-6), and an empty region
- * of the main thread's team follows: the spinning workers join it and leave, and their next
- * spin starts registered, so it is the short one (~5 us) and they sleep. Once per
- * registration (later handoffs of the same phase find torch's spins short already). On
- * other threads, or without the runtime: a plain hold.
- * In two halves, so the main thread can work while the registration starts:
- * offload_pool_hold_begin_handoff takes the hold and starts the registration without waiting;
- * offload_pool_handoff_quiet (under that hold) waits for it, bounded, and quiets torch's team
- * once per registration; it returns whether it did. The engine's commit runs its first
- * block's update on the main thread between the two (on torch's team, see team_run). */
-#define HANDOFF_WAIT_NS 2000000L /* bounded: past it the hold is a plain one */
-
-static void quiet_body(void *arg) { (void)arg; }
-
+/* The calling thread is the process's main thread (the master of torch's team), outside
+ * every parallel region, with a team of more than one thread, in the process that loaded
+ * the runtime's threads (not a forked child). */
 static int on_main_thread_outside_regions(void) {
     if (OMP.parallel == NULL || __atomic_load_n(&OMP.team_off, __ATOMIC_RELAXED)) return 0;
     if ((pid_t)syscall(SYS_gettid) != getpid()) return 0;
     return OMP.level() == 0 && OMP.max_threads() > 1;
-}
-
-static long QUIETED; /* atomic: handoffs that sent the main thread's team to its short spin */
-
-OFFLOAD_API void offload_pool_hold_begin_handoff(void) {
-    pthread_once(&OMP.once, find_openmp);
-    pthread_once(&atfork_once, register_atfork);
-    pthread_mutex_lock(&REG.lock);
-    __atomic_add_fetch(&REG.held, 1, __ATOMIC_RELAXED);
-    if (on_main_thread_outside_regions()) reg_start_locked();
-    pthread_mutex_unlock(&REG.lock);
-}
-
-OFFLOAD_API int offload_pool_handoff_quiet(void) {
-    pthread_once(&OMP.once, find_openmp);
-    if (!on_main_thread_outside_regions()) return 0;
-    int quiet = 0;
-    pthread_mutex_lock(&REG.lock);
-    struct reg *r = REG.held > 0 ? REG.current : NULL; /* stays allocated: it cannot leave while held > 0 */
-    if (r != NULL) {
-        struct timespec until = realtime_in(HANDOFF_WAIT_NS);
-        while (r->state == REG_JOINING)
-            if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
-        quiet = r->state == REG_HELD && !r->quieted;
-        if (quiet) r->quieted = 1;
-    }
-    pthread_mutex_unlock(&REG.lock);
-    if (quiet) {
-        OMP.parallel(quiet_body, NULL, 0, 0); /* 0: the team torch's next op would use */
-        __atomic_add_fetch(&QUIETED, 1, __ATOMIC_RELAXED);
-    }
-    return quiet;
-}
-
-OFFLOAD_API void offload_pool_hold_handoff(void) {
-    offload_pool_hold_begin_handoff();
-    offload_pool_handoff_quiet();
-}
-
-/* The calling thread's own team (torch's intra-op workers, when it is the thread that runs
- * torch's ops) sent out of its idle spin now: omp_pause_resource_all(omp_pause_soft), where
- * the runtime has it (libgomp ends the team's threads, LLVM's puts them to sleep; the next
- * parallel region starts them again). For the engine's thread split (optim/thread_split.py):
- * once torch's team is cut to leave cores to the kernels, the workers it no longer uses
- * would spin out the long spin of the last region on exactly those cores. On the 2-CPU VM
- * the optimizer worker, woken beside that spin, started its first kernel 3-4 ms late and ran
- * it 5x slower, and the next forward waited for it in 20-30% of steps; the pause takes
- * ~0.1 ms, and the forward's first op on more than one thread ~0.1 ms more to start them.
- * Outside every parallel region only, never in a forked child (the parent's team threads do
- * not exist there). Returns 1 when it paused. */
-static long PAUSED; /* atomic: teams paused */
-
-OFFLOAD_API int offload_pool_pause_team(void) {
-    pthread_once(&OMP.once, find_openmp);
-    if (OMP.pause == NULL || OMP.parallel == NULL || __atomic_load_n(&OMP.team_off, __ATOMIC_RELAXED)) return 0;
-    if (OMP.level() != 0) return 0;
-    if (OMP.pause(1 /* omp_pause_soft */) != 0) return 0;
-    __atomic_add_fetch(&PAUSED, 1, __ATOMIC_RELAXED);
-    return 1;
-}
-
-OFFLOAD_API int64_t offload_pool_teams_paused(void) { return __atomic_load_n(&PAUSED, __ATOMIC_RELAXED); }
-
-OFFLOAD_API int64_t offload_pool_handoffs_quieted(void) { return __atomic_load_n(&QUIETED, __ATOMIC_RELAXED); }
-
-/* The last hold released with no kernel running and no linger: the phase is over and its
- * registration ends now, but asynchronously (its master wakes, releases the region's
- * threads, and its host exits). Until then the runtime still counts those threads, so torch
- * work started meanwhile spins short between its regions, and the region's threads take the
- * cores it runs on: on the 2-CPU VM, torch work started right after a block-sized step's job
- * found the registration alive in 32 of 40 rounds and ran 0.90x its isolated speed (its
- * matmuls 1.2x slower); started once the host had exited (0.2 ms median later), 1.01x. So
- * the release waits for the host, bounded (RELEASE_WAIT_NS): the engine releases on the
- * worker before the job's future is done, so the thread waiting for the job continues with
- * the registration gone. */
-#define RELEASE_WAIT_NS 5000000L
-
-OFFLOAD_API int offload_pool_release(void) {
-    pthread_mutex_lock(&REG.lock);
-    int ok = REG.held > 0;
-    if (ok) {
-        __atomic_sub_fetch(&REG.held, 1, __ATOMIC_RELAXED);
-        REG.last_end = now_ns();
-        pthread_cond_broadcast(&REG.cond);
-        if (LINGER_NS == 0 && REG.held == 0 && REG.busy == 0 && REG.alive > 0) {
-            struct timespec until = realtime_in(RELEASE_WAIT_NS);
-            /* a new hold or kernel meanwhile starts the next phase: stop waiting */
-            while (REG.alive > 0 && REG.held == 0 && REG.busy == 0)
-                if (pthread_cond_timedwait(&REG.cond, &REG.lock, &until) != 0) break;
-        }
-    }
-    pthread_mutex_unlock(&REG.lock);
-    return ok ? 0 : -22; /* -EINVAL: no hold to release */
 }
 
 OFFLOAD_API int offload_pool_registered(void) {
@@ -535,7 +358,6 @@ static void atfork_child(void) {
     REG.current = NULL;
     REG.alive = 0;
     REG.busy = 0;
-    REG.held = 0; /* the parent's holds belong to its threads, which the child lacks */
     OMP.team_off = 1; /* the runtime's team threads of the parent do not exist in the child */
 }
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
@@ -634,80 +456,6 @@ static void team_run(pool_chunk_fn fn, void *ctx, long nchunks, int threads) {
 
 OFFLOAD_API int64_t offload_pool_team_runs(void) { return __atomic_load_n(&TEAM_RUNS, __ATOMIC_RELAXED); }
 
-/* Helping (offload_pool_set_helpable / offload_pool_help). While the engine's thread split
- * leaves the kernels one thread, the thread that runs the forward waits, now and then, for
- * a block's update that one thread is still computing: its own core idles meanwhile. With
- * helping on, such single-thread calls are published like pooled ones (no worker woken,
- * no registration) so that the waiting thread can join the call in progress and claim its
- * remaining chunks, as a worker would, then go back to its wait. Each call is tagged with
- * its caller's offload_pool_set_tag (the engine: the block), and a helper joins only the
- * calls of the block it waits for, never the next block's (measured: a helper that joined
- * whatever call was open delayed the forward by 2-3 ms helping a block not yet needed).
- * Published calls run one at a time (run_lock): with several optimizer workers their
- * single-thread kernels take turns while helping is on. */
-static int HELPABLE; /* atomic: single-thread calls are published for offload_pool_help */
-static long HELPED;  /* atomic: calls a waiting thread joined */
-static __thread int64_t CALL_TAG = -1; /* what this thread's calls are for (the engine: a block) */
-
-OFFLOAD_API void offload_pool_set_tag(int64_t tag) { CALL_TAG = tag; }
-
-OFFLOAD_API void offload_pool_set_helpable(int on) { __atomic_store_n(&HELPABLE, on != 0, __ATOMIC_RELAXED); }
-
-OFFLOAD_API int offload_pool_helpable(void) { return __atomic_load_n(&HELPABLE, __ATOMIC_RELAXED); }
-
-OFFLOAD_API int offload_pool_help(int64_t tag) {
-    pthread_mutex_lock(&P.lock);
-    if (!P.open || !__atomic_load_n(&HELPABLE, __ATOMIC_RELAXED) || (tag >= 0 && P.tag != tag)) {
-        pthread_mutex_unlock(&P.lock);
-        return 0;
-    }
-    __atomic_add_fetch(&P.active, 1, __ATOMIC_RELAXED);
-    pool_chunk_fn fn = P.fn;
-    void *ctx = P.ctx;
-    long nchunks = P.nchunks;
-#ifdef HAVE_MXCSR
-    unsigned mxcsr = P.mxcsr, own = _mm_getcsr();
-#endif
-    pthread_mutex_unlock(&P.lock);
-#ifdef HAVE_MXCSR
-    if (own != mxcsr) _mm_setcsr(mxcsr);
-#endif
-    claim_chunks(fn, ctx, nchunks);
-#ifdef HAVE_MXCSR
-    if (own != mxcsr) _mm_setcsr(own);
-#endif
-    pthread_mutex_lock(&P.lock);
-    if (__atomic_sub_fetch(&P.active, 1, __ATOMIC_RELEASE) == 0 && !P.open) pthread_cond_signal(&P.done);
-    pthread_mutex_unlock(&P.lock);
-    __atomic_add_fetch(&HELPED, 1, __ATOMIC_RELAXED);
-    return 1;
-}
-
-OFFLOAD_API int64_t offload_pool_helped(void) { return __atomic_load_n(&HELPED, __ATOMIC_RELAXED); }
-
-/* The rest of a wait for a block's update, under the split: join the block's calls as
- * offload_pool_help does, and between them spin (no sleep) until *done is set or spin_ns
- * pass with nothing to join. What follows the update's last kernel call on its worker (the
- * write-back's submit, the job's bookkeeping) takes ~0.3 ms; a waiter that slept through it
- * needed a core again to wake, and on a machine whose cores held the optimizer and an I/O
- * worker's checksum (SCHED_BATCH: a woken thread waits for the running one's slice) it woke
- * 1.5-3 ms after the update was done (measured: bench_prefetch, 2 cores). Returns 1 when
- * *done was seen set, 0 when the spin ran out (the caller then blocks). The open call is
- * read without the lock first (a hint; offload_pool_help checks it under the lock). */
-OFFLOAD_API int offload_pool_help_wait(int64_t tag, const int *done, int64_t spin_ns) {
-    long last = now_ns();
-    for (;;) {
-        if (__atomic_load_n(done, __ATOMIC_ACQUIRE)) return 1;
-        if (__atomic_load_n(&P.open, __ATOMIC_RELAXED) && __atomic_load_n(&P.tag, __ATOMIC_RELAXED) == tag &&
-            offload_pool_help(tag)) {
-            last = now_ns();
-            continue;
-        }
-        if (now_ns() - last > spin_ns) return __atomic_load_n(done, __ATOMIC_ACQUIRE);
-        for (int i = 0; i < 64; i++) cpu_relax();
-    }
-}
-
 int pool_run_on_team(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
     if (threads <= 1 || nchunks <= 1 || !on_main_team(threads)) return 1;
@@ -718,16 +466,15 @@ int pool_run_on_team(pool_chunk_fn fn, void *ctx, long nchunks) {
 
 int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     int threads = pool_get_threads();
-    int alone = threads <= 1; /* published only for a helper (HELPABLE): no worker, no registration */
-    if (nchunks <= 1 || (alone && !__atomic_load_n(&HELPABLE, __ATOMIC_RELAXED))) {
+    if (nchunks <= 1 || threads <= 1) {
         for (long c = 0; c < nchunks; c++) fn(ctx, c);
         return 0;
     }
     if (pool_run_on_team(fn, ctx, nchunks) == 0) return 0; /* torch's team: no registration */
     pthread_once(&atfork_once, register_atfork);
-    if (!alone) reg_enter();
+    reg_enter();
     pthread_mutex_lock(&P.run_lock);
-    int helpers = alone ? 0 : (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
+    int helpers = (long)threads - 1 < nchunks - 1 ? threads - 1 : (int)(nchunks - 1);
     if (P.started < helpers) start_workers(helpers);
     if (helpers > P.started) helpers = P.started; /* thread creation failed: fewer helpers */
 
@@ -738,11 +485,10 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     __atomic_store_n(&P.next, 0, __ATOMIC_RELAXED);
     P.open = 1;
     P.helpers = helpers;
-    P.tag = CALL_TAG;
 #ifdef HAVE_MXCSR
     P.mxcsr = _mm_getcsr();
 #endif
-    if (helpers > 0) { /* a call alone leaves the workers where they are */
+    if (helpers > 0) { /* wake the workers that may join */
         __atomic_store_n(&P.generation, P.generation + 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&P.wake);
     }
@@ -759,6 +505,6 @@ int pool_run(pool_chunk_fn fn, void *ctx, long nchunks) {
     while (P.active > 0) pthread_cond_wait(&P.done, &P.lock);
     pthread_mutex_unlock(&P.lock);
     pthread_mutex_unlock(&P.run_lock);
-    if (!alone) reg_exit();
+    reg_exit();
     return 0;
 }

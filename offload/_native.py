@@ -16,7 +16,6 @@ kernels run concurrently with PyTorch work on other threads.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import glob
@@ -53,8 +52,7 @@ def isa_setting() -> str:
 def _check_pool_env() -> None:
     """OFFLOAD_POOL (``pthread``: never register the pool with torch's OpenMP runtime; unset or
     ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 0: how
-    long the registration outlives the last kernel and the last hold, see ``pool_hold``), read
-    by native/threadpool.c."""
+    long the registration outlives the last kernel), read by native/threadpool.c."""
     pool = os.environ.get("OFFLOAD_POOL", "auto").strip().lower()
     if pool not in ("auto", "pthread", ""):
         raise ValueError(f"OFFLOAD_POOL={pool!r} is not valid: use auto or pthread")
@@ -147,24 +145,7 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_registered.argtypes, lib.offload_pool_registered.restype = [], i32
     lib.offload_pool_linger_ns.argtypes, lib.offload_pool_linger_ns.restype = [], i64
     lib.offload_pool_registrations.argtypes, lib.offload_pool_registrations.restype = [], i64
-    lib.offload_pool_hold.argtypes, lib.offload_pool_hold.restype = [], None
-    lib.offload_pool_release.argtypes, lib.offload_pool_release.restype = [], i32
-    lib.offload_pool_hold_handoff.argtypes, lib.offload_pool_hold_handoff.restype = [], None
-    lib.offload_pool_handoffs_quieted.argtypes, lib.offload_pool_handoffs_quieted.restype = [], i64
-    lib.offload_pool_hold_begin_handoff.argtypes, lib.offload_pool_hold_begin_handoff.restype = [], None
-    lib.offload_pool_handoff_quiet.argtypes, lib.offload_pool_handoff_quiet.restype = [], i32
-    lib.offload_pool_held_spin_calls.argtypes, lib.offload_pool_held_spin_calls.restype = [], i64
     lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
-    lib.offload_pool_pause_team.argtypes, lib.offload_pool_pause_team.restype = [], i32
-    lib.offload_pool_teams_paused.argtypes, lib.offload_pool_teams_paused.restype = [], i64
-    lib.offload_pool_set_helpable.argtypes, lib.offload_pool_set_helpable.restype = [i32], None
-    lib.offload_pool_help.argtypes, lib.offload_pool_help.restype = [i64], i32
-    lib.offload_pool_set_tag.argtypes, lib.offload_pool_set_tag.restype = [i64], None
-    lib.offload_pool_helped.argtypes, lib.offload_pool_helped.restype = [], i64
-    lib.offload_pool_helpable.argtypes, lib.offload_pool_helpable.restype = [], i32
-    lib.offload_pool_help_wait.argtypes = [i64, ctypes.POINTER(ctypes.c_int), i64]
-    lib.offload_pool_help_wait.restype = i32
-
 
 _kernels: dict = {}  # name -> the checked C entry point
 
@@ -253,12 +234,12 @@ adam_set_num_threads, adam_set_isa = kernel_set_num_threads, kernel_set_isa
 
 def pool_registered(L: ctypes.CDLL) -> int:
     """Registrations of the native pool with torch's OpenMP runtime alive now (the pool holds
-    one while it has work or a hold is taken, and for ``pool_linger_s`` after; threadpool.c)."""
+    one while it has work, and for ``pool_linger_s`` after; threadpool.c)."""
     return L.offload_pool_registered()
 
 
 def pool_registrations(L: ctypes.CDLL) -> int:
-    """Registrations started since the library loaded (one per phase of kernels under a hold)."""
+    """Registrations started since the library loaded."""
     return L.offload_pool_registrations()
 
 
@@ -266,133 +247,6 @@ def pool_team_runs(L: ctypes.CDLL) -> int:
     """Kernels run on the calling thread's own OpenMP team since the library loaded: a kernel
     called on the main thread runs its chunks on torch's intra-op workers (threadpool.c)."""
     return L.offload_pool_team_runs()
-
-
-def pool_handoffs_quieted(L: ctypes.CDLL) -> int:
-    """Handoff holds (``pool_hold(handoff=True)``) that ended the idle spin of torch's workers."""
-    return L.offload_pool_handoffs_quieted()
-
-
-def pool_hold(L: ctypes.CDLL, handoff: bool = False) -> None:
-    """A phase of kernels starts (an optimizer step over many blocks or tensors): from its first
-    kernel until the matching ``pool_release``, the pool's registration with torch's OpenMP
-    runtime lasts through the gaps between kernels, so torch work in those gaps does not start
-    full-length idle spins next to the next kernel, and the phase registers once, not once
-    per kernel. A plain hold starts no registration by itself. ``handoff``: the main thread
-    takes the hold for kernels another thread runs (the engine's pipeline): the registration
-    starts now and torch's workers, still in the long idle spin of the main thread's last
-    torch work, are sent to the short one (on other threads: a plain hold). Release every
-    hold exactly once, from any thread."""
-    if handoff:
-        L.offload_pool_hold_handoff()
-    else:
-        L.offload_pool_hold()
-
-
-def pool_held_spin_calls(L: ctypes.CDLL) -> int:
-    """Kernel calls that a pool worker, idle between two calls under a hold, found while it
-    was still polling (yielding the CPU) rather than asleep (threadpool.c)."""
-    return L.offload_pool_held_spin_calls()
-
-
-def pool_hold_begin_handoff(L: ctypes.CDLL) -> None:
-    """The first half of ``pool_hold(handoff=True)``: the hold, with the registration started
-    but not waited for, so the main thread can do other work (a kernel of its own, which runs
-    on torch's team) while the registration's threads start. ``pool_handoff_quiet`` follows
-    under the same hold."""
-    L.offload_pool_hold_begin_handoff()
-
-
-def pool_handoff_quiet(L: ctypes.CDLL) -> bool:
-    """The second half of ``pool_hold(handoff=True)``, under the hold ``pool_hold_begin_handoff``
-    took: waits (at most 2 ms) for the registration, then sends torch's workers from their
-    long idle spin to the short one, once per registration. Returns whether it did; a
-    no-op off the main thread."""
-    return bool(L.offload_pool_handoff_quiet())
-
-
-def pool_pause_team(L: ctypes.CDLL) -> bool:
-    """The calling thread's OpenMP team (torch's intra-op workers) out of its idle spin now
-    (``omp_pause_resource_all``, soft; the next parallel region starts it again). Outside
-    every parallel region only; returns whether it paused (threadpool.c: why)."""
-    return bool(L.offload_pool_pause_team())
-
-
-def pool_teams_paused(L: ctypes.CDLL) -> int:
-    """Teams ``pool_pause_team`` paused since the library loaded."""
-    return L.offload_pool_teams_paused()
-
-
-def pool_set_helpable(L: ctypes.CDLL, on: bool) -> None:
-    """While on, a kernel call on one thread can be joined by a thread that waits for it
-    (``pool_help``); the thread split turns it on while the kernels have one thread."""
-    L.offload_pool_set_helpable(1 if on else 0)
-
-
-def pool_set_tag(L: ctypes.CDLL, tag: int) -> None:
-    """What the calling thread's next kernel calls are for (the engine: a block's index; -1:
-    nothing), so that a thread waiting for that work joins only them (``pool_help``)."""
-    L.offload_pool_set_tag(tag)
-
-
-def pool_help(L: ctypes.CDLL, tag: int = -1) -> bool:
-    """Join the kernel call in progress, if one can be joined (``pool_set_helpable``) and it
-    is for ``tag`` (any, when negative), and claim its remaining chunks; returns whether it
-    joined one (threadpool.c)."""
-    return bool(L.offload_pool_help(tag))
-
-
-HELP_SPIN_S = 1e-3   # pool_help_until: how long a waiter spins with no call of its block to join
-
-
-def pool_help_until(fut, tag: int) -> None:
-    """A thread about to block until ``fut`` (the update of block ``tag``) is done first
-    joins that update's kernel calls (``pool_help``), and between them spins, at most
-    ``HELP_SPIN_S`` with none to join, rather than sleep (``offload_pool_help_wait``: a
-    waiter that slept through the update's last ~0.3 ms could need 1.5-3 ms to get a core
-    back on a busy machine). Only while helping is on (the thread split: the kernels leave
-    the waiter's core free); otherwise it returns at once and the caller blocks."""
-    try:
-        L = lib()
-    except ImportError:
-        return
-    if L is None or fut.done() or not L.offload_pool_helpable():
-        return
-    flag = ctypes.c_int(0)
-    # runs on the worker right after the result is set (or here, when it is set already)
-    fut.add_done_callback(lambda _f: setattr(flag, "value", 1))
-    L.offload_pool_help_wait(tag, ctypes.byref(flag), int(HELP_SPIN_S * 1e9))
-
-
-def pool_helped(L: ctypes.CDLL) -> int:
-    """Calls ``pool_help`` joined since the library loaded."""
-    return L.offload_pool_helped()
-
-
-def pool_release(L: ctypes.CDLL) -> None:
-    """The end of a ``pool_hold``: with no hold left and no kernel running, the registration
-    ends (torch's idle workers spin at their full count again); the call returns once it has
-    (waited for at most 5 ms), so torch work the caller does next runs as without the pool."""
-    if L.offload_pool_release() != 0:
-        raise RuntimeError("pool_release without a matching pool_hold")
-
-
-@contextlib.contextmanager
-def pool_held():
-    """``pool_hold`` for the duration of a with-block (nothing when the library is not in use;
-    a library that cannot load is reported by the kernel call itself)."""
-    try:
-        L = lib()
-    except ImportError:
-        L = None
-    if L is None:
-        yield
-        return
-    pool_hold(L)
-    try:
-        yield
-    finally:
-        pool_release(L)
 
 
 # Frozen-weight dequantization (native/quant.c; formats in offload/quantize.py).

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -45,7 +44,7 @@ MOMENT_RTOL_BF16 = 2**-8
 
 @pytest.fixture(autouse=True, scope="module")
 def _torch_single_thread():
-    """torch's reference runs on one thread: its OpenMP pool slows down ~100x when the 2-core
+    """torch's reference runs on one thread: its OpenMP pool slows down badly when the 2-core
     machine is shared with other work, and elementwise results do not depend on it."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -423,52 +422,6 @@ def test_gil_released(native):
     assert ticks > 1000, f"the main thread ran only {ticks} loop iterations during the kernel"
 
 
-def test_a_waiting_thread_helps_only_the_call_it_waits_for(native):
-    """While helping is on (the engine's thread split), a kernel call on one thread can be
-    joined: a thread that waits for it (pool_help with the caller's tag) claims chunks of
-    it, and the result is bit for bit the one-thread result. A call for another tag is
-    never joined, nor any call while helping is off (native/threadpool.c)."""
-    n = 1 << 24
-    g = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    saved = get_num_threads()
-
-    def run(tag: int, helpable: bool):
-        p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
-        done = threading.Event()
-
-        def worker():
-            _native.pool_set_tag(native, 7)
-            try:
-                for step in range(1, 4):
-                    adam_step(p, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-            finally:
-                _native.pool_set_tag(native, -1)
-                done.set()
-        _native.pool_set_helpable(native, helpable)
-        joined = _native.pool_helped(native)
-        t = threading.Thread(target=worker)
-        try:
-            t.start()
-            while not done.is_set():          # as a forward waiting for this update would
-                _native.pool_help(native, tag)
-            t.join()
-        finally:
-            _native.pool_set_helpable(native, False)
-        return (p, m, v), _native.pool_helped(native) - joined
-
-    try:
-        set_num_threads(1)
-        alone, joins_off = run(7, False)
-        helped, joins = run(7, True)
-        other, joins_other = run(8, True)
-    finally:
-        set_num_threads(saved)
-    assert joins_off == 0 and joins_other == 0
-    assert joins > 0, "the waiting thread never joined the calls of the tag it waited for"
-    for a, b, c in zip(alone, helped, other):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-
 def test_concurrent_callers(backend):
     """Several Python threads calling at once (the native pool serializes them)."""
     n = 300001
@@ -729,11 +682,10 @@ out = {"clock": source and source.__name__, "torch_workers": len(torch_tids),
 n = 1 << 20
 p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
 stop = threading.Event()
-def kernels():  # the optimizer's thread, stepping blocks while torch works, under one hold
-    with _native.pool_held():                 # as the engine's pipeline holds for its jobs
-        while not stop.is_set():
-            adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-            time.sleep(0.002)                 # a gap between two blocks' kernels
+def kernels():  # the optimizer's thread, stepping blocks while torch works
+    while not stop.is_set():
+        adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        time.sleep(0.002)                     # a gap between two blocks' kernels
 made = _native.pool_registrations(L)
 bg = threading.Thread(target=kernels); bg.start()
 time.sleep(0.05)
@@ -751,12 +703,14 @@ print(json.dumps(out))
 """
 
 
-def _run_fresh(script: str) -> dict:
-    """Run ``script`` in a fresh process with two torch threads, the native pool's defaults and
-    libgomp's default wait policy (what torch's users run with); its last line is JSON."""
+def _run_fresh(script: str, **env_over: str) -> dict:
+    """Run ``script`` in a fresh process with two torch threads, the native pool's defaults
+    (but ``env_over``) and libgomp's default wait policy (what torch's users run with); its
+    last line is JSON."""
     env = dict(os.environ, OFFLOAD_NATIVE="on", OMP_NUM_THREADS="2")
     for name in ("OFFLOAD_POOL", "OFFLOAD_POOL_LINGER_MS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(name, None)
+    env.update(env_over)
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -770,16 +724,16 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     do not burn a core next to the kernel); once the pool has idled, the registration ends and
     torch's workers spin after their work as they did before the pool existed (what keeps
     back-to-back small torch ops fast). The kernels run as the engine's pipeline runs them,
-    under one hold with gaps between them: one registration for the phase. Measured as the CPU
+    with gaps between them shorter than the linger: one registration for the phase. Measured as the CPU
     torch's worker threads burn while idle (each thread's CPU clock, or schedstat where that
     clock is missing, so other load does not enter), in a fresh process."""
     if offload.native_info()["pool"] == "pthread":
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread)")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: torch's two workers outnumber the CPUs before the pool exists")
-    out = _run_fresh(_SPIN_SCRIPT)   # the default linger (0): the hold alone carries the registration
+    out = _run_fresh(_SPIN_SCRIPT, OFFLOAD_POOL_LINGER_MS="50")   # the linger carries it over the gaps
     assert out["registered_before"] == 0 and out["registered_busy"] == 1 and out["registered_idle"] == 0, out
-    assert out["registrations_in_phase"] == 1, f"the hold did not carry one registration over the gaps: {out}"
+    assert out["registrations_in_phase"] == 1, f"the linger did not carry one registration over the gaps: {out}"
     if out["clock"] is None:
         pytest.skip("registration checked; the spin is not: this kernel shows no per-thread CPU time "
                     "(no thread CPU clock, schedstat all zeros)")
@@ -787,103 +741,6 @@ def test_pool_registers_with_torchs_openmp_runtime_only_while_it_has_work(native
     assert out["default"] > 1.0, f"torch's idle workers did not spin before the pool existed: {out}"
     assert out["busy"] < 0.2 * out["default"], f"torch's idle workers spun next to the kernels: {out}"
     assert out["idle"] > 0.3 * out["default"], f"torch's default spin did not come back once the pool idled: {out}"
-
-
-def test_releasing_the_last_hold_ends_the_registration_before_it_returns(native):
-    """A phase's registration ends asynchronously (its host thread leaves the region and
-    exits); the release of its last hold waits for that (bounded, 5 ms), so the thread that
-    goes on, or the one waiting for the job, does torch work with torch's usual spin and no
-    registration threads on its cores. Without the wait the registration was still alive
-    after the release in most rounds (and torch work right after ran 0.90x its speed)."""
-    if offload.native_info()["pool"] == "pthread" or get_num_threads() < 2:
-        pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread), or one thread")
-    n = 1 << 20
-    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
-    alive = []
-
-    def job():          # as the engine's pipeline runs a block's update (optim/pipeline.py)
-        try:
-            adam_step(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-        finally:
-            _native.pool_release(native)
-        alive.append(_native.pool_registered(native))
-
-    for _ in range(10):
-        made = _native.pool_registrations(native)
-        _native.pool_hold(native, handoff=True)
-        t = threading.Thread(target=job)
-        t.start()
-        t.join()
-        assert _native.pool_registrations(native) - made == 1   # the kernel ran registered
-    assert sum(alive) <= 1, alive      # one slow host exit tolerated on a loaded machine
-
-
-def test_engine_commit_registers_the_pool_once(native):
-    """The engine's optimizer step runs one kernel per block on the pipeline's thread while
-    the main thread goes on; the commit holds the pool (pipeline.submitting, and each job
-    until it ends), so the whole step registers with torch's OpenMP runtime once, not once
-    per block, and the registration has ended once the step is synchronised."""
-    if offload.native_info()["pool"] == "pthread" or get_num_threads() < 2:
-        pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread), or one thread")
-    torch.manual_seed(0)
-    # blocks of 256K parameters: several chunks each, so every kernel runs on the pool
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(4)])
-    eng = offload.initialize(model, {"optimizer": {"type": "AdamW", "lr": 1e-3},
-                                     "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}})
-    try:
-        x = torch.randn(8, 512)
-        for _ in range(3):
-            made = _native.pool_registrations(native)
-            eng.backward(eng(x).square().mean())
-            assert eng.step() is True
-            eng.synchronize()
-            assert _native.pool_registrations(native) - made == 1
-            deadline = time.monotonic() + 10
-            while _native.pool_registered(native) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert _native.pool_registered(native) == 0
-    finally:
-        eng.close()
-
-
-def test_pool_helper_polls_between_kernels_only_under_a_hold_and_boundedly(native):
-    """Between two kernels of a phase (the pipeline's jobs: a few hundred microseconds of
-    Python apart) a pool worker that went to sleep wakes 0.3-4 ms late, so each kernel ran on
-    its caller alone for most of its time. Under a hold the worker goes on polling, yielding
-    the CPU, and the next kernel finds it awake; without a hold it sleeps as before; and even
-    under a hold it stops after a bounded time (it burns no CPU while the phase idles)."""
-    if get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one pool thread: no worker")
-    n = 1 << 20                              # 32 chunks: the caller and its worker share them
-    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
-    out = {}
-
-    def phase(hold: bool):                   # on another thread, as the pipeline's worker
-        found = _native.pool_held_spin_calls(native)
-        if hold:
-            _native.pool_hold(native)
-        try:
-            for _ in range(20):
-                adam_step(p, g, m, v, step=2, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-                time.sleep(0.0003)           # the gap between two blocks' jobs
-            if hold:                         # the phase idles, still held
-                time.sleep(0.02)             # past the bound (2 ms): the worker sleeps now
-                c0 = time.process_time()
-                time.sleep(0.1)
-                out["idle_held_cpu_s"] = time.process_time() - c0
-        finally:
-            if hold:
-                _native.pool_release(native)
-        out["held" if hold else "plain"] = _native.pool_held_spin_calls(native) - found
-
-    for hold in (False, True):
-        t = threading.Thread(target=phase, args=(hold,))
-        t.start()
-        t.join(timeout=60)
-        assert not t.is_alive()
-    assert out["plain"] == 0, out            # without a hold: never polled past the short spin
-    assert out["held"] > 0, out              # under it: later kernels found their worker awake
-    assert out["idle_held_cpu_s"] < 0.01, out   # bounded: a held but idle phase costs no CPU
 
 
 _TEAM_SCRIPT = _SPIN_HELPERS + r"""
@@ -911,18 +768,6 @@ runs = _native.pool_team_runs(L)
 on_worker = run("worker")
 out["team_runs_worker"] = _native.pool_team_runs(L) - runs
 out["same_bits"] = all(torch.equal(a, b) for a, b in zip(on_main, on_worker))
-spun, out["quieted"] = [], 0
-for _ in range(5):                          # the pipeline's handoff, right after torch work
-    burst()
-    quieted = _native.pool_handoffs_quieted(L)
-    _native.pool_hold(L, handoff=True)      # quiets unless the registration took > 2 ms to start
-    x = cpu_ns(); time.sleep(0.1); y = cpu_ns()
-    if _native.pool_handoffs_quieted(L) > quieted:
-        out["quieted"] += 1
-        spun.append(sum(y[t] - x.get(t, 0) for t in torch_tids if t in y))
-    out.setdefault("registered_in_handoff", _native.pool_registered(L))
-    _native.pool_release(L)
-out["handoff"] = 5 * sum(spun) / max(1, len(spun)) / 1e6   # per 5 rounds, as "default"
 deadline = time.monotonic() + 10
 while _native.pool_registered(L) and time.monotonic() < deadline:
     time.sleep(0.005)
@@ -933,27 +778,22 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or "OpenMP" not in torch.__config__.parallel_info(),
                     reason="needs Linux and torch on OpenMP")
-def test_main_thread_kernel_runs_on_torchs_team_and_handoff_quiets_it(native):
+def test_main_thread_kernel_runs_on_torchs_team(native):
     """A kernel called on the main thread right after torch work runs its chunks on the main
     thread's own OpenMP team (torch's workers, still spinning, do the kernel's chunks instead
     of competing with it), registers nothing, gives the pthread pool's bits, and leaves
-    torch's workers spinning as after any torch op. A kernel on another thread uses the
-    pthread pool. The pipeline's handoff hold, taken on the main thread right after torch
-    work, registers at once and sends torch's workers from their long idle spin to the short
-    one (measured as their CPU clocks, in a fresh process)."""
+    torch's workers spinning as after any torch op (measured as their CPU clocks, in a fresh
+    process). A kernel on another thread uses the pthread pool."""
     if offload.native_info()["pool"] == "pthread" or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("no OpenMP runtime found in the process (or OFFLOAD_POOL=pthread), or one CPU")
     out = _run_fresh(_TEAM_SCRIPT)
     assert out["team_runs_main"] == 3 and out["registrations_main"] == 0, out
     assert out["team_runs_worker"] == 0 and out["same_bits"], out
-    # a handoff waits at most 2 ms for the registration to start (then it is a plain hold):
-    # under heavy load some rounds may not quiet, but some must
-    assert out["quieted"] >= 1 and out["registered_in_handoff"] == 1 and out["registered_after"] == 0, out
+    assert out["registered_after"] == 0, out
     if out["clock"] is None:
         pytest.skip("paths and registration checked; the spin is not: this kernel shows no per-thread CPU time")
     assert out["torch_workers"] >= 1 and out["default"] > 1.0, f"torch's idle workers did not spin: {out}"
     assert out["after_team"] > 0.3 * out["default"] / 5, f"torch's workers did not spin after the team's kernel: {out}"
-    assert out["handoff"] < 0.2 * out["default"], f"torch's workers kept their long spin after a handoff: {out}"
 
 
 def test_pool_runtime_can_be_plain_pthreads():
@@ -967,51 +807,3 @@ def test_pool_runtime_can_be_plain_pthreads():
     assert out.returncode == 0, out.stderr
     if offload.native_info()["backend"] == "native":
         assert out.stdout.strip() == "pthread"
-
-
-def test_a_waiter_helps_and_spins_until_the_update_is_done(native, monkeypatch):
-    """``_native.pool_help_until``: while helping is on, the waiting thread joins the update's
-    calls and between them spins (no sleep) until the update's future is done, within
-    ``HELP_SPIN_S`` with nothing to join (set long here: the return is then the done flag
-    seen, not the spin running out); while helping is off it returns at once and the
-    caller blocks as before."""
-    from concurrent.futures import Future
-    monkeypatch.setattr(_native, "HELP_SPIN_S", 30.0)
-    n = 1 << 22
-    g = torch.randn(n, generator=torch.Generator().manual_seed(4))
-    saved = get_num_threads()
-
-    def update(fut, p, m, v):
-        _native.pool_set_tag(native, 5)
-        try:
-            for step in range(1, 4):
-                adam_step(p, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-            fut.set_result(step)
-        finally:
-            _native.pool_set_tag(native, -1)
-
-    def run(helpable):
-        p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
-        fut = Future()
-        _native.pool_set_helpable(native, helpable)
-        joined = _native.pool_helped(native)
-        t = threading.Thread(target=update, args=(fut, p, m, v))
-        try:
-            t.start()
-            _native.pool_help_until(fut, 5)
-            done_on_return = fut.done()
-            t.join()
-        finally:
-            _native.pool_set_helpable(native, False)
-        return done_on_return, _native.pool_helped(native) - joined, (p, m, v)
-
-    try:
-        set_num_threads(1)
-        done_off, joins_off, alone = run(False)
-        done_on, joins_on, helped = run(True)
-    finally:
-        set_num_threads(saved)
-    assert not done_off and joins_off == 0     # helping off: no wait here at all
-    assert done_on and joins_on > 0
-    for a, b in zip(alone, helped):
-        assert torch.equal(a, b)

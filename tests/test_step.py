@@ -384,31 +384,24 @@ def test_cpu_device_steps_parameters_and_gradients_in_place(tmp_path):
     assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items() if k in final)
 
 
-@pytest.mark.parametrize("where", ["first block's update", "last block's submit"])
+@pytest.mark.parametrize("where", ["first block's submit", "last block's submit"])
 def test_ctrl_c_during_the_commit_waits_for_the_whole_step(tmp_path, monkeypatch, where):
     """step() commits whole or not at all. A Ctrl-C that arrives once the commit has begun
-    submitting updates (on a CPU device the first block's update runs inside step(), on the
-    main thread) cuts nothing short: every block gets its update, global_step counts it, and
-    the KeyboardInterrupt comes from step() after; nothing is left pending with it for the
-    next forward to re-raise, and training goes on."""
+    submitting updates cuts nothing short: every block gets its update, global_step counts
+    it, and the KeyboardInterrupt comes from step() after; nothing is left pending with it
+    for the next forward to re-raise, and training goes on."""
     import os
     import signal
-    if torch.cuda.is_available() and where == "first block's update":
-        pytest.skip("the first block runs inside step() only on a CPU device")
     eng = offload.initialize(make_model(), cfg("cpu", "none", 0.0, tmp_path))
-    target = eng.blocks[0] if where == "first block's update" else eng.blocks[-1]
+    target = eng.blocks[0] if where == "first block's submit" else eng.blocks[-1]
     seen = []
 
     def interrupt(block):
         if block is target and not seen:
             seen.append(block.index)
             os.kill(os.getpid(), signal.SIGINT)
-    if where == "first block's update":
-        real_job = eng.pipeline._job
-        monkeypatch.setattr(eng.pipeline, "_job", lambda b, a: (interrupt(b), real_job(b, a))[1])
-    else:
-        real_submit = eng.control._submit
-        monkeypatch.setattr(eng.control, "_submit", lambda b, c: (interrupt(b), real_submit(b, c))[1])
+    real_submit = eng.control._submit
+    monkeypatch.setattr(eng.control, "_submit", lambda b, c: (interrupt(b), real_submit(b, c))[1])
     idx, tgt = batches(1)[0]
     eng.backward(eng(idx, tgt))
     # Python's own handler, whatever the runner set (a job started in the background of a
@@ -455,10 +448,8 @@ def test_cpu_device_gradients_do_not_outlive_backward(tmp_path):
     heap holds nothing of the step (no fresh allocation per parameter kept until the update,
     which made glibc grow and trim the heap every step), and the next backward reuses that
     memory. Against torch, whose .grad tensors stay allocated until zero_grad().
-    On one torch thread: with more, the commit's thread split pauses torch's OpenMP team
-    (optim/thread_split.py), and the worker re-created by the next step's first ops
-    allocates its own buffers again (0.4 MB here; plain torch after omp_pause_resource_all
-    alike): the thread's, not the step's gradients."""
+    On one torch thread: torch's own OpenMP workers allocate buffers of their own, which are
+    the threads', not the step's gradients."""
     def model():
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])

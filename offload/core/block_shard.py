@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from offload import _native
 from offload import device as dev
 from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError
@@ -45,14 +44,9 @@ class BlockShard:
 
     def wait_update(self) -> None:
         """Make the parameters current before use: the host waits for the optimizer job
-        (re-raising its error), the compute stream waits for the H2D copy it queued. Under
-        the thread split (optim/thread_split.py) the waiting thread first joins the job's
-        kernel calls, which run on one thread, rather than idle its core, and spins between
-        them until the job is over (``_native.pool_help_until``)."""
+        (re-raising its error), the compute stream waits for the H2D copy it queued."""
         fut = self.pending
         if fut is not None:
-            if not fut.done():            # the thread split's single-thread kernels: help them
-                _native.pool_help_until(fut, self.index)
             try:
                 fut.result()              # the job's own waits are bounded, so this is too
             except BlockError as err:     # stays pending: the engine cannot go on after it
@@ -73,7 +67,7 @@ class BlockShard:
     def wait_update_before_use(self, telemetry) -> None:
         """Before a forward reads the block's parameters: ``wait_update()``, timed as an
         ``offload::wait_update`` span only when it waits (a finished update is collected
-        without a span: it cost 0.05-0.15 ms per block on the main thread)."""
+        without a span, which would cost the main thread more than the collection)."""
         if self.must_wait():
             with telemetry.span("offload::wait_update"):
                 self.wait_update()

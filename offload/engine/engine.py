@@ -95,7 +95,6 @@ class _UpdateAndGrads:
         if i >= len(self.engine.blocks):
             return                           # a block of frozen parameters only: no update
         self.engine.blocks[i].wait_update_before_use(self.engine.telemetry)
-        self.engine.pipeline.settle_threads()   # all of torch's threads once no update runs
 
     def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
         e = self.engine
@@ -324,7 +323,7 @@ class Engine:
         self.pipeline = StepPipeline(self.blocks, workers=config.optimizer_workers,
                                      slots=self._swap_slots, telemetry=self.telemetry,
                                      compute_device=self.device, grad_sync=self.grad_sync,
-                                     wait_timeout_s=config.wait_timeout_s, split_threads=config.overlap_step,
+                                     wait_timeout_s=config.wait_timeout_s,
                                      params=ParamWriteBack(compute_device=self.device,
                                                            copy_param=self.dtype == torch.float32,
                                                            state_on_device=self.tier is Tier.DEVICE,
@@ -926,7 +925,6 @@ class Engine:
         ``scale_wrt_gas=False``: the caller already scaled the loss for accumulation (as
         Hugging Face Trainer does), so it is not divided again (DeepSpeed's argument)."""
         self._check_ok()
-        self.pipeline.settle_threads(force=True)
         if self._landing is not None:
             self._landing.backward_begins()
         try:
@@ -1050,10 +1048,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait until every queued update is applied and every state write has completed."""
         self._check_open()
-        try:
-            self.pipeline.wait_all()
-        finally:
-            self.pipeline.settle_threads(force=True)
+        self.pipeline.wait_all()
         if self.param_offload is not None:
             self.param_offload.wait_writes()    # every parameter write-back durable (or failed)
             self.pipeline.raise_failure()
@@ -1295,7 +1290,6 @@ class Engine:
                 if self.param_offload is not None and self._restore_wanted(restore):
                     restored = self._hand_back_blocks()
         finally:
-            self.pipeline.settle_threads(force=True)
             if getattr(self, "_landing", None) is not None:
                 self._landing.close()         # after the updates: none reads a landing now
             if self._gatherer is not None:

@@ -227,15 +227,13 @@ class StepControl:
             order = [b.index for b in self.blocks]   # the next forward's order
             if self._read_ahead:
                 self.pipeline.set_order(order)
-            # one registration of the native pool per commit; on one rank the first block's
-            # update runs here, the others under the next forward (pipeline.submitting). From
-            # the first submit on the step is committed whole: a Ctrl-C waits for the last
-            # submit and global_step, then comes from step() (a worker's job cannot be cut
-            # short either, and a half-submitted step would mix two steps' weights).
+            # the updates run under the next forward. From the first submit on the step is
+            # committed whole: a Ctrl-C waits for the last submit and global_step, then comes
+            # from step() (a worker's job cannot be cut short either, and a half-submitted
+            # step would mix two steps' weights).
             with _sigint_deferred():
-                with self.pipeline.submitting(inline_first=not self.comm.active):
-                    for b in self.blocks:
-                        self._submit(b, coef)
+                for b in self.blocks:
+                    self._submit(b, coef)
                 self.global_step += 1
             return True
         finally:

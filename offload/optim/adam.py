@@ -1,8 +1,11 @@
-"""AdamW / Adam as update rules: today's CPU Adam kernel (native/adam.c, bit-exact with
-torch's single-tensor order, see reference.py) behind the UpdateRule protocol."""
+"""AdamW / Adam as update rules: the CPU Adam kernel (native/adam.c, bit-exact with torch's
+single-tensor order, see reference.py) behind the UpdateRule protocol, and ``adam_step``, the
+same rule as a function of flat CPU tensors."""
 from __future__ import annotations
 
 import ctypes
+import math
+import operator
 
 import torch
 
@@ -83,3 +86,37 @@ class Adam(AdamW):
     torch_optimizer = "Adam"
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     decoupled = False
+
+
+_RULES = {True: AdamW(), False: Adam()}   # adamw_mode -> the rule adam_step runs
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
+              adamw_mode: bool = True, param_copy: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
+    """One AdamW (``adamw_mode=True``) or Adam (L2 decay) step, in place, on flat CPU tensors:
+    the rule's ``cpu_step`` (native kernel, else torch), with its hyper-parameters as arguments.
+
+    param: 1-D fp32, updated in place. grad: 1-D fp32, bf16 or fp16, read only. exp_avg,
+    exp_avg_sq: 1-D, both fp32 or both bf16, updated in place. param_copy: None, or a 1-D bf16 /
+    fp16 tensor that receives the updated param rounded to nearest even, or fp32, the param
+    itself, in the same pass. All contiguous, same number of elements, any alignment. step:
+    the 1-based count of this update. grad_scale multiplies the gradient in fp32 first (loss
+    unscaling times the clipping coefficient). Wrong dtype / device / size / layout raises
+    TypeError or ValueError naming the argument; nothing is converted or copied."""
+    if not isinstance(step, (bool, int)):
+        try:
+            step = operator.index(step)  # numpy / torch integers
+        except TypeError:
+            pass
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step={step!r} must be an int >= 1 (the 1-based count of this update)")
+    grad_scale = float(grad_scale)
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale={grad_scale!r} must be finite (skip the step on overflow instead)")
+    rule = _RULES[bool(adamw_mode)]
+    group = {"lr": float(lr), "betas": tuple(float(b) for b in betas), "eps": float(eps),
+             "weight_decay": float(weight_decay)}
+    rule.validate(group)
+    rule.cpu_step(param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, group, step,
+                  param_copy=param_copy, grad_scale=grad_scale)

@@ -1,4 +1,4 @@
-"""The CPU optimizer as a pipeline over blocks, on worker threads.
+"""The optimizer as a pipeline of block jobs on worker threads.
 
 One update job per block shard::
 
@@ -8,17 +8,19 @@ One update job per block shard::
 With ``offload_optimizer.update_ahead`` a block's update is computed during backward
 (``submit_ahead``: the rule's step from the committed state into the block's spare buffer,
 optim/ahead.py) and its commit job only trades the buffers and writes the parameters back
-(``_commit_ahead``).
+(``_commit_ahead``). With the state on a CUDA device (tier none) the job queues the rule's
+device step on the pipeline's stream (``_job``).
 
 A state in chunks (optim/state.py: a shard larger than ``state_chunk_bytes`` on NVMe) is read,
 stepped and written chunk by chunk inside its job: the parameter write-back follows the
 last chunk; the read-ahead walks chunks, so a pool buffer holds one chunk at a time.
 
 Jobs run on ``workers`` threads while the main thread goes on with backward or the next
-forward; the native kernel releases the GIL and has its own thread pool. Reads run ahead of
-the jobs along ``order`` (the order in which jobs are expected), bounded by the host pool:
-at most ``slots - workers`` chunks are fetched ahead, so a job that finds its chunk not yet
-fetched always gets a buffer once a write in flight completes (``_fetch``), never deadlocks.
+forward; the native kernels release the GIL. Reads of NVMe state run ahead of the jobs along
+the order they are expected in (``set_order``: a ``core.lookahead.Lookahead`` over (block,
+chunk), a byte window ahead of the last chunk a job took), and at most ``slots - workers``
+chunks are fetched ahead, so a job that finds its chunk not yet fetched always gets a buffer
+once a write in flight completes (``_fetch``), never deadlocks.
 
 Failures. Every wait of a job is bounded (``wait_timeout_s``). A job that fails releases what
 it holds (its state buffer, its gradient buffer, its write-back buffer) and raises a
@@ -32,7 +34,6 @@ first one from the user's next call.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,12 +42,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from offload import _native
 from offload import device as dev
 from offload.core.block_shard import BlockShard
 from offload.core.errors import BlockError, block_error
+from offload.core.lookahead import Lookahead
 from offload.optim.state import Residency, Tier
-from offload.optim.thread_split import ThreadSplit, openmp_backend
 from offload.core.telemetry import Telemetry
 from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 
@@ -66,79 +66,73 @@ class StepArgs:
 class StepPipeline:
     def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
                  compute_device: torch.device, params, grad_sync=None,
-                 wait_timeout_s: float = DEFAULT_WAIT_S, split_threads: bool = False):
+                 wait_timeout_s: float = DEFAULT_WAIT_S):
         self.blocks = list(blocks)
         self.telemetry = telemetry
         self.device = compute_device
         self.workers = workers
-        self.read_ahead = max(0, slots - workers)
+        self.read_ahead = max(0, slots - workers)  # chunks fetched ahead at most (module docstring)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-step")
         self._lock = threading.RLock()
-        self._order: List[tuple] = []             # (block index, chunk index) in expected order
-        self._cursor = 0
+        # the read-ahead's order of (block index, chunk index) and its byte window: the
+        # read-ahead's chunk count in bytes of the largest NVMe chunk
+        self._ahead = Lookahead("state_prefetch", telemetry)
+        nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Tier.NVME]
+        self._window_bytes = self.read_ahead * max(nvme, default=0)
+        self._unreadable: set = set()             # chunks whose read failed to start (their job says why)
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
         self.wait_timeout_s = wait_timeout_s
         self._params = params                     # params/writeback.py: the new parameters' way home
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
-        self._hold_lock = threading.Lock()
-        self._held_jobs = 0                       # jobs in flight (and a submission loop) under the pool's hold
-        self._inline_next = False                 # submitting(inline_first): the next submit runs here
-        self._quiet_due = False                   # submitting(): the handoff's quiet is still to come
-        self._split_due = False                   # submitting(): the thread split is still to begin
-        self._inline_thread = None                # the thread running submitting(inline_first)'s job
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
-        # the native library for the pool's holds, looked up once (_pool_lib): per submit, the
-        # lookup (OFFLOAD_NATIVE read, a lock) ran cold right after backward, ~25 us of step().
-        # At the first commit, not here: loading the library at initialize changed the heap
-        # the user's own first allocations see (a 4 MiB tensor allocated again and again
-        # faulted its pages in for 6 rounds instead of 2-3; tests/test_host_heap.py)
-        self._lib = _UNRESOLVED
-        self._nvme_state = any(c.tier is Tier.NVME for b in self.blocks for c in b.state.chunks)
-        # a CPU compute device whose updates overlap the next forward: the cores are split
-        # between the two while jobs are in flight (optim/thread_split.py)
-        self._split = ThreadSplit() if split_threads and compute_device.type == "cpu" and openmp_backend() else None
+        self._nvme_state = bool(nvme)
 
     # ---- read-ahead ----------------------------------------------------------------------
     def set_order(self, order: Sequence[int]) -> None:
         """The block indices in the order their jobs are expected; starts reading ahead
         (each block's chunks in order)."""
         with self._lock:
-            self._order = [(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))]
-            self._cursor = 0
+            self._ahead.set_order([(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))])
+            self._unreadable.clear()
         self.prefetch()
 
-    def _pool_lib(self):
-        """The native library for the pool's holds (``_native_lib``), looked up once."""
-        L = self._lib
-        if L is _UNRESOLVED:
-            L = self._lib = _native_lib()
-        return L
+    def _chunk_bytes(self, item: tuple) -> int:
+        """What a chunk of the order takes of the read-ahead's window: its bytes on NVMe."""
+        c = self.blocks[item[0]].state.chunks[item[1]]
+        return c.nbytes if c.tier is Tier.NVME else 0
 
     def prefetch(self) -> None:
+        """Start reads of the NVMe chunks in the window ahead, while fewer than ``read_ahead``
+        chunks are read or held ahead and the pool has a buffer free."""
         if not self._nvme_state:        # nothing to read ahead nor to reclaim (after every job)
             return
         with self._lock:
             self._reclaim(block=False)
             fetched = sum(1 for b in self.blocks for c in b.state.chunks
                           if c.residency in (Residency.READING, Residency.READY))
-            while self._cursor < len(self._order) and fetched < self.read_ahead:
-                i, k = self._order[self._cursor]
-                st = self.blocks[i].state.chunks[k]
-                if st.tier is not Tier.NVME or st.in_memory:
-                    self._cursor += 1
+            for item in self._ahead.window(self._chunk_bytes, self._window_bytes):
+                if fetched >= self.read_ahead:
+                    break
+                st = self.blocks[item[0]].state.chunks[item[1]]
+                if st.tier is not Tier.NVME or st.in_memory or item in self._unreadable:
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
                     try:
                         started = st.fetch()
                     except Exception:   # noqa: BLE001 - the block's own job meets it and names it
-                        self._cursor += 1
+                        self._unreadable.add(item)
                         continue
-                    if not started:
-                        break
-                self._cursor += 1
+                if not started:
+                    break
                 fetched += 1
+
+    def _taken(self, block: BlockShard, chunk) -> None:
+        """A job takes ``chunk`` of ``block``: the read-ahead's window moves past it."""
+        if self._nvme_state:
+            with self._lock:
+                self._ahead.advance((block.index, chunk.index))
 
     def _reclaim(self, block: bool) -> bool:
         """Return pool buffers of completed writes; with ``block``, wait for the oldest
@@ -198,6 +192,13 @@ class StepPipeline:
             err.reported = True
             raise err
 
+    def _ahead_failure(self, block: BlockShard) -> Optional[BlockError]:
+        """The recorded failure of ``block``'s update computed ahead, or None (a failed job
+        leaves its slot idle: optim/ahead.py)."""
+        where = f"{block.index} ({block.name})"
+        with self._lock:
+            return next((e for e in self._failures if e.block == where and e.stage.endswith("(update ahead)")), None)
+
     def _abort(self, block: BlockShard) -> None:
         """After a failed job: give back everything the job held."""
         with self._lock:
@@ -214,164 +215,11 @@ class StepPipeline:
         """Run other per-block work (gradient norms) on the optimizer workers, in order."""
         return self._pool.submit(fn, *args)
 
-    @contextlib.contextmanager
-    def submitting(self, inline_first: bool = False):
-        """Around a loop of ``submit`` calls (one commit's blocks, in forward order): one native
-        pool hold covers the loop and every job in flight, so the pool's registration with
-        torch's OpenMP runtime, once started, lasts until the last job ends even if a job ends
-        before the next one is submitted (a main thread preempted mid-loop): one registration
-        per commit. Taken as a handoff (``_native.pool_hold``): the registration starts at once,
-        and before the first job goes to a worker, torch's workers are sent from the long idle
-        spin of the main thread's last torch work to the short one. Not where the cores are
-        split and torch's team is left the main thread alone (2 threads,
-        ``ThreadSplit.leaves_torch_alone``): the forward then opens no parallel region and the
-        kernels run on one thread, which registers nothing, so the handoff's registration
-        (its threads started on the cores the first update runs on) and its wait only
-        lengthened step(): a plain hold there. Measured on 2 cores, in one process, rounds
-        interleaved, in six runs: exposed time 1.48-1.68 ms against 1.84-2.17 ms with the
-        handoff, the whole step 1.03-1.09x torch's against 1.02-1.13x. Its worker, not
-        quieted by a registration there, is sent out of its long spin by the split itself
-        (``ThreadSplit.begin``, which pauses torch's team): left to spin beside the first
-        jobs, it made them start 3-4 ms late and the next forward wait for them.
-
-        ``inline_first`` (a CPU compute device): the first block's update runs here, on the
-        calling thread, before the others are queued. The next forward needs that block
-        first, so it would wait for it anyway; run on the main thread, its kernel runs on
-        torch's own team, whose workers are still spinning after backward (no worker thread
-        to wake, no GIL to hand over), while a handoff's registration threads start."""
-        L = self._pool_lib()
-        handoff = L is not None and not (self._split is not None and self._split.leaves_torch_alone())
-        self._phase_held(L, handoff)
-        self._inline_next = inline_first and self.device.type == "cpu"
-        self._quiet_due = handoff
-        self._split_due = self._split is not None   # begun by the first job sent to a worker
-                                                    # (or after the inline job's kernels)
-        try:
-            yield
-        finally:
-            self._inline_next = False
-            self._quiet_due = self._split_due = False
-            self._job_unheld(L)
-
     def submit(self, block: BlockShard, args: StepArgs) -> Future:
+        """Queue ``block``'s update job; its future is also ``block.pending``."""
         assert block.pending is None, f"block {block.name} already has an update in flight"
-        if self._inline_next:            # submitting(inline_first): this block's job runs here
-            self._inline_next = False
-            return self._run_inline(block, args)
-        L = self._pool_lib()
-        if L is None:
-            fut = self._pool.submit(self._job, block, args)
-        else:
-            # From submission to the job's end (run, failed or cancelled), the native pool's
-            # registration with torch's OpenMP runtime lasts through the gaps between the
-            # blocks' kernels: one registration per optimizer phase, ended as the last job
-            # ends. One hold covers every job in flight (_job_held).
-            self._job_held(L)
-            if self._quiet_due:          # the first job to leave the main thread
-                self._quiet_due = False
-                _native.pool_handoff_quiet(L)
-            if self._split_due:
-                self._split_due = False
-                self._split.begin()
-            fut = self._held_submit(L, self._job, block, args)
-        block.pending = fut
+        fut = block.pending = self._pool.submit(self._job, block, args)
         return fut
-
-    def _held_submit(self, L, fn, *args) -> Future:
-        """``fn(*args)`` on a worker, under the pool hold the caller took (``_job_held``),
-        released as the job ends (run, failed or cancelled): by the job itself, before its
-        future is done, so that whoever waits for it goes on with the phase's registration
-        over (``_native.pool_release`` waits for it); by the future's callback for a job
-        cancelled before it ran."""
-        unheld = threading.Lock()         # taken once: by the job's end or by the callback
-
-        def release(_=None) -> None:
-            if unheld.acquire(blocking=False):
-                self._job_unheld(L)
-
-        def job():
-            try:
-                return fn(*args)
-            finally:
-                release()
-        try:
-            fut = self._pool.submit(job)
-        except BaseException:
-            self._job_unheld(L)
-            raise
-        fut.add_done_callback(release)
-        return fut
-
-    def _run_inline(self, block: BlockShard, args: StepArgs) -> Future:
-        """``block``'s job on the calling thread; its future is done on return. A failure is
-        recorded (``_run``) and raised from the next wait, as a worker's would be. A Ctrl-C
-        does not cut it short: the commit that submits it holds SIGINT back
-        (engine/step_control.py)."""
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()
-        block.pending = fut
-        self._inline_thread = threading.get_ident()
-        try:
-            self._job(block, args)
-        except Exception as exc:         # noqa: BLE001 - handed to whoever waits for the block
-            fut.set_exception(exc)
-        except BaseException:            # SystemExit from the job itself: nothing was applied
-            fut.set_result(None)
-            raise
-        else:
-            fut.set_result(None)
-        finally:
-            self._inline_thread = None
-        return fut
-
-    def _split_after_inline_kernels(self) -> None:
-        """The inline job's kernels are done, its write-back not yet submitted: the thread
-        split begins now rather than at the first job sent to a worker, where no handoff is due
-        (the split leaves torch's team the main thread alone). ``ThreadSplit.begin`` pauses
-        torch's team, which waits for its idle workers to exit: right after the kernels'
-        region they are still spinning on their cores and leave at once; once a write-back to
-        NVMe has woken the I/O threads, they wait for a core. Measured on bench_prefetch's
-        model (2 cores, 6 x 16 MiB on NVMe, 8 fresh engines each way, alternating): the pause
-        took a median 2.99 ms (up to 10.8 ms) after the write-back, 0.19 ms (up to 1.8 ms)
-        before it, and step() 11.0 ms against 6.5 ms."""
-        if self._split_due and not self._quiet_due and self._pool_lib() is not None:
-            self._split_due = False
-            self._split.begin()
-
-    def _phase_held(self, L, handoff: bool) -> None:
-        """A commit's submission loop starts: it counts as a job in flight, so the first of
-        them takes the native pool's hold, with ``handoff`` as a handoff whose wait comes later
-        (``_native.pool_hold_begin_handoff``; ``submit`` quiets torch's workers)."""
-        self._held(L, _native.pool_hold_begin_handoff if handoff else _native.pool_hold)
-
-    def _job_held(self, L) -> None:
-        """A job is submitted: the first of the jobs in flight takes the pool hold (one
-        ctypes call per phase, not per block: each call hands the GIL over to the worker,
-        and the submitting thread waits to get it back)."""
-        self._held(L, lambda lib: _native.pool_hold(lib, handoff=True))
-
-    def _held(self, L, take) -> None:
-        with self._hold_lock:
-            self._held_jobs += 1
-            if self._held_jobs == 1 and L is not None:
-                take(L)
-
-    def _job_unheld(self, L) -> None:
-        """A job has ended (run, failed or cancelled), or a submission loop: the last of
-        those in flight releases the hold."""
-        with self._hold_lock:
-            self._held_jobs -= 1
-            if self._held_jobs == 0 and L is not None:
-                _native.pool_release(L)
-                if self._split is not None:
-                    self._split.end_kernels()
-
-    def settle_threads(self, force: bool = False) -> None:
-        """On the thread that submits and runs the forward: torch's thread count back to the
-        user's once no job is in flight (``force``: now, e.g. at backward, whose compute needs
-        every core)."""
-        if self._split is not None and self._split.split and (force or self._held_jobs == 0):
-            self._split.end_torch()
 
     def _job(self, block: BlockShard, args: StepArgs) -> None:
         """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
@@ -387,10 +235,6 @@ class StepPipeline:
 
     def _run(self, block: BlockShard, args: StepArgs) -> None:
         at = ["state read"]                      # the stage the job is in, for its error
-        if self._split is not None and self._pool_lib() is not None:
-            # this job's kernels are the block's: a forward waiting for it joins them alone
-            # (ThreadSplit: the kernels have k threads; BlockShard.wait_update helps)
-            _native.pool_set_tag(self._lib, block.index)
         try:
             self._update(block, args, at)
         except BaseException as exc:
@@ -402,12 +246,17 @@ class StepPipeline:
         self.prefetch()
 
     def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is not None:
-            return self._commit_ahead(block, args, at)
+        if block.ahead is not None:
+            if block.ahead.pending_for(args.step, args.groups) is not None:
+                return self._commit_ahead(block, args, at)
+            err = self._ahead_failure(block)
+            if err is not None:                   # raised as it is, not met again by a second try
+                raise err
         chunks = block.state.chunks
         out = grad = master = None
         rule = args.rule
         for c in chunks:
+            self._taken(block, c)
             if c.residency is Residency.WRITING:  # this chunk's last write is still in flight (a
                 at[0] = "state write" + c.where   # busy disk): it completes before it is read
                 with self._lock:                  # no other thread reclaims it once it is off the list
@@ -441,8 +290,6 @@ class StepPipeline:
                 with self._lock:
                     self._writing.append((block, c))
                 self.prefetch()
-        if self._inline_thread == threading.get_ident():
-            self._split_after_inline_kernels()
         at[0] = "parameter write-back"
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
         block.stepped = args.step
@@ -460,13 +307,7 @@ class StepPipeline:
     def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
         """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
         backward: its gradients of the window are all in). Nothing committed changes."""
-        L = self._pool_lib()
-        if L is None:
-            fut = self._pool.submit(self._ahead_job, block, args)
-        else:
-            self._job_held(L)
-            fut = self._held_submit(L, self._ahead_job, block, args)
-        block.ahead.start(args.step, args.groups, fut)
+        block.ahead.start(args.step, args.groups, self._pool.submit(self._ahead_job, block, args))
 
     def _ahead_job(self, block: BlockShard, args: StepArgs) -> None:
         at = ["gradient landing (update ahead)"]
@@ -598,7 +439,7 @@ class StepPipeline:
                     except BaseException as exc:
                         self._record(b, "state read" + c.where, exc)
         with self._lock:
-            self._cursor = len(self._order)
+            self._ahead.set_order([])             # nothing more to read ahead until the next commit
         err = self.failure() or err
         if err is not None:
             if isinstance(err, BlockError):
@@ -644,15 +485,3 @@ def _device_step(rule, p, g, state: dict, group: dict, step: int, shape) -> None
     for k, v in state.items():
         if wide[k] is not v:
             v.copy_(wide[k])
-
-
-_UNRESOLVED = object()     # StepPipeline._lib before the first commit looks it up
-
-
-def _native_lib():
-    """The native library for the pool's holds, or None (OFFLOAD_NATIVE=on without the
-    library: the job itself says so)."""
-    try:
-        return _native.lib()
-    except ImportError:
-        return None

@@ -38,11 +38,10 @@ from offload.optim import quant
 from offload.dtypes import STATE_DTYPES  # noqa: E402  (re-exported: offload.optim.rule.STATE_DTYPES)
 
 _TORCH_DTYPE = {name: dtypes.state_storage_dtype(name) for name in ("fp32", "bf16")}   # the float rows
+_ROW_DTYPES = tuple(dtypes.state_storage_dtype(name) for name in STATE_DTYPES)        # elementwise rows
+# the float dtypes a kernel reads or writes (grad, param_copy, float state rows): native codes
 _NATIVE_DTYPE = {torch.float32: _native.DTYPE_F32, torch.bfloat16: _native.DTYPE_BF16,
                  torch.float16: _native.DTYPE_F16}
-# the dtypes a CPU step writes the new parameters in (param_copy), native codes
-COPY_DTYPES = {torch.bfloat16: _native.DTYPE_BF16, torch.float16: _native.DTYPE_F16,
-                torch.float32: _native.DTYPE_F32}
 
 State = Dict[str, torch.Tensor]
 
@@ -156,9 +155,12 @@ class UpdateRule:
         _check_flat("param", param, (torch.float32,), n)
         _check_flat("grad", grad, tuple(_NATIVE_DTYPE), n)
         if param_copy is not None:
-            _check_flat("param_copy", param_copy, tuple(COPY_DTYPES), n)
+            _check_flat("param_copy", param_copy, tuple(_NATIVE_DTYPE), n)
+        for row in rows:
+            if row.elementwise:
+                _check_flat(row.name, state[row.name], _ROW_DTYPES, n)
         dtype = state_dtype_of(state, rows)
-        with _profiler_range(self.name):
+        with _profiler_range(self.kernel or self.name.lower()):
             L = _native.lib() if self.kernel else None
             native = L is not None and all(r.elementwise for r in rows)
             if src is not None and (not native or dtype == "int8"):
@@ -170,7 +172,7 @@ class UpdateRule:
                 return
             args = _native.StepArgs(param=param.data_ptr(), grad=grad.data_ptr(), n=n, nrows=len(rows),
                                     grad_dtype=_NATIVE_DTYPE[grad.dtype],
-                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else COPY_DTYPES[param_copy.dtype],
+                                    copy_dtype=_native.DTYPE_NONE if param_copy is None else _NATIVE_DTYPE[param_copy.dtype],
                                     param_copy=None if param_copy is None else param_copy.data_ptr())
             args.state_dtype = _native.DTYPE_Q8 if dtype == "int8" else _NATIVE_DTYPE[_TORCH_DTYPE[dtype]]
             if src is not None:
@@ -219,7 +221,7 @@ def state_dtype_of(state: State, rows: Sequence[Row]) -> str:
     if not dtypes:
         return "fp32"
     if len(dtypes) > 1:
-        raise TypeError(f"state rows have dtypes {sorted(map(str, dtypes))}: every row must have the same")
+        raise TypeError(f"state rows have dtypes {sorted(map(str, dtypes))}: every row must have the same dtype")
     d = dtypes.pop()
     if d == torch.uint8:
         return "int8"
@@ -253,23 +255,57 @@ def store_row(state: State, row: Row, fp32: torch.Tensor, state_dtype: str) -> N
 
 
 def _check_flat(name: str, t, dtypes: tuple, n: int) -> None:
+    """Raise a clear error unless ``t`` is a dense, contiguous, flat CPU tensor of one of
+    ``dtypes`` with ``n`` elements (the kernels take raw addresses: nothing is converted)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} has layout {t.layout}; cpu_step takes dense tensors: densify it first")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}; cpu_step updates CPU tensors (device_step is for "
-                         f"tensors on the compute device)")
+        raise ValueError(f"{name} is on {t.device}; cpu_step updates CPU tensors: keep the fp32 master, grad "
+                         f"and state in host memory (device_step is for tensors on the compute device)")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; it must be one of {', '.join(map(str, dtypes))}")
-    if not t.is_contiguous() or t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense contiguous tensor (cpu_step never copies)")
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be one of {', '.join(map(str, dtypes))} "
+                        f"(cpu_step converts nothing: allocate it with an allowed dtype)")
+    if t.dim() != 1:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; cpu_step takes flat 1-D tensors: pass {name}.view(-1)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (stride {t.stride()}); cpu_step never copies: pass a "
+                         f"contiguous tensor, e.g. a slice of a flat buffer")
     if t.numel() != n:
-        raise ValueError(f"{name} has {t.numel()} elements but param has {n}")
+        raise ValueError(f"{name} has {t.numel()} elements but param has {n}: every tensor of a step must "
+                         f"cover the same elements")
 
 
 def _profiler_range(name: str):
+    """The named range ``offload::cpu_<name>``, entered only while a profiler records."""
     if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(f"offload::cpu_{name.lower()}")
+        return torch.profiler.record_function(f"offload::cpu_{name}")
     return contextlib.nullcontext()
+
+
+# ---- the kernels' threads -----------------------------------------------------------------------
+_requested_threads: Optional[int] = None
+
+
+def set_num_threads(n: int) -> None:
+    """Threads a native kernel call uses, the calling thread included (default: the CPUs this
+    process may run on). The pool's workers persist; the torch fallback ignores it."""
+    global _requested_threads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+        raise ValueError(f"set_num_threads({n!r}): n must be an int in [1, 256]")
+    _requested_threads = n
+    L = _native.lib()
+    if L is not None:
+        _native.kernel_set_num_threads(L, n)
+
+
+def get_num_threads() -> int:
+    """Threads a native kernel call uses (the value set, when the library is off)."""
+    L = _native.lib()
+    if L is not None:
+        return L.offload_kernel_get_num_threads()
+    return _requested_threads if _requested_threads is not None else torch.get_num_threads()
 
 
 # ---- registry ---------------------------------------------------------------------------------
