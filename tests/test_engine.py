@@ -310,3 +310,15 @@ def test_optimizer_step_hooks_run_as_torch_runs_them(tmp_path, ranges_entered):
         for h in handles:
             h.remove()
         eng.close()
+
+
+@pytest.mark.parametrize("opt,prm,backwards", [("cpu", "none", 1), ("cpu", "nvme", 2), ("none", "cpu", 1)])
+def test_landed_gradients_train_as_torch(opt, prm, backwards, tmp_path):
+    """Gradients land directly in each block's buffer (the first backward of a window
+    overwrites, a second adds to it): the weights follow torch's, with one or two
+    backwards a step, on every tier a landing reaches."""
+    from test_step import batches as step_batches, cfg as step_cfg, check, make_model as step_model, train
+    eng = offload.initialize(step_model(), step_cfg(opt, prm, 0.0, tmp_path))
+    losses = train(eng, step_batches(6), backwards=backwards)
+    check(torch.stack(losses), eng.full_state_dict(), 0.0, 6 // backwards, backwards=backwards)
+    eng.close()

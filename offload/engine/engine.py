@@ -61,7 +61,6 @@ from offload.config import Config
 from offload.engine.grads import GradBuffer
 from offload.core.hooks import Hooks
 from offload.engine.memory_plan import GradHome
-from offload.engine.landing_copier import LandingCopier
 from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import StepControl
@@ -106,8 +105,8 @@ class _UpdateAndGrads:
         # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
         with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
                               grad.numel() * grad.element_size()):
-            buf.land(k, seg.offset, grad, e._d2h, e._landing)
-        param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream, LandingEvent)
+            buf.land(k, seg.offset, grad, e._d2h)
+        param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream)
         if buf.complete:
             e.control.on_block_complete(block)
 
@@ -333,8 +332,6 @@ class Engine:
                                                            wait_timeout_s=config.wait_timeout_s,
                                                            keep_staged=self._keeps_staged))
         self._d2h = dev.new_stream(self.device)
-        # a CPU device's landings: copied off the backward's thread (engine/landing_copier.py)
-        self._landing = LandingCopier() if self.device.type == "cpu" else None
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
             scaler=self.scaler, telemetry=self.telemetry,
@@ -927,15 +924,8 @@ class Engine:
         Hugging Face Trainer does), so it is not divided again (DeepSpeed's argument)."""
         self._check_ok()
         self.pipeline.settle_threads(force=True)
-        if self._landing is not None:
-            self._landing.backward_begins()
-        try:
-            self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
-            self.hooks.end_backward()     # blocks without gradients (frozen only) end theirs
-        finally:
-            if self._landing is not None:
-                self._landing.drain()     # no gradient of autograd's outlives backward()
-                self._landing.measure()
+        self.control.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        self.hooks.end_backward()     # blocks without gradients (frozen only) end theirs
 
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Whether the next step() closes the accumulation window (True) or not (False),
@@ -1023,22 +1013,16 @@ class Engine:
             # what every block's update of this commit shares (_submit): the hyper-parameters
             # as the groups hold them now, and the point of the compute stream after backward
             self._commit_inputs = (self._groups(), dev.record_event(dev.current_stream(self.device)))
-        if not self.control.step():
-            if self.device.type == "cpu":
-                # inside the window too: a heap with free space (the model's construction can
-                # leave gigabytes) serves each micro-step's activations and gradients from it,
-                # resident after free until the next trim; at most a micro-step's worth then
-                dev.trim_after_step()
-            return False
-        self.optimizer.step()
-        if self.param_offload is not None:
-            self.param_offload.after_step()
+        committed = self.control.step()
+        if committed:
+            self.optimizer.step()
+            if self.param_offload is not None:
+                self.param_offload.after_step()
         if self.device.type == "cpu":
-            # the step's freed activations and gradients ("device" memory), once they add up
-            dev.trim_after_step()
-        if not self.config.overlap_step:
+            dev.trim_after_step()     # each micro-step; trims only where RSS has grown (device.py)
+        if committed and not self.config.overlap_step:
             self.synchronize()
-        return True
+        return committed
 
     def grad_norm(self):
         """The global gradient norm of the last commit, before clipping and after fp16
@@ -1296,8 +1280,6 @@ class Engine:
                     restored = self._hand_back_blocks()
         finally:
             self.pipeline.settle_threads(force=True)
-            if getattr(self, "_landing", None) is not None:
-                self._landing.close()         # after the updates: none reads a landing now
             if self._gatherer is not None:
                 self._gatherer.shutdown(wait=True)
             if self.hooks is not None:
