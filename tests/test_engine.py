@@ -16,8 +16,8 @@ TIERS = ["none", "cpu", "nvme"]
 def parity_bounds(ref, ref_fused):
     """Per-step fp32 bound: twice the distance between torch's own single-tensor and fused
     AdamW on the same run, plus 1e-6. One-ulp differences in an update grow through the
-    next steps' gradients (to ~1e-5 after two steps here), so the bound is measured, not
-    fixed; a wrong update (no bias correction, wrong decay) is off by > 1e-4 at step one."""
+    next steps' gradients, so the bound comes from torch's two implementations, not a fixed
+    number; a wrong update (no bias correction, wrong decay) falls far outside it."""
     return [2 * max_diff(a, b) + 1e-6 for a, b in zip(ref, ref_fused)]
 
 

@@ -53,6 +53,15 @@ def grad_key(lay: blk.BlockLayout) -> str:
     return f"b{lay.index}.grad"
 
 
+def own_master_params(blocks: List[BlockShard], indices: List[int]) -> None:
+    """Parameters that were views of the fp32 master (``Builder._master_is_param``) get
+    memory of their own, so the state's host buffer can go."""
+    for i in indices:
+        b = blocks[i]
+        b.param_flat = b.param_flat.clone()
+        blk.bind_views(b.layout, b.param_flat)
+
+
 def param_pieces(lay) -> tuple:
     """(offset, numel, shape, group) of each parameter of a block (a per-tensor rule's state
     needs the shapes: engine/memory_plan.py, optim/state_layout.py)."""
@@ -69,26 +78,43 @@ class Built:
     origin: List[torch.device]              # per trained block: its parameters' device at initialize
     master_params: List[int]                # blocks whose parameters are views of the fp32 master
     swap_slots: int                         # NVMe state buffers the pipeline cycles through
-    param_budget: Optional[int] = None      # parameter offload: device budget, lookaheads
+    homes: Optional[ph.ParamHomes] = None   # parameter offload: the homes, device budget, lookaheads
+    param_budget: Optional[int] = None
     device_lookahead: int = 0
     host_lookahead: int = 0
 
 
 class Builder:
+    """Made with the model, config and optimizer (its groups place each parameter); lays out
+    the blocks (``layouts``: trained; ``frozen``: (root name, root module, parts) per block
+    root holding frozen parameters, offloaded with their blocks whenever parameters are)
+    and, given the weights to load, plans the memory (``plan_memory``). ``build`` makes the rest."""
+
     def __init__(self, *, module: nn.Module, config, comm, device: torch.device, dtype: torch.dtype, rule,
-                 state_dtype: str, optimizer, layouts, frozen, weights, telemetry):
+                 state_dtype: str, optimizer, telemetry):
+        from offload.optim import quant
         self.module, self.config, self.comm = module, config, comm
         self.stage = config.zero_optimization.stage
         self.device, self.dtype, self.rule, self.state_dtype = device, dtype, rule, state_dtype
-        self.optimizer, self.layouts, self.frozen = optimizer, layouts, frozen
-        self.weights, self.telemetry = weights, telemetry
+        self.optimizer, self.telemetry = optimizer, telemetry
         self.tier = TIERS[config.offload_optimizer.device]
         self.home_device = ph.home_device(config, self.stage)
-        self.units = ph.unit_parts(layouts, frozen)
-        self.in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
-        self.plan = self._plan()
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.layouts = blk.build_layouts(module, config.blocks, group_of, world_size=comm.world,
+                                         param_align=quant.BLOCK if state_dtype == "int8" else 1)
+        self.frozen = blk.frozen_parts(module, config.blocks, lambda p: ph.frozen_dtype(p, dtype)) \
+            if self.home_device != "none" else []
+        self.units = ph.unit_parts(self.layouts, self.frozen)
 
     # ---- the plan ---------------------------------------------------------------------
+    def plan_memory(self, weights):
+        """The memory plan, with ``weights`` (io/loader.py WeightLoader) the checkpoint the
+        blocks load from: frozen parts it stores as kept are read in place."""
+        self.weights = weights
+        self.in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
+        self.plan = self._plan()
+        return self.plan
+
     def _plan(self):
         from offload.engine.memory_plan import BlockSize, plan as memory_plan
         config = self.config
@@ -176,7 +202,6 @@ class Builder:
         cfg = self.config
         self._res = resources
         self._storage()
-        self._homes = None
         built = Built([], [], [], [], swap_slots=max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1))
         if self.home_device != "none":
             from offload.engine import memory_plan as mp
@@ -186,10 +211,11 @@ class Builder:
             built.param_budget = budget
             built.device_lookahead = mp.device_lookahead(cfg, budget, max(sizes))
             built.host_lookahead = mp.host_lookahead(cfg, budget)
-            self._homes = ph.ParamHomes(config=cfg, stage=self.stage, comm=self.comm, dtype=self.dtype,
+            built.homes = ph.ParamHomes(config=cfg, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                         device=self.device, telemetry=self.telemetry, weights=self.weights,
                                         plan=self.plan, units=self.units, in_place=self.in_place,
                                         resources=resources, on_write_failure=on_param_write_failure)
+        self._homes = built.homes
         self._blocks(built)
         self._units(built)
         self._move_rest()

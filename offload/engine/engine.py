@@ -47,7 +47,6 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from offload.core import blocks as blk
 from offload.engine import holders
 from offload import device as dev
 from offload import dtypes
@@ -161,7 +160,7 @@ class Engine:
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = dtypes.compute_dtype(config.precision)
         self.telemetry = Telemetry()
-        from offload.optim import get_rule, quant
+        from offload.optim import get_rule
         from offload.config import ConfigError
         self.rule = get_rule(config.optimizer.type)     # the update rule (offload/optim)
         self.state_dtype = config.optimizer.state_dtype
@@ -169,20 +168,13 @@ class Engine:
         if refused:
             raise ConfigError(refused)
         self.optimizer = opt_groups.make_optimizer(model, param_groups, config.optimizer, self.rule, self)
-        group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        self.layouts = blk.build_layouts(model, config.blocks, group_of, world_size=self.comm.world,
-                                         param_align=quant.BLOCK if self.state_dtype == "int8" else 1)
-        # Frozen parameters are offloaded with their blocks whenever parameters are:
-        # (root name, root module, parts) per block root holding any
-        self.frozen = blk.frozen_parts(model, config.blocks, lambda p: ph.frozen_dtype(p, self.dtype)) \
-            if home_device != "none" else []
-        from offload.io.loader import WeightLoader
-        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         builder = build.Builder(module=model, config=config, comm=self.comm, device=self.device, dtype=self.dtype,
                                 rule=self.rule, state_dtype=self.state_dtype, optimizer=self.optimizer,
-                                layouts=self.layouts, frozen=self.frozen, weights=self.weights,
                                 telemetry=self.telemetry)
-        self.plan = builder.plan
+        self.layouts, self.frozen = builder.layouts, builder.frozen
+        from offload.io.loader import WeightLoader
+        self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
+        self.plan = builder.plan_memory(self.weights)
         self.comm.check_same("model and config", builder.signature())
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = builder.tier
@@ -263,7 +255,7 @@ class Engine:
 
     def _start_param_offload(self) -> None:
         from offload.params.offload import ParamOffload
-        if self._made.param_budget is None:
+        if self._made.homes is None:
             return
         self.param_offload = ParamOffload(self, self.units, budget=self._made.param_budget,
                                           device_lookahead=self._made.device_lookahead,
@@ -608,12 +600,12 @@ class Engine:
                 self.hooks.remove()
             if self.param_offload is not None:
                 if restored is None:          # what close() leaves as placeholders (__del__ warns)
-                    self._lost = [s.name for bp in self.param_offload.params if bp is not None
-                                  for part in bp.parts if part.handed_back is None for s in part.layout.segments][:3]
+                    self._lost = ph.placeholders(self.param_offload)[:3]
                 self.param_offload.close()
             if self.activations is not None:
                 self.activations.close()
-            self._own_master_params()
+            build.own_master_params(self.blocks, self._master_params)
+            self._master_params = []
             self.resources.release()
             self.comm.close()
         for seg, t in restored or ():
@@ -640,15 +632,6 @@ class Engine:
         self.__dict__.clear()
         self.__dict__.update(kept, control=counters)
         gc.collect()
-
-    def _own_master_params(self) -> None:
-        """Parameters that were views of the master (``_master_is_param``) get memory of
-        their own, so the state's host buffer can go."""
-        for i in self._master_params:
-            b = self.blocks[i]
-            b.param_flat = b.param_flat.clone()
-            blk.bind_views(b.layout, b.param_flat)
-        self._master_params = []
 
     def _restore_wanted(self, restore: Optional[bool]) -> bool:
         """``restore``, or (None) whether the offloaded parameters fit in half the available

@@ -210,6 +210,13 @@ def hand_back_blocks(param_offload, origin: List[torch.device]) -> list:
     return out
 
 
+def placeholders(param_offload) -> List[str]:
+    """Names of the offloaded parameters not handed back (empty placeholders once the
+    engine lets their homes go)."""
+    return [s.name for bp in param_offload.params if bp is not None
+            for part in bp.parts if part.handed_back is None for s in part.layout.segments]
+
+
 def restore_fits(param_offload, comm, stage: int) -> bool:
     """Whether the offloaded parameters fit in half the available host memory (copies
     handed back already cost nothing more). With ZeRO-3 across ranks, where handing back
