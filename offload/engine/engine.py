@@ -443,14 +443,14 @@ class Engine:
         from offload.io import checkpoint
         self._check_open()
         self.synchronize()
-        return checkpoint.live_state_dict(self)
+        return checkpoint.live_state_dict(self._checkpoint_view())
 
     def save_checkpoint(self, path: str) -> str:
         """Everything as of the last commit (an open window's gradients are not saved)."""
         from offload.io import checkpoint
         self._check_open()
         self.synchronize()
-        return checkpoint.save(self, path)
+        return checkpoint.save(self._checkpoint_view(), path)
 
     def load_checkpoint(self, path: str, *, rng: bool = True) -> None:
         """Weights, optimizer state, counters and loss scale as of the checkpoint's last
@@ -462,7 +462,15 @@ class Engine:
         self._check_open()
         self.control.zero_grad()
         self.synchronize()
-        checkpoint.load(self, path, rng=rng)
+        checkpoint.load(self._checkpoint_view(), path, rng=rng)
+
+    def _checkpoint_view(self):
+        """What io/checkpoint.py reads and writes of this engine, and nothing else."""
+        from offload.engine.checkpoint_view import CheckpointView
+        return CheckpointView(blocks=self.blocks, control=self.control, comm=self.comm, telemetry=self.telemetry,
+                              module=self.module, optimizer=self.optimizer, scaler=self.scaler,
+                              config=self.config, rule=self.rule.name, state_dtype=self.state_dtype,
+                              stage=self.stage, weights=self.weights, param_offload=self.param_offload)
 
     def stats(self) -> dict:
         """Telemetry and where the bytes are (engine/stats.py says what each key holds)."""

@@ -217,6 +217,11 @@ def placeholders(param_offload) -> List[str]:
             for part in bp.parts if part.handed_back is None for s in part.layout.segments]
 
 
+def offloaded_bytes(param_offload) -> int:
+    """Bytes of every offloaded part (trainable and frozen) as kept at home."""
+    return sum(bp.nbytes for bp in param_offload.params if bp is not None)
+
+
 def restore_fits(param_offload, comm, stage: int) -> bool:
     """Whether the offloaded parameters fit in half the available host memory (copies
     handed back already cost nothing more). With ZeRO-3 across ranks, where handing back
@@ -224,8 +229,7 @@ def restore_fits(param_offload, comm, stage: int) -> bool:
     import psutil
     parts = [part for bp in param_offload.params if bp is not None for part in bp.parts]
     held = sum(p.handed_back.numel() * p.handed_back.element_size() for p in parts if p.handed_back is not None)
-    offloaded = sum(bp.nbytes for bp in param_offload.params if bp is not None)
-    fits = offloaded - held <= psutil.virtual_memory().available // 2
+    fits = offloaded_bytes(param_offload) - held <= psutil.virtual_memory().available // 2
     if comm.active and stage == 3:
         fits = all(comm.gather_objects(fits, "hand back: whether the parameters fit on every rank"))
     return fits
