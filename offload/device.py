@@ -155,17 +155,15 @@ def prefer_huge_pages() -> bool:
     is set only for torch's first allocation, which the check makes; children do not inherit it).
 
     Why: with activations offloaded the heap stays "bounded" (below), so every large tensor
-    is a fresh mapping whose pages fault in on first touch. This machine takes 7-14 us a
-    fault: 4 KiB pages cost about 0.6 s a GiB, huge pages 0.15 s (filling 1 GiB of fresh
-    64 MiB tensors). bench_activations' step with activations on NVMe: 1.20x the step without
-    offload on 4 KiB pages, 1.03-1.11x on huge pages (four runs). A huge page is used only
-    where a tensor covers a whole aligned 2 MiB, so no tensor grows; a fresh tensor still faults its
-    unaligned ends in 4 KiB pages (about 512 faults each). The kernel's
+    is a fresh mapping whose pages fault in on first touch, one fault per page: a 2 MiB page
+    takes the faults of 512 small ones (benchmarks/RESULTS.md, "Huge pages"). A huge page is
+    used only where a tensor covers a whole aligned 2 MiB, so no tensor grows; a fresh tensor
+    still faults its unaligned ends in 4 KiB pages. The kernel's
     ``transparent_hugepage/enabled`` must be ``madvise`` or ``always``.
 
     Why not always: with malloc untouched (large blocks reused from the heap) the same switch
-    slowed plain torch training here (bench_step's torch step: 112 and 149 ms against 94 and
-    104 ms, run in turn), so the engine asks for it only where the bounded heap makes it pay."""
+    slowed plain torch training (bench_step), so the engine asks for it only where the
+    bounded heap makes it pay."""
     if torch.cuda.is_available():
         return False
     if _THP_ENV in os.environ:
@@ -221,7 +219,7 @@ def _warn_without_huge_pages() -> None:
     if os.environ.get(_THP_ENV) == "0" or not _kernel_huge_pages() or huge_pages_in_effect():
         return
     warnings.warn("saved activations leave a CPU device while large CPU tensors are on 4 KiB pages: each "
-                  "one faults in afresh, which cost 0.1-0.2 of a step here (device.prefer_huge_pages). "
+                  "one faults in afresh, page by page, every step (device.prefer_huge_pages). "
                   f"Start the process with {_THP_ENV}=1 (torch reads it at its first CPU allocation; the "
                   f"offload command sets it), or {_THP_ENV}=0 to keep 4 KiB pages without this warning",
                   stacklevel=5)
@@ -247,9 +245,9 @@ def return_freed_host_memory(bound_large_allocations: bool = False, keep: bool =
     leaves malloc alone) keeps them mmapped and returned on free. It has a price, paid by
     every allocation of the process, the user's own torch work included: each such
     allocation is a fresh mapping whose pages fault in on first touch and unmap on free
-    (a 4 MiB tensor allocated, filled and freed: about 0.95 ms against 0.30 ms from the
-    heap, measured here on 4 KiB pages; huge pages, ``prefer_huge_pages``, take most of the
-    faults away), and glibc's trim threshold stops following the mmap threshold.
+    (several times the cost of one served from the heap on 4 KiB pages; huge pages,
+    ``prefer_huge_pages``, take most of the faults away), and glibc's trim threshold stops
+    following the mmap threshold.
     So the engine asks for it only where it bounds memory that would otherwise grow with
     the model (parameters or saved activations offloaded from a CPU device), and for
     parameters only while ``initialize`` loads the model (``reuse_heap``)."""
@@ -273,15 +271,13 @@ def reuse_heap() -> None:
     process (``keep``), which stays bounded.
 
     Loading needs the bound: each block's transient copies would otherwise stay resident
-    in heap holes, one block after another (peak RSS at initialize, 64 layers of 16 MiB on
-    NVMe: 0.41 GiB bounded, 0.63 GiB without). Training does not: a step frees and asks for
-    the same blocks again (fetched parameters, gradients), so from the heap they are reused
-    warm instead of being mapped and faulted in afresh every step (bench_prefetch's IO-only
-    step: 42-56 ms against 51-62 ms bounded), while the heap's size is still set by one
-    step's working set, not by the model (training's peak RSS at 16, 64 and 128 such
-    layers: 0.69, 0.65, 0.70 GiB). Saved activations are another matter: there the freed
-    but resident heap (450-670 MiB at an 8k-token Llama layer) is the very memory that
-    offloading them is meant to save, so they keep the bound."""
+    in heap holes, one block after another, so the load's peak RSS would grow with depth.
+    Training does not: a step frees and asks for the same blocks again (fetched parameters,
+    gradients), so from the heap they are reused warm instead of being mapped and faulted in
+    afresh every step, while the heap's size is still set by one step's working set, not by
+    the model (training's peak RSS stays flat in depth: benchmarks/RESULTS.md). Saved
+    activations are another matter: there the freed but resident heap is the very memory
+    that offloading them is meant to save, so they keep the bound."""
     global _heap_mode
     if _heap_mode != "bounded" or _heap_kept_bounded:
         return
@@ -308,11 +304,11 @@ def trim_host_heap(min_free_bytes: int = 0) -> bool:
     elsewhere) when the heap holds at least ``min_free_bytes`` of freed memory (0: always).
     Returns whether it trimmed. glibc returns only the free top of the heap by itself: memory
     freed below a live allocation stays resident. Loading a model block by block leaves such
-    holes (at 40 layers of a 2B model, 2.3 GB of free heap stayed resident after
-    ``initialize``), and so do the activations and gradients of a step on a CPU device. A trim
-    is not free: it walks every arena and unmaps each free page (about 2-7 ms with 46 MiB
-    free), and the next step faults every page it reuses back in; so after a step the engine
-    trims only past ``step_trim_bytes()`` of free heap (``trim_after_step``)."""
+    holes (gigabytes at a 2B model's 40 layers: benchmarks/RESULTS.md, bench_scale), and so
+    do the activations and gradients of a step on a CPU device. A trim is not free: it walks
+    every arena and unmaps each free page, and the next step faults every page it reuses
+    back in; so after a step the engine trims only past ``step_trim_bytes()`` of free heap
+    (``trim_after_step``)."""
     global _libc
     if _libc is None:
         try:
@@ -334,7 +330,7 @@ def trim_host_heap(min_free_bytes: int = 0) -> bool:
 
 def free_heap_bytes() -> Optional[int]:
     """Bytes of freed memory glibc's heap keeps (``mallinfo2().fordblks``, every arena,
-    the free top included; about 50 us); None where unknown (not glibc, glibc < 2.33)."""
+    the free top included; it locks every arena); None where unknown (not glibc, glibc < 2.33)."""
     global _mallinfo2
     if _mallinfo2 is None:
         class _Info(ctypes.Structure):
@@ -367,16 +363,14 @@ def trim_after_step() -> bool:
     Growth, not the heap's free bytes: a step frees its activations and gradients, which
     the next step allocates again; left resident they are reused warm (RSS between steps
     is the step's own peak, as with plain torch), trimmed they fault in again, page by page.
-    A free heap past the threshold after every step of a larger model (SmolLM2-135M, LoRA,
-    batch 4 x 64: ~0.65 GB) trimmed it every step: 160k page faults a step against plain
-    PEFT's 51k, 0.3 s more system time on a 1.3-1.7 s step. What the trim is for is memory
+    A rule on the free heap's size trimmed a LoRA step of SmolLM2-135M after every step, and
+    its page faults tripled against plain PEFT's (benchmarks/RESULTS.md). What the trim is for is memory
     the steps do not reuse (freed memory accumulating in a hole of the heap, a larger
     micro-step once): that shows as growth.
 
     Throttled: at most one check every ``STEP_TRIM_CHECK_S`` (process-wide, as the heap is);
-    ``mallinfo2`` locks every arena and took up to 0.5 ms inside ``step()`` beside the
-    optimizer's threads. A threshold of 0 trims after every micro-step. Returns whether it
-    trimmed."""
+    ``mallinfo2`` locks every arena, inside ``step()`` beside the optimizer's threads. A
+    threshold of 0 trims after every micro-step. Returns whether it trimmed."""
     global _step_trim_checked, _step_rss_base, _step_rss_seen
     limit = step_trim_bytes()
     if limit == 0:
@@ -397,7 +391,7 @@ def trim_after_step() -> bool:
 
 
 def _rss_bytes() -> Optional[int]:
-    """The process's resident set in bytes (``/proc/self/statm``, ~10 us), None without it."""
+    """The process's resident set in bytes (``/proc/self/statm``, a cheap read), None without it."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE_BYTES

@@ -188,7 +188,7 @@ def test_estimate_hf_config_and_model_json(capsys, tmp_path):
 
 
 def _fake_profile(tmp_path):
-    from offload.planner.plan import Profile
+    from offload.planner.measure import Profile
     return Profile(device="cpu", cpu_threads=2, adam_params_per_s=1e9, adam_backend="t",
                    device_adam_params_per_s=5e8, h2d_gbps=8, d2h_gbps=8, host_memcpy_gbps=8,
                    nvme_read_gbps=2, nvme_write_gbps=1, nvme_read_latency_s=0, nvme_write_latency_s=0,

@@ -56,3 +56,30 @@ def test_advance_moves_past_an_item_never_back():
     assert la.upcoming() == ["d"]
     la.advance("zz")                        # not in the order: no move
     assert la.cursor == 3
+
+
+def test_a_use_again_is_recorded_even_where_it_repeats_the_last():
+    la = Lookahead("x")
+    for i, again in ((0, False), (1, False), (1, True), (2, False)):
+        la.record(i, again=again)
+    la.rewind()
+    assert la.order == [0, 1, 1, 2]
+
+
+def test_head_sees_the_orders_first_items_after_the_tail():
+    la = Lookahead("x")
+    la.set_order([0, 1, 2, 3])
+    la.record(0)
+    la.record(1)
+    la.record(2)
+    assert la.upcoming(head=2) == [3, 0, 1]
+    assert list(la.window(size, 50, head=2)) == [3, 0]     # 40 + 10 = 50 fits, + 20 does not
+    assert not la.used_within(0, size, 39, head=1) and la.used_within(0, size, 40, head=1)
+
+
+def test_first_is_the_next_item_the_owner_brings():
+    sizes = {0: 0, 1: 100, 2: 10}                          # size 0: an item its owner skips
+    la = Lookahead("x")
+    la.set_order([0, 1, 2])
+    assert list(la.window(sizes.get, 50, first=True)) == [0, 1]
+    assert list(la.window(sizes.get, 50)) == [0]

@@ -162,7 +162,7 @@ def test_baseline_is_a_fresh_interpreters_rss():
 
 
 def test_plan_with_lora_prints_the_rss_of_a_placement(hf_dir, tmp_path, capsys):
-    from offload.planner.plan import Profile
+    from offload.planner.measure import Profile
     prof = Profile(device="cpu", cpu_threads=2, adam_params_per_s=1e9, adam_backend="t", device_adam_params_per_s=1e9,
                    h2d_gbps=8, d2h_gbps=8, host_memcpy_gbps=8, nvme_read_gbps=2, nvme_write_gbps=1,
                    nvme_read_latency_s=0, nvme_write_latency_s=0, nvme_duplex=0.5, io_backend="t",

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from offload.planner import plan, precision
+from offload.planner import measure, precision, predict
 from offload.planner import estimate as est
 from _cli import run
 from conftest import AVX2_RATES
@@ -100,18 +100,18 @@ def _profile(**kw):
                 nvme_write_gbps=1, nvme_read_latency_s=0, nvme_write_latency_s=0, nvme_duplex=0.5, io_backend="t",
                 nvme_path="/tmp", matmul_tflops=0.05)
     base.update(kw)
-    return plan.Profile(**base)
+    return measure.Profile(**base)
 
 
 def test_plan_predicts_each_precision_at_its_own_rate(tmp_path):
     spec = est.ModelSpec(params=100_000_000, largest_layer=10_000_000, largest_block=10_000_000, n_blocks=10)
     prof = _profile(matmul_tflops_by_dtype=AVX2_RATES)
-    fp32, bf16 = (plan.flops_compute(spec, 1024, prof, p).total_s for p in ("fp32", "bf16"))
+    fp32, bf16 = (predict.flops_compute(spec, 1024, prof, p).total_s for p in ("fp32", "bf16"))
     assert fp32 == pytest.approx(6 * 1e8 * 1024 / 0.05e12)
     assert bf16 == pytest.approx(45 * fp32)
-    old = plan.Profile.load(_profile().save(str(tmp_path / "old.json")))     # saved without the table
+    old = measure.Profile.load(_profile().save(str(tmp_path / "old.json")))     # saved without the table
     assert old.matmul_tflops_by_dtype == {} and old.tflops("bf16") == old.matmul_tflops
-    assert plan.Profile.load(prof.save(str(tmp_path / "new.json"))) == prof
+    assert measure.Profile.load(prof.save(str(tmp_path / "new.json"))) == prof
 
 
 def _compute_ms(out: str) -> float:
@@ -137,12 +137,12 @@ def test_plan_cli_chooses_and_warns_from_the_profile(capsys, tmp_path, matmul_ra
 
 def test_plan_measures_the_gpt_in_fp32_and_scales_a_slow_precision(capsys, tmp_path, monkeypatch):
     measured = []
-    real = plan.measure_compute
+    real = measure.measure_compute
 
     def spy(model, make_batch, device, dtype=torch.float32, iters=5):
         measured.append(dtype)
         return real(model, make_batch, device, dtype, iters=1)
-    monkeypatch.setattr(plan, "measure_compute", spy)
+    monkeypatch.setattr(measure, "measure_compute", spy)
     prof = _profile(nvme_path=str(tmp_path), matmul_tflops_by_dtype=AVX2_RATES).save(str(tmp_path / "p.json"))
     argv = ["plan", "--profile", prof, "--nvme-path", str(tmp_path), "--n-layer", "1", "--n-embd", "32",
             "--seq-len", "16", "--batch-size", "2", "--baseline-bytes", "300MiB", "--precision"]

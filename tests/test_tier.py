@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload.storage import HostPool, NvmeStore
-from offload.storage.layout import PAGE, ExtentLayout
+from offload.storage.nvme import PAGE, ExtentLayout
 from offload.storage.tier import (DeviceTier, HostTier, LoanState, NvmeTier, TierIOError, TierTimeout)
 
 BLOCK = 64 << 10

@@ -15,7 +15,7 @@ def _gpt_case(args):
     import torch
     from offload.planner import estimate as est
     from offload.models.gpt import GPT, GPTConfig
-    from offload.planner.plan import CheckCase
+    from offload.planner.validate import CheckCase
     gcfg = GPTConfig(block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     gen = torch.Generator().manual_seed(0)
 
@@ -36,7 +36,8 @@ def _bench_step_case(layers=12, numel=1 << 20, fwd_ms=3.0, bwd_ms=6.0):
     import importlib.util
     import torch
     from offload.planner import estimate as est
-    from offload.planner.plan import CheckCase, Compute
+    from offload.planner.measure import Compute
+    from offload.planner.validate import CheckCase
     path = os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")
     if not os.path.isfile(path):
         return None
@@ -63,10 +64,10 @@ def _gpt_compute(case, device, profile, prec: str):
     """The built-in GPT's forward and backward measured in ``prec`` on the device, or where
     ``prec`` is slow here, in fp32 times the measured matmul slowdown."""
     import dataclasses
-    from offload.planner import plan, precision
+    from offload.planner import measure
     if not _scaled(profile, prec):
-        return plan.measure_compute(case.build(), case.make_batch, device, dtype=dtypes.compute_dtype(prec))
-    c = plan.measure_compute(case.build(), case.make_batch, device)
+        return measure.measure_compute(case.build(), case.make_batch, device, dtype=dtypes.compute_dtype(prec))
+    c = measure.measure_compute(case.build(), case.make_batch, device)
     f = profile.slowdown(prec)
     return dataclasses.replace(c, forward_s=c.forward_s * f, backward_s=c.backward_s * f)
 
@@ -74,19 +75,19 @@ def _gpt_compute(case, device, profile, prec: str):
 def cmd_plan(args) -> int:
     import torch
     from offload.planner import estimate as est
-    from offload.planner import plan, precision
+    from offload.planner import measure, precision, predict, rank
     nvme_path = args.nvme_path or tempfile.gettempdir()
     if not os.path.isdir(nvme_path):
         raise CLIError(f"--nvme-path {nvme_path!r} does not exist: give an existing directory")
     if args.profile:
         try:
-            profile = plan.Profile.load(args.profile)
+            profile = measure.Profile.load(args.profile)
         except (FileNotFoundError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         print(f"profile {args.profile} (measured {profile.created} on {profile.device})")
     else:
         print("measuring this machine (CPU Adam, copies, NVMe, matmul; a few seconds) ...", flush=True)
-        profile = plan.measure_profile(nvme_path)
+        profile = measure.measure_profile(nvme_path)
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"saved the profile to {args.save_profile}")
@@ -111,11 +112,11 @@ def cmd_plan(args) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         compute = _gpt_compute(case, device, profile, args.precision)
     else:
-        compute = plan.flops_compute(spec, tokens, profile, args.precision)
+        compute = predict.flops_compute(spec, tokens, profile, args.precision)
     machine = est.this_machine(nvme_path, parse_size(args.device_memory, "--device-memory"))
     budget = parse_size(args.device_budget_bytes, "--device-budget-bytes")
     lookahead = parse_size(args.host_lookahead_bytes, "--host-lookahead-bytes")
-    ranked = plan.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
+    ranked = rank.rank(spec, profile, compute, machine, args.precision, args.gradient_accumulation_steps,
                        args.gradient_clipping > 0, buffer_count=args.buffer_count, rule=args.optimizer,
                        state_dtype=args.state_dtype, device_budget_bytes=budget, host_lookahead_bytes=lookahead,
                        update_ahead=args.update_ahead)
@@ -137,7 +138,7 @@ def cmd_plan(args) -> int:
         tok_s = tokens * args.gradient_accumulation_steps / p.step_s
         print(f"  {i:<5}{m.optimizer:<10}{m.param:<7}{p.step_s * 1e3:>8.1f}ms{tok_s:>11,.0f}  {p.bottleneck:<11}"
               f"{fmt_bytes(m.device):>10}{fmt_bytes(m.host_total):>10}{fmt_bytes(m.nvme):>10}  {fit}")
-    base = plan.fits_without_offload(ranked)
+    base = rank.fits_without_offload(ranked)
     if base is not None:
         slowest = max(ranked, key=lambda r: r.prediction.step_s)
         print(f"the model fits on the device without offload ({fmt_bytes(base.memory.device)} of "
@@ -165,7 +166,7 @@ def cmd_plan(args) -> int:
         for line in mem.lines():
             print(line)
     print("model: step = max over resources + the rest / blocks (exposed first fetch and last update); "
-          "see `python -c 'import offload.planner.plan; help(offload.planner.plan)'`")
+          "see `python -c 'import offload.planner.predict; help(offload.planner.predict)'`")
     return 0
 
 
@@ -187,7 +188,7 @@ def est_tiers():
 
 
 def _plan_check(args, profile, nvme_path) -> int:
-    from offload.planner import plan
+    from offload.planner import validate
     cases = []
     for name in args.check_models.split(","):
         name = name.strip()
@@ -210,8 +211,8 @@ def _plan_check(args, profile, nvme_path) -> int:
         placements.append((o, prm or "none"))
     print(f"checking predictions against measured engine steps ({args.check_rounds} rounds per placement) ...",
           flush=True)
-    results = plan.check(cases, profile, placements, nvme_path, rounds=args.check_rounds,
-                         log=lambda s: print("  " + s, flush=True))
+    results = validate.check(cases, profile, placements, nvme_path, rounds=args.check_rounds,
+                             log=lambda s: print("  " + s, flush=True))
     if not results:
         raise CLIError("no placement could be measured")
     worst = max(r.error for r in results)

@@ -269,7 +269,8 @@ class PrefetchConfig:
 class AioConfig:
     """The NVMe I/O engine (names follow DeepSpeed's `aio` section where they overlap)."""
     backend: str = "native"
-    # 4 MiB extents, 64 in flight: 1 MiB x 32 read at ~55% of the raw rate on a virtual disk
+    # large extents, many in flight: smaller requests, fewer in flight, fell well short of the
+    # disk's raw rate (benchmarks/bench_io.py)
     block_size: int = 4 << 20
     queue_depth: int = 64
     thread_count: int = 4

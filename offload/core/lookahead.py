@@ -17,9 +17,11 @@ Two ways to know the order:
   ``advance(item)`` moves the cursor past an item, wherever it is ahead.
 
 ``window(size, limit)`` yields the items ahead of the cursor while their sizes add up to at
-most ``limit`` bytes (``first=True``: the next item always, however large: it is needed
-soonest). ``cyclic`` passes (inference, where the next pass starts where this one began)
-see the order's head after its tail. Telemetry counts hits, misses, divergences and
+most ``limit`` bytes (``first=True``: the next item of non-zero size always, however large:
+it is needed soonest; size 0 is an item the owner has nothing to bring for). ``cyclic``
+passes (inference, where the next pass starts where this one began) see the order's head
+after its tail; ``head=n`` passes see only its first n items after the tail (the part of
+the next pass known to be worth bringing early). Telemetry counts hits, misses, divergences and
 retraces under ``<name>_*`` when the owner reports them (``hit()`` / ``miss()``).
 
 Not thread-safe: each owner calls it from one thread (or under its own lock).
@@ -70,9 +72,10 @@ class Lookahead:
         self.cursor = 0
         self.diverged = False
 
-    def record(self, item: Hashable) -> None:
-        """``item`` is used now (a repeat of the last use is one use): follow the order or leave it."""
-        if self._recording and self._recording[-1] == item:
+    def record(self, item: Hashable, again: bool = False) -> None:
+        """``item`` is used now (a repeat of the last use is one use, unless ``again``: the
+        owner knows it is a use of its own): follow the order or leave it."""
+        if self._recording and self._recording[-1] == item and not again:
             return
         self._recording.append(item)
         if self.order is None or self.diverged:
@@ -83,6 +86,11 @@ class Lookahead:
             self.diverged = True
             self._count("divergences")
 
+    @property
+    def last(self) -> Optional[Hashable]:
+        """The last use recorded in this pass (None: none yet)."""
+        return self._recording[-1] if self._recording else None
+
     def advance(self, item: Hashable) -> None:
         """Move the cursor past ``item`` (a given order, used out of step: never backwards)."""
         k = self._pos.get(item)
@@ -90,32 +98,38 @@ class Lookahead:
             self.cursor = k + 1
 
     # ---- what is ahead ---------------------------------------------------------------------
-    def upcoming(self, cyclic: bool = False) -> List[Hashable]:
-        """The items ahead of the cursor, in order (none once the pass diverged)."""
+    def upcoming(self, cyclic: bool = False, head: int = 0) -> List[Hashable]:
+        """The items ahead of the cursor, in order (none once the pass diverged); ``head``:
+        then the order's first ``head`` items (the next pass's start, where only that much
+        of it is known to be worth bringing)."""
         if self.order is None or self.diverged:
             return []
         ahead = self.order[self.cursor:]
-        return ahead + self.order[:self.cursor] if cyclic else ahead
+        if cyclic:
+            return ahead + self.order[:self.cursor]
+        return ahead + self.order[:head] if head else ahead
 
     def window(self, size: Callable[[Hashable], int], limit: int, *, first: bool = False,
-               cyclic: bool = False) -> Iterator[Hashable]:
+               cyclic: bool = False, head: int = 0) -> Iterator[Hashable]:
         """The distinct items ahead whose sizes, added in order, stay within ``limit`` bytes
-        (``first``: the next one in any case)."""
+        (``first``: the next one of non-zero size in any case; an item of size 0 is one the
+        owner will not bring, and costs nothing)."""
         seen, total = set(), 0
-        for item in self.upcoming(cyclic):
+        for item in self.upcoming(cyclic, head):
             if item in seen:
                 continue
             seen.add(item)
-            total += size(item)
-            if total > limit and not (first and len(seen) == 1):
+            n = size(item)
+            total += n
+            if total > limit and not (first and total == n):
                 return
             yield item
 
     def used_within(self, item: Hashable, size: Callable[[Hashable], int], limit: int,
-                    cyclic: bool = False) -> bool:
+                    cyclic: bool = False, head: int = 0) -> bool:
         """Whether ``item`` is used again within the next ``limit`` bytes of the order."""
         total = 0
-        for other in self.upcoming(cyclic):
+        for other in self.upcoming(cyclic, head):
             if other == item:
                 return True
             total += size(other)

@@ -373,7 +373,7 @@ class Builder:
     def _units(self, built: Built) -> None:
         """The BlockParts of parameter offload: each trained block's part with the frozen
         parts of the same root, then blocks holding only frozen parameters."""
-        from offload.params.parts import BlockParts
+        from offload.params.residency import BlockParts
         if self._homes is None:
             return
         for i, (name, module, lay, parts) in enumerate(self.units):

@@ -43,8 +43,7 @@ from torch import nn
 from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.errors import BlockError
-from offload.params.parts import BlockParts
-from offload.params.residency import ParamState
+from offload.params.residency import BlockParts, ParamState
 from offload.params.prefetch import Prefetcher
 
 class DeviceBudgetError(RuntimeError):
@@ -268,7 +267,7 @@ class ParamOffload:
         block.
 
         A use that repeats the last one (the next module of the same block, the next saved
-        parameter of it that backward unpacks: most of a step's thousand uses) of a block on
+        parameter of it that backward unpacks: most of a step's uses) of a block on
         the device fetches nothing: the write-backs are settled, the lookahead windows
         advanced and the peak noted only at a new use or a fetch, each a walk over the blocks."""
         bp = self.params[i]

@@ -16,9 +16,10 @@ by memory or transfers; past that the compute loses more than the bytes gain.
   ``train`` on CUDA) unless the low precision in question (the default itself, or bf16 when
   the default is fp32) is slow here: then fp32, with the measured factor as the reason.
 
-The rates come from a short matmul per dtype on the compute device (under half a second on
-a CPU, where it runs on one thread, milliseconds on a GPU), measured once per process and
-dtype: their ratio is what decides, the plan's absolute rate is its own fp32 measurement.
+The rates come from a short matmul per dtype on the compute device (on a CPU on one thread,
+so other processes holding the cores do not skew the ratio), measured once per process and
+dtype: their ratio is what decides, the plan's absolute rate is its own fp32 measurement
+(planner/measure.py).
 """
 from __future__ import annotations
 

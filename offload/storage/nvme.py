@@ -1,12 +1,47 @@
-"""The NVMe tier: flat tensors in preallocated swap files, moved with O_DIRECT.
+"""The NVMe store: flat tensors in preallocated swap files, moved with O_DIRECT.
+
+One noun, three parts, in this order below: the on-disk extent layout of a key, the I/O
+backends that move extents, and ``NvmeStore`` (keys, swap files, handles).
 
 Layout. Each ``reserve()`` call creates one swap file in this store's private run directory
-and preallocates it; every key gets a 4096-aligned region. Within it a key is stored as the
-extents that ``offload.storage.layout.ExtentLayout`` describes (a body of ``block_size``
-extents moved straight between the caller's buffer and the file, and a zero-padded tail page
-moved through a small bounce page owned by the key, because the bytes after the caller's
-tensor may belong to someone else and must be neither read nor clobbered). Each extent has a
-crc32c, computed by the I/O worker that writes it and checked by the worker that reads it.
+and preallocates it; every key gets a 4096-aligned region of ``round_up(N, 4096)`` bytes for
+N bytes, stored as (``ExtentLayout``):
+
+* its **body**, the first ``N // 4096 * 4096`` bytes, cut into extents of ``block_size``
+  bytes (the last may be shorter); body extent ``i`` covers
+  ``[offset + i * block_size, offset + min((i + 1) * block_size, body))`` and moves straight
+  between the caller's buffer and the file;
+* its **tail**, the last ``N % 4096`` bytes (when there are any), stored zero-padded in one
+  4096-byte page right after the body; it is the last extent and moves through a small
+  bounce page owned by the key, because the bytes after the caller's tensor may belong to
+  someone else and must be neither read nor clobbered.
+
+Extents are the unit of I/O and of checksums: each has a crc32c, computed by the I/O worker
+that writes it and checked by the worker that reads it. The store sizes its reservations and
+checksum arrays and locates failed extents from this description; the portable backend
+moves exactly these extents; the native engine (native/aio.c) implements the same geometry
+in C from the same ``block_size`` (``tests/test_tier.py`` checks that the two agree on the
+extent count and the bytes at every offset). The native request struct
+(``offload._native.IoReq``) carries ``nbytes`` (the body) and ``tail_len``.
+
+Backends. Both take the same request, ``IoReq``: the body moved straight between a caller's
+buffer and a file, an optional tail page moved through the bounce page, and an optional
+array of per-extent checksums (written by a write, checked by a read).
+
+  * ``NativeBackend``: the C engine (native/aio.c): io_uring rings where the kernel allows
+    them, else a pthread pool of pread/pwrite. ``OFFLOAD_IO_URING=auto|on|off`` (or the
+    ``io_uring`` argument) chooses; ``name`` reports what runs.
+  * ``PortableBackend``: a Python thread pool of os.preadv/os.pwritev (which release the GIL);
+    one extent in flight per thread. Checksums use the native crc32c when the library loads,
+    else zlib's crc32 (the store never mixes the two).
+
+The I/O threads of both run under SCHED_BATCH where the OS has it (Linux) and the process
+runs under the default policy: same CPU share, but a thread woken by a submit does not
+preempt the submitter or its neighbour (a write-back's checksum would otherwise hold a core
+in the middle of the optimizer's chain); see native/aio.c. Both start all their threads when
+created and return once each has switched, so no request is moved under the caller's
+policy. After ``submit(req)`` the request struct and every buffer it points to belong to the
+backend until ``done(req)`` is true; ``close()`` finishes every queued request first.
 
 Lifetimes. ``write(key, src)`` and ``read(key, dst)`` return an IOHandle at once; ``src``
 must not be modified and ``dst`` not used until the handle is done. The store keeps both
@@ -34,20 +69,302 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Mapping
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import psutil
 import torch
 from torch.profiler import record_function
 
+from offload import _native
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
-from offload.storage.aio import ENODATA_SHORT, crc_function, make_backend
-from offload.storage.layout import ExtentLayout
 from offload.storage.pinned_pool import _fmt as _gib
 
+
+# ---- the extent layout of a key ----------------------------------------------------------------
+
+PAGE = 4096
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One unit of I/O and checksum of a key, offsets relative to the key's start."""
+    index: int
+    offset: int       # in the file, from the key's offset; in the caller's buffer for the body
+    length: int       # bytes moved to or from the file (the tail: one whole page)
+    tail: bool        # the zero-padded last page, moved through the bounce page
+
+
+class ExtentLayout:
+    """The extents of a key of ``nbytes`` bytes for a given ``block_size``."""
+
+    def __init__(self, block_size: int):
+        if not isinstance(block_size, int) or block_size <= 0 or block_size % PAGE:
+            raise ValueError(f"block_size={block_size!r} must be a positive multiple of {PAGE}")
+        self.block_size = block_size
+
+    @staticmethod
+    def split(nbytes: int) -> tuple:
+        """(body bytes, tail bytes) of a key of ``nbytes``."""
+        body = nbytes // PAGE * PAGE
+        return body, nbytes - body
+
+    @staticmethod
+    def reserved(nbytes: int) -> int:
+        """Bytes a key of ``nbytes`` occupies in its file."""
+        return round_up(nbytes)
+
+    def body_extents(self, body: int) -> int:
+        return -(-body // self.block_size)
+
+    def count(self, body: int, tail_len: int) -> int:
+        """Extents of one transfer: the body's, plus the tail page."""
+        return self.body_extents(body) + (1 if tail_len else 0)
+
+    def max_extents(self, nbytes: int) -> int:
+        """Checksum slots a key reserved with ``nbytes`` needs at most (body extents + tail)."""
+        return self.body_extents(self.split(nbytes)[0]) + 1
+
+    def extent(self, body: int, tail_len: int, i: int) -> Extent:
+        nbody = self.body_extents(body)
+        if i < nbody:
+            start = i * self.block_size
+            return Extent(i, start, min(self.block_size, body - start), False)
+        if i == nbody and tail_len:
+            return Extent(i, body, PAGE, True)
+        raise IndexError(f"extent {i} of a transfer with {self.count(body, tail_len)} extents")
+
+    def extents(self, body: int, tail_len: int) -> Iterator[Extent]:
+        for i in range(self.count(body, tail_len)):
+            yield self.extent(body, tail_len, i)
+
+
+# ---- I/O backends ------------------------------------------------------------------------------
+
+BACKENDS = ("native", "portable")
+
+ENODATA_SHORT = 61  # errno.ENODATA: the file gave no more bytes (short transfer)
+
+
+def crc_function():
+    """(name, fn(address, nbytes) -> int) of the checksum in use in this process."""
+    if _native.lib() is not None:
+        return "crc32c", _native.crc32c
+
+    def _zlib(address: int, nbytes: int) -> int:
+        return zlib.crc32((ctypes.c_char * nbytes).from_address(address))
+
+    return "crc32(zlib)", _zlib
+
+
+def _uring_setting(io_uring: bool | None) -> int:
+    """-1 auto, 0 off, 1 required; the argument wins over OFFLOAD_IO_URING."""
+    if io_uring is not None:
+        return 1 if io_uring else 0
+    value = os.environ.get("OFFLOAD_IO_URING", "auto").strip().lower()
+    table = {"auto": -1, "on": 1, "1": 1, "off": 0, "0": 0}
+    if value not in table:
+        raise ValueError(f"OFFLOAD_IO_URING={value!r} is not valid: use auto, on or off")
+    return table[value]
+
+
+_START_TIMEOUT_S = 30.0   # for the portable backend's threads to start
+
+
+def no_wake_preempt() -> None:
+    """The calling thread to SCHED_BATCH when it runs under SCHED_OTHER (best effort; as the
+    native workers do, see the module docstring)."""
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None:
+        return
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, batch, os.sched_param(0))
+    except OSError:
+        pass
+
+
+class Backend:
+    """The interface both backends implement."""
+
+    name: str
+
+    def submit(self, req: IoReq) -> None: ...
+    def wait(self, req: IoReq, timeout: float | None) -> bool: ...   # True when done
+    def done(self, req: IoReq) -> bool: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+class NativeBackend(Backend):
+    def __init__(self, block_size: int, queue_depth: int, threads: int, io_uring: bool | None = None):
+        if _native.lib() is None:
+            raise RuntimeError(f"the native I/O backend needs the native library: {_native.load_error()}; "
+                               "use backend='portable' or build it with `make native`")
+        self._engine, cfg = _native.aio_create(block_size, queue_depth, threads, _uring_setting(io_uring))
+        self.io_uring = bool(cfg.uring_active)
+        self.uring_error = os.strerror(cfg.uring_error) if cfg.uring_error else None
+        self.in_flight = cfg.ring_depth * threads
+        self.name = "native-io_uring" if self.io_uring else "native-threads"
+
+    def submit(self, req: IoReq) -> None:
+        _native.aio_submit(self._engine, req)
+
+    def wait(self, req: IoReq, timeout: float | None) -> bool:
+        # Wait in slices so that Ctrl-C reaches Python between them.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
+            if _native.aio_wait(self._engine, req, int(step * 1e9)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def done(self, req: IoReq) -> bool:
+        return _native.aio_done(req)
+
+    def stats(self) -> dict:
+        s = _native.aio_stats(self._engine)
+        return {"bytes_read": s.bytes[IO_READ], "bytes_written": s.bytes[IO_WRITE],
+                "read_seconds": s.busy_ns[IO_READ] / 1e9, "write_seconds": s.busy_ns[IO_WRITE] / 1e9,
+                "reads": s.requests[IO_READ], "writes": s.requests[IO_WRITE]}
+
+    def close(self) -> None:
+        if self._engine:
+            _native.aio_destroy(self._engine)
+            self._engine = None
+
+
+class PortableBackend(Backend):
+    """os.preadv / os.pwritev on a thread pool; the same extents and checksums as native."""
+
+    def __init__(self, block_size: int, queue_depth: int, threads: int, io_uring: bool | None = None):
+        del queue_depth, io_uring  # one extent in flight per thread
+        self.name = "portable"
+        self.in_flight = threads
+        self._layout = ExtentLayout(block_size)
+        self._crc = crc_function()[1]
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="offload-io",
+                                        initializer=no_wake_preempt)
+        # All workers start now and each has switched its policy before the first request
+        # (the pool would otherwise start them one per submit, each switching when it first runs).
+        started = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            self._pool.submit(started.wait, _START_TIMEOUT_S)
+        try:
+            started.wait(_START_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            self._pool.shutdown(wait=False)
+            raise RuntimeError(f"the portable I/O backend's {threads} threads did not start within "
+                               f"{_START_TIMEOUT_S:.0f} s") from None
+        self._cond = threading.Condition()
+        self._outstanding = [0, 0]
+        self._busy_since = [0, 0]
+        self._stats = {"bytes": [0, 0], "busy_ns": [0, 0], "requests": [0, 0]}
+
+    def submit(self, req: IoReq) -> None:
+        req.nextents = self._layout.count(req.nbytes, req.tail_len)
+        if req.nextents == 0 or req.op not in (IO_READ, IO_WRITE):
+            raise ValueError("bad I/O request")
+        req.remaining = req.nextents
+        req.status, req.error_extent, req.short_got, req.short_want, req.done = 0, -1, 0, 0, 0
+        with self._cond:
+            req.submit_ns = time.monotonic_ns()
+            if self._outstanding[req.op] == 0:
+                self._busy_since[req.op] = req.submit_ns
+            self._outstanding[req.op] += 1
+            self._stats["requests"][req.op] += 1
+        for x in self._layout.extents(req.nbytes, req.tail_len):
+            self._pool.submit(self._run_extent, req, x)
+
+    def _run_extent(self, req: IoReq, x) -> None:
+        i, tail, length, off = x.index, x.tail, x.length, req.offset + x.offset
+        addr = req.tail_page if tail else req.buf + x.offset
+        status = got = 0
+        try:
+            if req.op == IO_WRITE:
+                if tail:
+                    ctypes.memmove(req.tail_page, req.tail_user, req.tail_len)
+                    ctypes.memset(req.tail_page + req.tail_len, 0, IO_PAGE - req.tail_len)
+                if req.crcs:
+                    _crcs(req)[i] = self._crc(addr, length)
+            view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+            move = os.preadv if req.op == IO_READ else os.pwritev
+            while got < length:
+                n = move(req.fd, [view[got:]], off + got)
+                if n == 0:
+                    status = -ENODATA_SHORT
+                    break
+                got += n
+            if status == 0 and req.op == IO_READ:
+                if req.crcs and self._crc(addr, length) != _crcs(req)[i]:
+                    status = -74  # EBADMSG
+                elif tail:
+                    ctypes.memmove(req.tail_user, req.tail_page, req.tail_len)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach wait(), never hang it
+            status = -(getattr(exc, "errno", None) or 5)
+        self._finish(req, i, status, got, length)
+
+    def _finish(self, req: IoReq, i: int, status: int, got: int, length: int) -> None:
+        with self._cond:
+            if status and (req.status == 0 or i < req.error_extent):
+                req.status, req.error_extent = status, i
+                req.short_got, req.short_want = (got, length) if status == -ENODATA_SHORT else (0, 0)
+            self._stats["bytes"][req.op] += got
+            req.remaining -= 1
+            if req.remaining == 0:
+                req.done_ns = time.monotonic_ns()
+                self._outstanding[req.op] -= 1
+                if self._outstanding[req.op] == 0:
+                    self._stats["busy_ns"][req.op] += req.done_ns - self._busy_since[req.op]
+                req.done = 1
+                self._cond.notify_all()
+
+    def wait(self, req: IoReq, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: req.done, timeout)
+
+    def done(self, req: IoReq) -> bool:
+        return bool(req.done)
+
+    def stats(self) -> dict:
+        with self._cond:
+            s = self._stats
+            busy = list(s["busy_ns"])
+            now = time.monotonic_ns()
+            for op in (IO_READ, IO_WRITE):
+                if self._outstanding[op]:
+                    busy[op] += now - self._busy_since[op]
+            return {"bytes_read": s["bytes"][IO_READ], "bytes_written": s["bytes"][IO_WRITE],
+                    "read_seconds": busy[IO_READ] / 1e9, "write_seconds": busy[IO_WRITE] / 1e9,
+                    "reads": s["requests"][IO_READ], "writes": s["requests"][IO_WRITE]}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _crcs(req: IoReq):
+    return ctypes.cast(req.crcs, ctypes.POINTER(ctypes.c_uint32))
+
+
+def make_backend(kind: str, block_size: int, queue_depth: int, threads: int,
+                 io_uring: bool | None = None) -> Backend:
+    if kind not in BACKENDS:
+        raise ValueError(f"backend={kind!r} is not one of {BACKENDS}")
+    cls = NativeBackend if kind == "native" else PortableBackend
+    return cls(block_size, queue_depth, threads, io_uring)
+
+
+# ---- the store ---------------------------------------------------------------------------------
+
 RUN_PREFIX = "offload-"
-# 4 MiB extents, 64 in flight: on the virtio disk this was tuned on (max_sectors_kb = 4096),
-# 1 MiB extents at depth 32 read at ~55% of the raw rate, 4 MiB at depth 64 at ~100%.
+# defaults of the I/O engine: extent size and requests in flight (benchmarks/bench_io.py sizes them)
 DEFAULT_BLOCK_SIZE = 4 << 20
 DEFAULT_QUEUE_DEPTH = 64
 OWNER_FILE = "owner.json"

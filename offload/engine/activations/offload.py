@@ -1,63 +1,50 @@
-"""Activation offload: tensors saved for backward leave the device during forward and come
-back ahead of their use in backward.
+"""Activation offload's movement: saved tensors off the device in forward, back ahead of their
+use in backward, and the host pool and NVMe keys their copies occupy.
 
-A handler of the saved-tensor chain (core/hooks.py). ``pack`` claims a saved tensor of at
-least ``min_bytes`` that is not a parameter, a view of a parameter or a buffer (parameter
-offload owns those), copies it off the device and returns a handle; ``unpack`` returns the
-tensor from the handle, bit for bit, with its shape, strides and dtype. A tensor saved twice
-(the same tensor object, unmodified) gets a second handle to the same copy. Packing happens
-only in the root forward: inside ``torch.utils.checkpoint`` regions the checkpoint's own
-hooks take precedence, so only the checkpoint boundaries (its saved inputs) move, and
-recomputation in backward saves its tensors on the device for their short life.
+The handler's contract (``pack`` / ``unpack``) is the package's (activations/__init__.py).
+One saved tensor is a ``Saved`` record (saved.py), moved through its states here.
 
-One saved tensor (``_Saved``) moves through explicit states::
-
-    pack:      COPYING_OUT --(D2H done)--> ON_HOST [--write--> WRITING --(done)--> ON_NVME]
-    backward:  ON_HOST | ON_NVME --fetch()--> READING --(read done)--> STAGED
-               --to_device()--> COPYING_IN --(H2D done)--> ON_DEVICE --unpack--> (handed to autograd)
-    direct (CPU device, nvme): ON_HOST --write--> WRITING --(done)--> ON_NVME, as above; a fetch
-               while WRITING hands the held tensor over: WRITING --> ON_DEVICE (its write goes on)
-
-Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs
-on a side stream after the producing kernels and ``record_stream`` keeps its memory from
-reuse until the copy ends. Every host copy is a range lent by the budgeted host pool
+Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs on
+a side stream after the producing kernels and ``record_stream`` keeps its memory from reuse
+until the copy ends. Every host copy is a range lent by the budgeted host pool
 ``offload-activations`` (a ``HostArena`` the engine sizes from the memory plan,
 ``offload_activations.host_bytes``; pinned on CUDA, page-aligned for O_DIRECT), never memory
 of its own. With ``cpu`` the range lives while any handle does (a retained graph may unpack
-twice); with ``nvme`` only until its write is durable, and on CUDA again from the read
-ahead of backward to the end of the copy back (on the CPU device the read lands straight
-in the tensor autograd gets: device memory, as an H2D copy's target would be, lent by the
-read window (``read_window.py``: reused pages, a range back when autograd frees the tensor
-over it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
-forward, so it adds nothing to backward's RSS). On the
-CPU device with ``nvme`` a dense tensor is not copied at all (``_pack_direct``): from its
-first page boundary on it is written straight from device memory, held (counted in
-``device_bytes``) until that write is durable, and only the bytes before that boundary go
-through a one-page range of the pool; a tensor needed again before its write is durable is
-handed back as it is. The NVMe
-extent (a key of the store, checksummed per extent like all the engine's swap data) returns
-to a free list when the last handle goes; ranges and keys of retired records are given back
-on this engine's thread (``_settle_retired``), never from a finalizer.
+twice); with ``nvme`` only until its write is durable, and on CUDA again from the read ahead
+of backward to the end of the copy back (on the CPU device the read lands straight in the
+tensor autograd gets: device memory, as an H2D copy's target would be, lent by the read
+window (``read_window.py``: reused pages, a range back when autograd frees the tensor over
+it, free pages trimmed before each forward); the pool's pages are trimmed at the end of
+forward, so it adds nothing to backward's RSS). On the CPU device with ``nvme`` a dense
+tensor is not copied at all (``_pack_direct``): from its first page boundary on it is
+written straight from device memory, held (counted in ``device_bytes``) until that write is
+durable, and only the bytes before that boundary go through a one-page range of the pool; a
+tensor needed again before its write is durable is handed back as it is. The NVMe extent (a
+key of the store, checksummed per extent like all the engine's swap data) returns to a free
+list when the last handle goes; ranges and keys of retired records are given back on this
+engine's thread (``_settle_retired``), never from a finalizer.
 
 Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
 for the oldest write, never for the newest (a tensor larger than the lookahead is written
-while forward goes on, and waited for at the next pack if still in flight). A pack that finds the pool full makes room (``_lend``): it finishes
-the oldest D2H copy, the oldest write (``nvme``: the copy then lives on NVMe only) or the
-oldest copy back, and waits at most ``wait_timeout_s`` in all. With ``cpu`` nothing of the
-forward leaves the pool before its backward, so a forward whose copies exceed the pool
-fails at once with ``ActivationHostBudgetError`` naming the fix; copies held by an earlier
-graph still alive are waited for (bounded) first.
+while forward goes on, and waited for at the next pack if still in flight). A pack that
+finds the pool full makes room (``_lend``): it finishes the oldest D2H copy, the oldest
+write (``nvme``: the copy then lives on NVMe only) or the oldest copy back, and waits at
+most ``wait_timeout_s`` in all. With ``cpu`` nothing of the forward leaves the pool before
+its backward, so a forward whose copies exceed the pool fails at once with
+``ActivationHostBudgetError`` naming the fix; copies held by an earlier graph still alive
+are waited for (bounded) first.
 
-Backward order. Saved tensors are expected back in the order the last backward unpacked
-them (the first step: reverse pack order). Each unpack advances a cursor along that order
-and starts bringing back the tensors ahead of it within ``lookahead_bytes``, and always the
-next one however large (NVMe read, then the H2D copy on a side stream); an unpack that finds its tensor not yet on its way counts a
-miss and fetches on demand. Restored tensors wait on the device only until unpacked.
+Backward order (``core.lookahead.Lookahead`` named ``act_prefetch``, a given order). Saved
+tensors are expected back in the order the last backward unpacked them (the first step:
+reverse pack order). Each unpack advances the cursor past its tensor and starts bringing
+back the tensors ahead of it within ``lookahead_bytes``, and always the next one however
+large (NVMe read, then the H2D copy on a side stream); an unpack that finds its tensor not
+yet on its way counts a miss and fetches on demand. Restored tensors wait on the device
+only until unpacked.
 """
 from __future__ import annotations
 
 import collections
-import enum
 import threading
 import time
 import weakref
@@ -68,6 +55,9 @@ from torch import nn
 
 from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
+from offload.core.lookahead import Lookahead
+from offload.engine.activations.keys import SwapKeys
+from offload.engine.activations.saved import Saved, SavedState, Transfers, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
 from offload.storage.pinned_pool import PAGE, PoolBudgetError
 
@@ -77,17 +67,6 @@ _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link n
 
 class ActivationHostBudgetError(RuntimeError):
     """The host copies of saved activations do not fit in ``offload_activations.host_bytes``."""
-
-
-class SavedState(enum.Enum):
-    COPYING_OUT = "copying_out"      # D2H in flight (CUDA)
-    ON_HOST = "on_host"
-    WRITING = "writing"              # NVMe write in flight from the host copy
-    ON_NVME = "on_nvme"
-    READING = "reading"              # NVMe read in flight into a host buffer
-    STAGED = "staged"                # on the host again, ready for the H2D
-    COPYING_IN = "copying_in"        # H2D in flight (CUDA)
-    ON_DEVICE = "on_device"          # restored, waiting for its unpack
 
 
 def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
@@ -100,88 +79,6 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
 
 def _fmt(n: int) -> str:
     return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 2**10:.1f} KiB)"
-
-
-def _layout(shape, stride) -> str:
-    """"dense" (contiguous up to a permutation of dims), "gapped" (no element shared, gaps
-    between them: a slice) or "overlapping" (an expanded view; not moved: its restore could
-    not be written element by element). Sufficient test: dims sorted by stride each step
-    past the furthest element the smaller dims reach."""
-    reach, expect, dense = 0, 1, True
-    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
-        if st <= reach:
-            return "overlapping"
-        dense = dense and st == expect
-        reach += (sz - 1) * st
-        expect = st * sz
-    return "dense" if dense else "gapped"
-
-
-class _Transfers:
-    """The NVMe transfers of one saved tensor moving together (a direct write's head page and
-    body): done when all are; ``wait`` bounds them all by one ``timeout``."""
-
-    __slots__ = ("ios",)
-
-    def __init__(self, ios):
-        self.ios = list(ios)
-
-    def done(self) -> bool:
-        return all(io.done() for io in self.ios)
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for io in self.ios:
-            io.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-
-def _direct_head(t: torch.Tensor) -> int:
-    """Bytes of ``t`` before its first 4 KiB page boundary (0: it starts on one)."""
-    return (-t.data_ptr()) % PAGE
-
-
-class _Saved:
-    """One offloaded saved tensor: its metadata, where its bytes are, and its transfers."""
-
-    __slots__ = ("owner", "index", "nbytes", "dtype", "shape", "stride", "dense", "device", "state", "host",
-                 "direct", "key", "io", "event", "restored", "last", "src", "version", "handles", "unpacks", "keep",
-                 "head", "head_key", "held", "wio", "__weakref__")
-
-    def __init__(self, owner: "ActivationOffload", index: int, t: torch.Tensor, dense: bool, host):
-        self.owner = owner
-        self.index = index                 # pack order within its forward
-        self.nbytes = t.numel() * t.element_size()
-        self.dtype, self.shape, self.stride = t.dtype, tuple(t.shape), tuple(t.stride())
-        self.dense = dense                 # bytes copied in memory order; else gapped: element by element
-        self.device = t.device
-        self.state = SavedState.COPYING_OUT
-        self.host = host                             # HostBuffer lent by the pool: the host copy
-        self.direct: Optional[torch.Tensor] = None   # CPU device, nvme: 1-D uint8 read target (device memory)
-        self.key: Optional[str] = None               # NVMe key
-        self.io = None                               # NVMe read in flight
-        self.wio = None                              # NVMe write in flight (while in ``_writing``)
-        self.event = None                            # CUDA copy in flight (either way)
-        self.restored: Optional[torch.Tensor] = None  # device tensor ahead of its unpack
-        self.last = None                             # weakref to the tensor last handed out
-        self.src = weakref.ref(t)                    # identifies "the same tensor saved twice"
-        self.version = t._version
-        self.handles = 1                             # packs that returned this record
-        self.unpacks = 0
-        self.keep: Optional[torch.Tensor] = None     # the restored tensor, until every handle unpacked it
-        # Written straight from device memory (CPU device, nvme; ``head`` is not None): the body
-        # (from the first page boundary on) goes to ``key`` from the tensor itself, which
-        # ``held`` keeps alive until the write is durable; the ``head`` bytes before that
-        # boundary go through a one-page range of the pool (``host``) to ``head_key``.
-        self.head: Optional[int] = None
-        self.head_key: Optional[str] = None
-        self.held: Optional[torch.Tensor] = None
-
-    def __del__(self):
-        # the last handle is gone: the graph that saved it was freed (backward, or dropped)
-        try:
-            self.owner._retire(self)
-        except Exception:   # noqa: BLE001 - interpreter shutdown: nothing left to return
-            pass
 
 
 class ActivationOffload:
@@ -210,22 +107,21 @@ class ActivationOffload:
         # locked section of this one: counters take a re-entrant lock, retired keys go
         # through a deque (atomic appends) and are settled under the lock later.
         self._lock = threading.RLock()
-        self._free_keys: Dict[int, List[str]] = collections.defaultdict(list)
         self._retired = collections.deque()  # (keys, io, host, keep) of records whose last handle is gone
         self._draining: List[tuple] = []     # ... whose transfer was still in flight
-        self._reserved = collections.Counter()   # key size -> keys reserved
+        self._keys = SwapKeys(store) if store is not None else None   # NVMe keys of the copies
         self._param_storages: set = set()
         self._records: List[weakref.ref] = []        # this forward's records, pack order
         self._by_src: Dict[int, weakref.ref] = {}    # id(tensor) -> record (saved twice)
         self._copying = collections.deque()          # records with a D2H in flight (CUDA), oldest first
         self._writing = collections.deque()          # records with an NVMe write in flight
-        self._copying_in: Dict[int, _Saved] = {}     # nvme on CUDA: H2D in flight from a pool range, oldest first
+        self._copying_in: Dict[int, Saved] = {}     # nvme on CUDA: H2D in flight from a pool range, oldest first
         self._in_forward = False
         self._writing_bytes = 0
-        self._order: Optional[List[int]] = None      # expected unpack order (record indices)
+        self._order: Optional[List[int]] = None      # the last backward's unpack order (record indices)
         self._unpacked: List[int] = []               # this backward's unpack order
-        self._pos: Dict[int, int] = {}
-        self._cursor = 0
+        self._ahead = Lookahead("act_prefetch", telemetry)   # the order expected now, and its cursor
+        self._armed: Optional[int] = None            # records ``_ahead``'s order covers (None: not armed)
         self.device_bytes = 0               # offloaded tensors' bytes on the device held here
         self.host_bytes = 0                 # bytes of the pool's ranges lent to host copies
         self.stats_ = collections.Counter()
@@ -240,7 +136,7 @@ class ActivationOffload:
         elif self._records:
             self._order = None
         self._records, self._by_src, self._unpacked = [], {}, []
-        self._pos, self._cursor = {}, 0
+        self._armed = None
         with self._lock:
             self._settle_retired()                   # the last graph's ranges and keys come back
         if self._window is not None:
@@ -279,15 +175,15 @@ class ActivationOffload:
             self.stats_["saved_twice"] += 1
             rec.handles += 1
             return rec                               # the same tensor again: one copy
-        layout = _layout(t.shape, t.stride())
+        layout = layout_of(t.shape, t.stride())
         if layout == "overlapping":
             return NOT_MINE
         nbytes = t.numel() * t.element_size()
-        if (self._direct and layout == "dense" and nbytes - _direct_head(t) >= PAGE
+        if (self._direct and layout == "dense" and nbytes - direct_head(t) >= PAGE
                 and t.data_ptr() % t.element_size() == 0):
             return self._pack_direct(t, nbytes)
         host = self._lend(nbytes, t)                 # a range of the budgeted pool (may wait, bounded)
-        rec = _Saved(self, len(self._records), t, layout == "dense", host)
+        rec = Saved(self, len(self._records), t, layout == "dense", host)
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         with self.telemetry.span("offload::act_d2h", "act_" + dev.link(t.device, _HOST), rec.nbytes):
@@ -308,16 +204,16 @@ class ActivationOffload:
         self._pump()
         return rec
 
-    def _pack_direct(self, t: torch.Tensor, nbytes: int) -> _Saved:
+    def _pack_direct(self, t: torch.Tensor, nbytes: int) -> Saved:
         """CPU device, nvme: host and device are one memory, so a copy to the pool would only
         cost a memcpy and RSS. The tensor's bytes from its first page boundary on are written
         to NVMe straight from the tensor (O_DIRECT needs page-aligned memory), which is held
         (device bytes, within the write window) until the write is durable; the few bytes
         before that boundary go through a one-page range of the pool. The mirror of
         backward's read straight into device memory."""
-        head = _direct_head(t)
+        head = direct_head(t)
         host = self._lend(PAGE, t) if head else None
-        rec = _Saved(self, len(self._records), t, True, host)
+        rec = Saved(self, len(self._records), t, True, host)
         rec.head, rec.held = head, t
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
@@ -374,7 +270,7 @@ class ActivationOffload:
         while self._writing and (self._writing[0].wio is None or self._writing[0].wio.done()):
             self._finish_write(self._writing[0])
 
-    def _write(self, rec: _Saved) -> None:
+    def _write(self, rec: Saved) -> None:
         if self.tier != "nvme":
             return
         if rec.head is not None:                     # straight from device memory: body, head page
@@ -385,7 +281,7 @@ class ActivationOffload:
                 if rec.head:
                     rec.head_key = self._take_key(PAGE)
                     ios.append(self.store.write(rec.head_key, rec.host.view(torch.uint8, PAGE)))
-            rec.wio = _Transfers(ios)
+            rec.wio = Transfers(ios)
             rec.state = SavedState.WRITING
             self._writing.append(rec)
             self._writing_bytes += rec.nbytes
@@ -397,13 +293,13 @@ class ActivationOffload:
         self._writing.append(rec)
         self._writing_bytes += rec.nbytes
 
-    def _finish_write(self, rec: _Saved) -> None:
+    def _finish_write(self, rec: Saved) -> None:
         """The oldest write: dequeue it, waiting for it unless a fetch already did."""
         self._writing.popleft()
         if rec.wio is not None:
             self._complete_write(rec)
 
-    def _complete_write(self, rec: _Saved, stage: bool = False) -> None:
+    def _complete_write(self, rec: Saved, stage: bool = False) -> None:
         """Wait (bounded) for ``rec``'s write; it stays dequeued-later in ``_writing``. A
         record still WRITING goes ON_NVME and gives its host copy back, or with ``stage``
         keeps it (STAGED: a fetch about to copy it back). A direct write's device tensor is
@@ -421,7 +317,7 @@ class ActivationOffload:
         self._drop_host(rec)
         self._release_held(rec, counted=writing)
 
-    def _release_held(self, rec: _Saved, counted: bool = True) -> None:
+    def _release_held(self, rec: Saved, counted: bool = True) -> None:
         """A direct write is durable: the device tensor it was written from is autograd's
         again (freed unless something else holds it; ``counted``: its device bytes were
         still counted here). Its bytes must be what was saved: a tensor modified in place
@@ -523,7 +419,7 @@ class ActivationOffload:
             "offload_activations.device to nvme (host copies go on to NVMe as the pool fills), raise "
             "offload_activations.min_bytes, or checkpoint activations (torch.utils.checkpoint)")
 
-    def _drop_host(self, rec: _Saved) -> None:
+    def _drop_host(self, rec: Saved) -> None:
         """The host copy's range goes back to the pool (no transfer uses it any more)."""
         host, rec.host = rec.host, None
         if host is not None:
@@ -535,28 +431,11 @@ class ActivationOffload:
         with self._lock:
             self.host_bytes -= n
 
-    # ---- NVMe keys -----------------------------------------------------------------------------
-    @staticmethod
-    def _key_size(nbytes: int) -> int:
-        return -(-max(nbytes, 1) // 4096) * 4096
-
+    # ---- retired records: their ranges and keys back ------------------------------------------
     def _take_key(self, nbytes: int) -> str:
-        """A free NVMe key of this size; none free: reserve as many again as this size has
-        (sizes repeat per layer, so a step's keys take a few swap files, once)."""
-        size = self._key_size(nbytes)
         with self._lock:
             self._settle_retired()
-            free = self._free_keys[size]
-            if free:
-                return free.pop()
-            n = max(1, self._reserved[size])
-            base = sum(self._reserved.values())
-            names = [f"a{base + j}" for j in range(n)]
-            self._reserved[size] += n
-        self.store.reserve({k: size for k in names})
-        with self._lock:
-            self._free_keys[size].extend(names[1:])
-        return names[0]
+        return self._keys.take(nbytes)
 
     def _settle_retired(self) -> None:   # lock held; on the engine's thread
         while self._retired:
@@ -565,14 +444,14 @@ class ActivationOffload:
         for keys, io, host, keep in self._draining:
             if io is None or io.done():
                 for key, size in keys:
-                    self._free_keys[size].append(key)
+                    self._keys.give(key, size)
                 if host is not None:
                     self._give_back(host)
             else:
                 still.append((keys, io, host, keep))   # a transfer on a key / the range is still in flight
         self._draining = still
 
-    def _retire(self, rec: _Saved) -> None:
+    def _retire(self, rec: Saved) -> None:
         """The last handle of ``rec`` is gone: its pool range and NVMe key go back at the next
         ``_settle_retired`` (a finalizer may run inside the pool's own critical section, so it
         only queues them: deque appends are atomic)."""
@@ -581,7 +460,7 @@ class ActivationOffload:
                 self.device_bytes -= rec.nbytes
         keys = []
         if rec.key is not None:
-            keys.append((rec.key, self._key_size(rec.nbytes - (rec.head or 0))))
+            keys.append((rec.key, SwapKeys.size_of(rec.nbytes - (rec.head or 0))))
         if rec.head_key is not None:
             keys.append((rec.head_key, PAGE))
         if keys or rec.host is not None:
@@ -589,7 +468,7 @@ class ActivationOffload:
             self._retired.append((keys, rec.io or rec.wio, rec.host, (rec.direct, rec.held)))
 
     # ---- unpack: back to the device ------------------------------------------------------------
-    def unpack(self, rec: _Saved) -> torch.Tensor:
+    def unpack(self, rec: Saved) -> torch.Tensor:
         with self.telemetry.span("offload::act_unpack"):
             last = rec.last() if rec.last is not None else None
             if last is not None:                     # saved twice, still alive: the same tensor
@@ -601,41 +480,40 @@ class ActivationOffload:
                 self._unpacked.append(rec.index)
             self._reap_writes()
             if rec.state in (SavedState.READING, SavedState.STAGED, SavedState.COPYING_IN, SavedState.ON_DEVICE):
-                self.stats_["prefetch_hits"] += 1
+                self._expected().hit()
             else:
-                self.stats_["prefetch_misses"] += 1
-            self._advance(rec.index)
+                self._expected().miss()
+            self._expected().advance(rec.index)
             t = self._restore(rec)
             self._prefetch()
             return t
 
-    def _advance(self, index: int) -> None:
-        order = self._expected_order()
-        if not self._pos:
-            self._pos = {i: k for k, i in enumerate(order)}
-        k = self._pos.get(index)
-        if k is not None and k + 1 > self._cursor:
-            self._cursor = k + 1
-
-    def _expected_order(self) -> List[int]:
+    def _expected(self) -> Lookahead:
+        """The lookahead over this forward's records, armed with the order the last backward
+        used when it covered every record, else the reverse pack order (armed again, the
+        cursor kept, when records were saved since: an unpack before the forward ended)."""
         n = len(self._records)
-        if self._order is not None and len(self._order) == n:
-            return self._order
-        self._order = list(range(n - 1, -1, -1))
-        return self._order
+        if self._armed != n:
+            order = self._order if self._order is not None and len(self._order) == n else range(n - 1, -1, -1)
+            cursor = self._ahead.cursor if self._armed is not None else 0
+            self._ahead.set_order(order)
+            self._ahead.cursor = min(cursor, n)
+            self._armed = n
+        return self._ahead
+
+    def _ahead_bytes(self, i: int) -> int:
+        """What bringing record ``i`` back costs the window: none when there is nothing to
+        bring (its graph is gone, or it was unpacked and is still alive)."""
+        rec = self._records[i]() if i < len(self._records) else None
+        return 0 if rec is None or rec.last is not None else rec.nbytes
 
     def _prefetch(self) -> None:
         """Bring back the tensors ahead of the cursor, within ``lookahead_bytes`` on the device
         (and always the next one, however large: it is needed soonest)."""
-        order = self._expected_order()
-        ahead = 0
-        for i in order[self._cursor:]:
+        for i in self._expected().window(self._ahead_bytes, self.lookahead, first=True):
             rec = self._records[i]() if i < len(self._records) else None
             if rec is None or rec.last is not None:
                 continue
-            ahead += rec.nbytes
-            if ahead > self.lookahead and ahead > rec.nbytes:
-                break                                # the next one comes back even if larger
             if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
                 with self.telemetry.span("offload::act_prefetch"):
                     if not self._fetch(rec, wait=False):
@@ -645,7 +523,7 @@ class ActivationOffload:
             if rec.state is SavedState.STAGED:
                 self._to_device(rec)
 
-    def _fetch(self, rec: _Saved, wait: bool = True) -> bool:
+    def _fetch(self, rec: Saved, wait: bool = True) -> bool:
         """ON_HOST (or still COPYING_OUT / WRITING: the host copy is here) -> STAGED;
         ON_NVME -> READING (into a pool range; on the CPU device straight into device
         memory). Without ``wait``: False, nothing started, when the pool has no range now."""
@@ -677,7 +555,7 @@ class ActivationOffload:
         if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
             rec.direct = self._read_target(PAGE + rec.nbytes - rec.head)
             self._device_hold(rec.nbytes)
-            rec.io = _Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
+            rec.io = Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
                                  self.store.read(rec.head_key, rec.direct[:PAGE])])
             rec.state = SavedState.READING
             return True
@@ -714,14 +592,14 @@ class ActivationOffload:
         io.wait(0)                                   # raises its error, if any
         return late
 
-    def _staged(self, rec: _Saved) -> None:
+    def _staged(self, rec: Saved) -> None:
         if self._wait_io(rec.io, "read"):             # backward needed it before its read landed
             with self._lock:
                 self.stats_["late_reads"] += 1
         rec.io = None
         rec.state = SavedState.STAGED
 
-    def _to_device(self, rec: _Saved) -> None:
+    def _to_device(self, rec: Saved) -> None:
         """STAGED -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
         if rec.direct is not None:                    # CPU device, read from NVMe into device memory
             off = PAGE - rec.head if rec.head else 0   # a direct write's head page: the tensor starts in it
@@ -756,14 +634,14 @@ class ActivationOffload:
         elif self.tier == "nvme":
             self._copying_in[id(rec)] = rec          # its range comes back when the copy ends
 
-    def _empty_on_h2d(self, rec: _Saved, shape, stride) -> torch.Tensor:
+    def _empty_on_h2d(self, rec: Saved, shape, stride) -> torch.Tensor:
         """Device memory from the H2D stream's share of the caching allocator (device.py)."""
         if self._h2d is None:
             return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
         with torch.cuda.stream(self._h2d):
             return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
 
-    def _restore(self, rec: _Saved) -> torch.Tensor:
+    def _restore(self, rec: Saved) -> torch.Tensor:
         if rec.state in (SavedState.COPYING_OUT, SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
             self._fetch(rec)
         if rec.state is SavedState.READING:
@@ -806,7 +684,8 @@ class ActivationOffload:
                "device_bytes_peak": snap["peaks"].get("act_device_bytes", 0),
                "host_bytes_peak": snap["peaks"].get("act_host_bytes", 0),
                "host_pool_bytes": self.pool.capacity_bytes,
-               "prefetch": {"hits": c.get("prefetch_hits", 0), "misses": c.get("prefetch_misses", 0),
+               "prefetch": {"hits": snap["counters"].get("act_prefetch_hits", 0),
+                            "misses": snap["counters"].get("act_prefetch_misses", 0),
                             "before_durable": c.get("held_hits", 0), "late": c.get("late_reads", 0)},
                # seconds the engine's thread waited for NVMe: a pack for the writes ahead of it
                # (more than lookahead_bytes in flight), an unpack for its read ("late": reads
