@@ -212,31 +212,6 @@ OFFLOAD_API uint32_t offload_crc32c_sse42(uint32_t crc, const void *buf, size_t 
 OFFLOAD_API int offload_crc32c_hw(void);
 /* END AIO SECTION */
 
-/* ---- the CPU device's copy engine (native/copier.c) -------------------------------------- */
-/* One copy: the caller fills dst, src, nbytes and keeps the struct and both buffers alive
- * until offload_copy_wait returns; the engine fills the rest. */
-typedef struct offload_copy {
-    void *dst;
-    const void *src;
-    int64_t nbytes;
-    int64_t npieces;  /* out: pieces of 256 KiB */
-    int64_t next;     /* atomic: the next unclaimed piece */
-    int64_t finished; /* atomic: pieces copied */
-} offload_copy;
-typedef struct offload_copier offload_copier;
-/* Start the worker (SCHED_IDLE where the OS allows: offload_copier_idle says whether it runs so). */
-OFFLOAD_API int offload_copier_create(offload_copier **out);
-OFFLOAD_API int offload_copier_idle(offload_copier *c);
-/* Queue one copy; -EBUSY while the last one was not waited for. */
-OFFLOAD_API int offload_copier_submit(offload_copier *c, offload_copy *j);
-/* The copy complete on return: pieces not started are copied on the calling thread. */
-OFFLOAD_API void offload_copy_wait(offload_copier *c, offload_copy *j);
-/* Finishes a queued copy, stops the worker and frees the engine. */
-OFFLOAD_API void offload_copier_destroy(offload_copier *c);
-/* Copy nbytes now on torch's team (the main thread; up to 256 KiB: the calling thread),
- * streaming stores: 0; 1 when called where that team is not the caller's (nothing copied). */
-OFFLOAD_API int offload_copy_now(void *dst, const void *src, int64_t nbytes);
-
 #ifdef __cplusplus
 }
 #endif

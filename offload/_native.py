@@ -353,12 +353,6 @@ def _declare_aio(lib: ctypes.CDLL) -> None:
     lib.offload_aio_done.argtypes, lib.offload_aio_done.restype = [ctypes.POINTER(IoReq)], i32
     lib.offload_aio_stats_get.argtypes, lib.offload_aio_stats_get.restype = [vp, ctypes.POINTER(AioStats)], i32
     lib.offload_aio_destroy.argtypes, lib.offload_aio_destroy.restype = [vp], None
-    lib.offload_copier_create.argtypes, lib.offload_copier_create.restype = [ctypes.POINTER(vp)], i32
-    lib.offload_copier_idle.argtypes, lib.offload_copier_idle.restype = [vp], i32
-    lib.offload_copier_submit.argtypes, lib.offload_copier_submit.restype = [vp, ctypes.POINTER(CopyJob)], i32
-    lib.offload_copy_wait.argtypes, lib.offload_copy_wait.restype = [vp, ctypes.POINTER(CopyJob)], None
-    lib.offload_copier_destroy.argtypes, lib.offload_copier_destroy.restype = [vp], None
-    lib.offload_copy_now.argtypes, lib.offload_copy_now.restype = [vp, vp, i64], i32
     for name in ("offload_crc32c", "offload_crc32c_table", "offload_crc32c_sse42"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [u32, vp, sz], u32
     lib.offload_crc32c_hw.argtypes, lib.offload_crc32c_hw.restype = [], i32
@@ -409,45 +403,6 @@ def aio_stats(engine: int) -> AioStats:
 def aio_destroy(engine: int) -> None:
     """Finishes every queued request, then frees the engine."""
     lib().offload_aio_destroy(engine)
-
-
-class CopyJob(ctypes.Structure):
-    """Mirror of offload_copy (native/offload_native.h): one copy of the CPU device's copy
-    engine (native/copier.c). The struct and both buffers stay alive until ``copy_wait``."""
-    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("nbytes", ctypes.c_int64),
-                ("npieces", ctypes.c_int64), ("next", ctypes.c_int64), ("finished", ctypes.c_int64)]
-
-
-def copier_create() -> tuple[int, bool]:
-    """Start the copy engine's worker; returns (handle, whether it runs under SCHED_IDLE)."""
-    L = lib()
-    handle = ctypes.c_void_p()
-    _check_errno(L.offload_copier_create(ctypes.byref(handle)), "offload_copier_create")
-    return handle.value, bool(L.offload_copier_idle(handle.value))
-
-
-def copier_submit(copier: int, job: CopyJob) -> None:
-    _check_errno(lib().offload_copier_submit(copier, ctypes.byref(job)), "offload_copier_submit")
-
-
-def copy_wait(copier: int, job: CopyJob) -> None:
-    """The copy complete on return (pieces not started are copied on the calling thread)."""
-    lib().offload_copy_wait(copier, ctypes.byref(job))
-
-
-def copier_destroy(copier: int) -> None:
-    lib().offload_copier_destroy(copier)
-
-
-def copy_now(L: ctypes.CDLL, dst: int, src: int, nbytes: int) -> bool:
-    """Copy nbytes from src to dst now on torch's own team with streaming stores (up to
-    256 KiB: on the calling thread; native/copier.c); False, having copied nothing, where a
-    larger copy's calling thread is not that team's master (not the main thread, inside a
-    parallel region, or the kernels' thread count not torch's): the caller copies. Releases
-    the GIL."""
-    rc = L.offload_copy_now(dst, src, nbytes)
-    _check_errno(rc, "offload_copy_now")
-    return rc == 0
 
 
 def crc32c(address: int, nbytes: int, crc: int = 0, *, table: bool = False, sse42: bool = False) -> int:

@@ -86,16 +86,16 @@ def run(argv):
         assert len(eng.blocks[TARGET].state.chunks) > 1
         key = eng.blocks[TARGET].state.chunks[1].key
     if stage in ("state read", "stall"):
-        break_io(eng._store, key, "read", stall=stage == "stall")
+        break_io(eng.resources.store("optimizer"), key, "read", stall=stage == "stall")
     elif stage == "state write":
-        break_io(eng._store, key, "write")
+        break_io(eng.resources.store("optimizer"), key, "write")
     elif stage == "gradient park":     # clipping: the window's sum waits on NVMe for step()
-        break_io(eng._store, f"b{TARGET}.grad", "write")
+        break_io(eng.resources.store("optimizer"), f"b{TARGET}.grad", "write")
     elif stage == "parameter read":
-        break_io(eng._param_store, f"b{TARGET}.param", "read")
+        break_io(eng.resources.store("params"), f"b{TARGET}.param", "read")
     elif stage == "parameter write-back" and prm == "nvme":
         # with prefetch the third step's update keeps the block staged (the trace is known)
-        break_io(eng._param_store, f"b{TARGET}.param", "write", after=0 if noprefetch else 2)
+        break_io(eng.resources.store("params"), f"b{TARGET}.param", "write", after=0 if noprefetch else 2)
     elif stage == "parameter write-back":
         real = BlockParams.write_home
 
@@ -166,8 +166,8 @@ def run(argv):
     if eng.param_offload is not None:
         eng.param_offload.wait_writes()     # parameter write-backs in flight: their buffers come back
         out["kept"] = eng.param_offload.keeps_staged(TARGET)
-    out["in_use"] = {p.name: p.stats()["in_use_bytes"] for p in (eng._swap_pool, eng._param_write_pool)
-                     if p is not None}
+    out["in_use"] = {p.name: p.stats()["in_use_bytes"]
+                     for p in map(eng.resources.pool, ("offload-swap", "offload-param-write")) if p is not None}
     t0 = time.monotonic()
     try:
         eng.close()

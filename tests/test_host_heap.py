@@ -306,7 +306,7 @@ def test_engine_host_buffers_ask_for_huge_pages_on_a_cpu_device(tier, tmp_path):
             addresses = [block.grad.tensor.data_ptr(), block.state.chunks[0].acquire(timeout=10).data_ptr()]
         else:
             addresses = []
-            for pool in (eng._grad_pool, eng._swap_pool):
+            for pool in (eng.resources.pool("offload-grads"), eng.resources.pool("offload-swap")):
                 buf = pool.acquire(4096, timeout=10)
                 addresses.append(buf.view(torch.uint8, 4096).data_ptr())
                 buf.release()

@@ -79,17 +79,17 @@ def test_cpu_device_reads_parameters_where_they_are(param, opt, tmp_path):
     eng = offload.initialize(model, config)
     assert eng.device.type == "cpu"
     # the disk sees each transfer once where the store bypasses the page cache (not on tmpfs)
-    direct = param == "nvme" and eng._param_store.direct
+    direct = param == "nvme" and eng.resources.store("params").direct
     parts = [part for unit in eng.param_offload.params if unit is not None for part in unit.parts]
     where = {id(s.param): part for part in parts for s in part.layout.segments}
     # the mappings the gradient buffers are lent from (a copy into one lands a gradient)
-    grad_memory = {m.data.data_ptr() for pool in (eng._host_pool, eng._grad_pool) if pool is not None
+    grad_memory = {m.data.data_ptr() for pool in (eng.resources.pool("offload-host"), eng.resources.pool("offload-grads")) if pool is not None
                    for m in pool._memory}
     assert len(where) == len(list(model.parameters()))    # every parameter is offloaded
 
     # where each key's latest NVMe read landed: (address, bytes) of its destination
     landed = {}
-    for store in (eng._param_store,) if param == "nvme" else ():
+    for store in (eng.resources.store("params"),) if param == "nvme" else ():
         read = store.read
 
         def spy(key, dst, read=read):

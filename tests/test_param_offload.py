@@ -250,7 +250,7 @@ def _wide_run(tmp_path, base, xs, prefetch):
                                               prefetch={"enabled": prefetch},
                                               offload_param={"device_budget_bytes": 2 * (block + 4096)}))
     events = []                                   # ("read", block) / ("use", block), in order
-    store, po = eng._param_store, eng.param_offload
+    store, po = eng.resources.store("params"), eng.param_offload
     real_read, real_materialize = store.read, po.materialize
 
     def read(key, *a, **k):
@@ -383,7 +383,7 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
     block = (64 * 64 + 64) * 4
     eng = offload.initialize(clone(base), cfg(tmp_path, "nvme", opt="cpu", prefetch={"enabled": prefetch},
                                               offload_param={"device_budget_bytes": 2 * (block + 4096)}))
-    store = eng._param_store
+    store = eng.resources.store("params")
     pending, early, served_in_flight, read_after_write = {}, [], [0], [0]
     offloaded = [bp for bp in eng.param_offload.params if bp is not None]
     gated = {p.key for bp in (offloaded[0], offloaded[-1]) for p in bp.parts}

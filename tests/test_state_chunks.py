@@ -76,9 +76,9 @@ def chunked_as_planned(eng):
     largest_chunk = max(c.nbytes for b in eng.blocks for c in b.state.chunks)
     assert largest_chunk <= CHUNK < max(b.state.nbytes for b in eng.blocks)
     swap = eng.plan.pool("offload-swap")
-    assert set(swap.slots) == {largest_chunk} and eng._swap_pool.capacity_bytes == swap.nbytes
+    assert set(swap.slots) == {largest_chunk} and eng.resources.pool("offload-swap").capacity_bytes == swap.nbytes
     assert {c.key for c in eng.blocks[0].state.chunks} == {f"b0.state.c{k}" for k in range(counts[0])}
-    assert set(eng._store.keys()) >= {c.key for b in eng.blocks for c in b.state.chunks}
+    assert set(eng.resources.store("optimizer").keys()) >= {c.key for b in eng.blocks for c in b.state.chunks}
     tok = eng.blocks[0].state.chunks
     assert tok[0].a == 0 and tok[-1].b == eng.blocks[0].state.numel and all(c.a % 4096 == 0 for c in tok)
 

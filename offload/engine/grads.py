@@ -14,13 +14,8 @@ queued (its memory is protected by ``record_stream``).
 
 Landing copies, also on a CPU device, and the caller frees autograd's tensor right after
 (engine.py): the buffer is allocated once, and autograd's next gradient reuses the memory
-just freed, still in cache. Keeping autograd's tensors until the update instead (read where
-they are, no copy) kept one fresh allocation per parameter alive through the step: glibc grew
-the heap for them in every backward and trimmed it as the updates freed them, 1,000-5,000
-page faults a backward, more than the copy costs. After a backward that left the cores idle,
-a CPU landing goes to the LandingCopier (engine/landing_copier.py) and its event joins
-``events`` like a CUDA copy's; otherwise the LandingCopier copies it inline (``land_now``:
-streaming stores on torch's team for 1 MiB or more).
+just freed, still in cache, where keeping autograd's tensors until the update would keep a
+fresh allocation per parameter alive through the step.
 
 Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
 ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
@@ -110,10 +105,8 @@ class GradBuffer:
     def complete(self) -> bool:
         return self.arrived == self.num_segments
 
-    def land(self, index: int, offset: int, grad: torch.Tensor, stream, copier=None) -> None:
-        """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``.
-        ``copier`` (a CPU device's LandingCopier, engine/landing_copier.py): a first landing
-        into a buffer of this object's own is copied there off this thread."""
+    def land(self, index: int, offset: int, grad: torch.Tensor, stream) -> None:
+        """Add parameter ``index``'s gradient (any device, any float dtype) at ``offset``."""
         flat = grad.detach().reshape(-1)
         if self._parking is not None:
             self._wait_parking()                      # the park of the last micro-step first
@@ -122,15 +115,7 @@ class GradBuffer:
         dst = self.tensor[offset:offset + flat.numel()]
         if not self._seen[index]:
             if dst.device == flat.device:
-                own = self._loan is None and self._device is None   # not a pool's, not transient
-                if copier is None:
-                    dst.copy_(flat)
-                elif not own:
-                    copier.land_now(dst, flat)
-                else:
-                    ev = copier.land(dst, flat)
-                    if ev is not None:
-                        self.events.append(ev)
+                dst.copy_(flat)
             else:
                 ev = dev.copy_to_host_async(dst, flat, stream)
                 if ev is not None:

@@ -16,6 +16,8 @@ import weakref
 
 from torch import nn
 
+from offload.params.homes import offloaded_bytes
+
 
 class EngineInUseError(RuntimeError):
     """A model's parameters are held by an open engine that cannot hand them over."""
@@ -40,7 +42,7 @@ def take_over(model: nn.Module) -> None:
         if other.closed or not any(id(p) in mine for p in other.module.parameters()):
             continue
         if other.param_offload is not None and not other._restore_wanted(None):
-            nbytes = other._offloaded_bytes()
+            nbytes = offloaded_bytes(other.param_offload)
             raise EngineInUseError(
                 f"the model's parameters are held by another open engine, whose offloaded parameters "
                 f"({nbytes / 2**30:.2f} GiB) do not fit in host memory to be handed back to the model: save what it "

@@ -52,7 +52,7 @@ import socket
 import time
 import warnings
 import zlib
-from typing import Dict
+from typing import Callable, ContextManager, Dict, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -71,6 +71,53 @@ class CheckpointError(RuntimeError):
 class CheckpointIOError(OSError):
     """Reading or writing a checkpoint file failed: names the operation, the path, the block
     (for a block file) and the errno."""
+
+
+class Subject(Protocol):
+    """What a checkpoint saves and loads of a live engine, as the engine lends it
+    (engine/checkpoint_view.py); this module and origin.py touch nothing else of it.
+
+    Facts read: ``comm`` (rank, world size, collectives), ``telemetry``, ``module``,
+    ``optimizer`` (its param groups are saved and restored), ``scaler``, ``config``,
+    ``rule`` (the update rule's name), ``state_dtype``, ``stage``, ``weights`` (the base
+    the checkpoint refers to, io/loader.py), ``param_offload`` (offloaded frozen
+    parameters: ``read_frozen`` / ``write_frozen`` / ``frozen_ids`` / ``release_all``;
+    None without) and ``blocks`` (per block: ``index``, ``name``, ``layout``, ``shard``,
+    ``stepped``). Block state, parameters and gradients change only through the methods."""
+    comm: object
+    telemetry: object
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: object
+    config: object
+    rule: str
+    state_dtype: str
+    stage: int
+    weights: object
+    param_offload: object
+    blocks: Sequence
+
+    def counters(self) -> Tuple[int, int]:
+        """(global_step, micro_step)."""
+
+    def set_counters(self, global_step: int, micro_step: int) -> None: ...
+
+    def state_layout(self, i: int):
+        """Block ``i``'s StateLayout (optim/state_layout.py)."""
+
+    def read_state(self, i: int) -> ContextManager[Tuple[torch.Tensor, torch.Tensor]]:
+        """Block ``i``'s state buffer and its fp32 master view, held for the ``with``."""
+
+    def write_state(self, i: int, fill: Callable[[torch.Tensor, torch.Tensor], None], stepped: int) -> None:
+        """Overwrite block ``i``'s state: ``fill(buffer, master view)`` writes every byte;
+        the block has taken ``stepped`` updates."""
+
+    def write_params(self, i: int, mine: torch.Tensor, full: Callable[[], torch.Tensor]) -> None:
+        """Block ``i``'s parameters from the master: ``mine`` this rank's unpadded shard of
+        it, ``full()`` the whole unpadded flat (read only where the parameters need it)."""
+
+    def reset_grads(self) -> None:
+        """Discard every block's accumulated gradients."""
 
 
 def _io_error(op: str, path: str, exc: OSError, block=None, during: str = "save") -> CheckpointIOError:
@@ -130,9 +177,9 @@ class _SaveLock:
 
 
 # ---- saving -----------------------------------------------------------------------------
-def save(engine, path: str) -> str:
+def save(subject: Subject, path: str) -> str:
     """Every rank calls this with the same ``path`` (a directory all ranks can reach)."""
-    comm = engine.comm
+    comm = subject.comm
     path = os.path.abspath(os.fspath(path).rstrip("/"))
     parent = os.path.dirname(path)
     lock = _SaveLock(path)
@@ -162,21 +209,21 @@ def save(engine, path: str) -> str:
             except OSError as exc:
                 raise _io_error("creating the directory", tmp, exc) from exc
         comm.barrier("checkpoint save: directory created")
-        return _save_locked(engine, path, parent, tmp)
+        return _save_locked(subject, path, parent, tmp)
     finally:
         lock.release()
 
 
-def _save_locked(engine, path: str, parent: str, tmp: str) -> str:
-    comm = engine.comm
+def _save_locked(subject: Subject, path: str, parent: str, tmp: str) -> str:
+    comm = subject.comm
     try:
-        with engine.telemetry.span("offload::checkpoint_save"):
-            mine = _write_shards(engine, tmp)
+        with subject.telemetry.span("offload::checkpoint_save"):
+            mine = _write_shards(subject, tmp)
             shards = comm.gather_objects(mine, "checkpoint save: shard table")   # after every fsync
             if comm.rank != 0:
                 comm.barrier("checkpoint save: renamed")
                 return path
-            meta = _meta(engine, tmp, shards)
+            meta = _meta(subject, tmp, shards)
             _write_json(os.path.join(tmp, "meta.json"), meta)
             _fsync_dir(tmp)
         prev = path + ".prev"
@@ -198,31 +245,31 @@ def _save_locked(engine, path: str, parent: str, tmp: str) -> str:
     return path
 
 
-def _owned(engine, b) -> bool:
-    """Whether this rank saves block ``b``'s shard (stage 0: rank 0 saves whole blocks)."""
-    return engine.stage != 0 or engine.comm.rank == 0
+def _owned(subject: Subject) -> bool:
+    """Whether this rank saves its block shards (stage 0: rank 0 saves whole blocks)."""
+    return subject.stage != 0 or subject.comm.rank == 0
 
 
-def _write_shards(engine, tmp: str) -> list:
+def _write_shards(subject: Subject, tmp: str) -> list:
     """This rank's shard files, fsynced; returns their table rows."""
-    rank = engine.comm.rank
+    rank = subject.comm.rank
     rows = []
-    for b in engine.blocks:
-        if not _owned(engine, b):
+    for i, b in enumerate(subject.blocks):
+        if not _owned(subject):
             continue
         fname = f"block_{b.index:05d}.rank{rank}.bin"
         full = os.path.join(tmp, fname)
         try:
-            crc = _write_block(full, b)
+            crc = _write_block(full, subject, i)
         except CheckpointIOError:
             raise
         except OSError as exc:
             raise _io_error("writing the state", full, exc, block=b) from exc
         s0, s1 = b.shard
         rows.append({"block": b.index, "rank": rank, "start": s0, "end": s1, "file": fname, "crc32": crc,
-                     "layout": b.state.layout.describe()})
+                     "layout": subject.state_layout(i).describe()})
     if rank == 0:
-        keys, extra = _key_map(engine)
+        keys, extra = _key_map(subject)
         _save_pt(os.path.join(tmp, "extra.pt"), {"tensors": extra, "rng": _rng_state()})
     else:
         _save_pt(os.path.join(tmp, f"rng.rank{rank}.pt"), {"rng": _rng_state()})
@@ -243,54 +290,51 @@ def _save_pt(fname: str, obj) -> None:
         raise _io_error("writing", fname, OSError(errno_mod.EIO, str(exc))) from exc
 
 
-def _meta(engine, tmp: str, shards: list) -> dict:
+def _meta(subject: Subject, tmp: str, shards: list) -> dict:
     by_block: Dict[int, list] = {}
     for rows in shards:
         for r in rows:
             by_block.setdefault(r.pop("block"), []).append(r)
     blocks = []
-    for b in engine.blocks:
+    for b in subject.blocks:
         lay = b.layout
         blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "padded_numel": lay.padded_numel,
                        "stepped": b.stepped,
                        "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
                        "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
                                      "shape": list(s.shape)} for s in lay.segments]})
-    keys, _ = _key_map(engine, tensors=False)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    return {"format": FORMAT, "version": VERSION, "global_step": engine.global_step,
-            "micro_step": engine.micro_step, "scaler": engine.scaler.state_dict(),
-            "config": engine.config.to_dict(), "param_groups": groups, "blocks": blocks, "keys": keys,
-            "optimizer": {"rule": engine.rule.name, "state_dtype": engine.state_dtype,
-                          "hparams": engine.config.optimizer.hparams()},
-            "world_size": engine.comm.world, "zero_stage": engine.stage, **origin.record(engine)}
+    keys, _ = _key_map(subject, tensors=False)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in subject.optimizer.param_groups]
+    global_step, micro_step = subject.counters()
+    return {"format": FORMAT, "version": VERSION, "global_step": global_step,
+            "micro_step": micro_step, "scaler": subject.scaler.state_dict(),
+            "config": subject.config.to_dict(), "param_groups": groups, "blocks": blocks, "keys": keys,
+            "optimizer": {"rule": subject.rule, "state_dtype": subject.state_dtype,
+                          "hparams": subject.config.optimizer.hparams()},
+            "world_size": subject.comm.world, "zero_stage": subject.stage, **origin.record(subject)}
 
 
-def _write_block(fname: str, block) -> int:
-    """Write one block shard's state buffer (its StateLayout's bytes) to ``fname``; returns
-    its CRC32."""
-    st = block.state
-    buf = st.acquire()
-    try:
+def _write_block(fname: str, subject: Subject, i: int) -> int:
+    """Write block ``i``'s state buffer on this rank (its StateLayout's bytes) to ``fname``;
+    returns its CRC32."""
+    with subject.read_state(i) as (buf, _):
         data = buf.cpu().numpy().tobytes()
         crc = zlib.crc32(data)
         with open(fname, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    finally:
-        st.drop()
     return crc
 
 
-def _key_map(engine, tensors: bool = True):
+def _key_map(subject: Subject, tensors: bool = True):
     """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
-    where = {id(s.param): (b.index, s) for b in engine.blocks for s in b.layout.segments}
-    base = origin.base_keys(engine)
-    sd = engine.module.state_dict(keep_vars=True)
-    frozen = _frozen_values(engine, {id(v) for k, v in sd.items() if k not in base}) if tensors else {}
+    where = {id(s.param): (b.index, s) for b in subject.blocks for s in b.layout.segments}
+    base = origin.base_keys(subject)
+    sd = subject.module.state_dict(keep_vars=True)
+    frozen = _frozen_values(subject, {id(v) for k, v in sd.items() if k not in base}) if tensors else {}
     keys, extra = {}, {}
-    for k, v in engine.module.state_dict(keep_vars=True).items():
+    for k, v in subject.module.state_dict(keep_vars=True).items():
         if id(v) in where:
             bi, seg = where[id(v)]   # the segment's shape: an offloaded parameter may be a placeholder
             keys[k] = {"block": bi, "offset": seg.offset, "shape": list(seg.shape)}
@@ -303,10 +347,10 @@ def _key_map(engine, tensors: bool = True):
     return keys, extra
 
 
-def _frozen_values(engine, wanted=None) -> dict:
+def _frozen_values(subject: Subject, wanted=None) -> dict:
     """``id(param) -> value`` of the offloaded frozen parameters (read from their homes),
     only those in ``wanted`` (ids) when given: a part with none of them is not read."""
-    po = engine.param_offload
+    po = subject.param_offload
     return po.read_frozen(wanted) if po is not None else {}
 
 
@@ -345,12 +389,12 @@ def saved_optimizer(meta: dict) -> tuple:
     return (meta.get("config") or {}).get("optimizer", {}).get("type", "AdamW"), "fp32"
 
 
-def _check_optimizer(engine, meta: dict, path: str) -> None:
+def _check_optimizer(subject: Subject, meta: dict, path: str) -> None:
     rule, sd = saved_optimizer(meta)
-    if (rule, sd) != (engine.rule.name, engine.state_dtype):
+    if (rule, sd) != (subject.rule, subject.state_dtype):
         raise CheckpointError(
-            f"{path} holds {rule} optimizer state with state_dtype {sd}, but this engine runs {engine.rule.name} "
-            f"with state_dtype {engine.state_dtype}: set optimizer.type={rule!r} and optimizer.state_dtype={sd!r} to "
+            f"{path} holds {rule} optimizer state with state_dtype {sd}, but this engine runs {subject.rule} "
+            f"with state_dtype {subject.state_dtype}: set optimizer.type={rule!r} and optimizer.state_dtype={sd!r} to "
             f"resume it, or start a new run from its weights (offload.export_fp32, or initialize(weights=))")
 
 
@@ -487,18 +531,18 @@ def block_master(path: str, binfo: dict) -> torch.Tensor:
     return out
 
 
-def load(engine, path: str, rng: bool = True) -> None:
-    """``engine``'s state as of checkpoint ``path``; ``rng=False`` leaves the RNG states."""
+def load(subject: Subject, path: str, rng: bool = True) -> None:
+    """``subject``'s state as of checkpoint ``path``; ``rng=False`` leaves the RNG states."""
     path = resolve(path)
     meta = read_meta(path)
-    _check_optimizer(engine, meta, path)
-    if len(meta["blocks"]) != len(engine.blocks):
-        raise CheckpointError(f"{path} has {len(meta['blocks'])} blocks, the model has {len(engine.blocks)}: "
+    _check_optimizer(subject, meta, path)
+    if len(meta["blocks"]) != len(subject.blocks):
+        raise CheckpointError(f"{path} has {len(meta['blocks'])} blocks, the model has {len(subject.blocks)}: "
                               f"it was saved from a different model or block grouping")
-    with engine.telemetry.span("offload::checkpoint_load"):
-        if engine.param_offload is not None:
-            engine.param_offload.release_all()   # device copies would be stale
-        for b, binfo in zip(engine.blocks, meta["blocks"]):
+    with subject.telemetry.span("offload::checkpoint_load"):
+        if subject.param_offload is not None:
+            subject.param_offload.release_all()   # device copies would be stale
+        for i, (b, binfo) in enumerate(zip(subject.blocks, meta["blocks"])):
             lay = b.layout
             names = [s.name for s in lay.segments]
             if binfo["numel"] != lay.numel or [s["name"] for s in binfo["segments"]] != names:
@@ -508,50 +552,36 @@ def load(engine, path: str, rng: bool = True) -> None:
             e = max(s0, min(s1, lay.numel))                  # this rank's unpadded range [s0, e)
             got = []
 
-            def fill(buf, b=b, binfo=binfo):
-                _fill_state(path, binfo, b.state.layout, buf, s0, s1)
-                got.append(b.state.views(buf)[0][:e - s0].to("cpu", copy=True))   # this rank's master
-            b.state.overwrite(fill)
-            b.state.reclaim(block=True)
+            def fill(buf, master, i=i, binfo=binfo):
+                _fill_state(path, binfo, subject.state_layout(i), buf, s0, s1)
+                got.append(master[:e - s0].to("cpu", copy=True))   # this rank's master
+            subject.write_state(i, fill, stepped=binfo["stepped"])
             mine = got[0]
-            with torch.no_grad():
-                if b.params is not None and b.params.home_numel == s1 - s0:   # the home holds the shard
-                    home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
-                    home[:e - s0].copy_(mine)
-                    b.params.write_home(home)
-                else:
-                    master = mine if (s0, e) == (0, lay.numel) else block_master(path, binfo)
-                    if b.params is not None:  # offloaded: the home copy, in the compute dtype
-                        home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
-                        home[:lay.numel].copy_(master)
-                        b.params.write_home(home)
-                    else:
-                        b.param_flat[:lay.numel].copy_(master)
-            b.stepped = binfo["stepped"]
-            b.grad.reset_window()
+            subject.write_params(i, mine, lambda mine=mine, binfo=binfo, whole=(s0, e) == (0, lay.numel):
+                                 mine if whole else block_master(path, binfo))
+        subject.reset_grads()
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
-        sd = engine.module.state_dict(keep_vars=True)
-        offloaded = engine.param_offload.frozen_ids() if engine.param_offload is not None else set()
+        sd = subject.module.state_dict(keep_vars=True)
+        po = subject.param_offload
+        offloaded = po.frozen_ids() if po is not None else set()
         # buffers and the frozen parameters the model keeps go through the model's own
         # load_state_dict, as torch loads them: a module that resizes or converts what it
         # loads (its _load_from_state_dict / load_state_dict) does it here too
         rest = {k: _like(v, sd.get(k)) for k, v in extra["tensors"].items() if k not in sd or id(sd[k]) not in offloaded}
         if rest:
-            engine.module.load_state_dict(rest, strict=False)
+            subject.module.load_state_dict(rest, strict=False)
         if offloaded:
-            engine.param_offload.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items()
-                                               if k in sd and id(sd[k]) in offloaded})
-        origin.restore_base(engine, meta, path)
-        for g, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            po.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items() if k in sd and id(sd[k]) in offloaded})
+        origin.restore_base(subject, meta, path)
+        for g, saved in zip(subject.optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
                 g[k] = tuple(v) if isinstance(v, list) else v
-        engine.global_step = meta["global_step"]
-        engine.micro_step = meta["micro_step"]
-        engine.scaler.load_state_dict(meta["scaler"])
+        subject.set_counters(meta["global_step"], meta["micro_step"])
+        subject.scaler.load_state_dict(meta["scaler"])
         if not rng:
             return
-        rng_file = os.path.join(path, f"rng.rank{engine.comm.rank}.pt")
-        if engine.comm.rank and os.path.exists(rng_file):
+        rng_file = os.path.join(path, f"rng.rank{subject.comm.rank}.pt")
+        if subject.comm.rank and os.path.exists(rng_file):
             _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False)["rng"])
         else:
             _set_rng_state(extra["rng"])
@@ -600,37 +630,34 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def live_state_dict(engine) -> Dict[str, torch.Tensor]:
+def live_state_dict(subject: Subject) -> Dict[str, torch.Tensor]:
     """The same consolidated fp32 state_dict from a live engine (streams block by block).
     With ZeRO stages >= 1 across ranks this is a collective: every rank must call it."""
-    where = {id(s.param): (b, s) for b in engine.blocks for s in b.layout.segments}
-    frozen = _frozen_values(engine)
+    where = {id(s.param): (i, s) for i, b in enumerate(subject.blocks) for s in b.layout.segments}
+    frozen = _frozen_values(subject)
     out = {}
     by_block: Dict[int, list] = {}
-    for k, v in engine.module.state_dict(keep_vars=True).items():
+    for k, v in subject.module.state_dict(keep_vars=True).items():
         if id(v) in where:
-            b, s = where[id(v)]
-            by_block.setdefault(b.index, []).append((k, s))
+            i, s = where[id(v)]
+            by_block.setdefault(i, []).append((k, s))
         else:
             t = frozen[id(v)] if id(v) in frozen else v.detach().to("cpu", copy=True)
             out[k] = t.float() if t.is_floating_point() else t
-    for b in engine.blocks:
-        items = by_block.get(b.index)
+    comm = subject.comm
+    for i, b in enumerate(subject.blocks):
+        items = by_block.get(i)
         if not items:
             continue
-        buf = b.state.acquire()
-        try:
-            mine = b.state.views(buf)[0]
+        with subject.read_state(i) as (_, mine):
             master, base = mine, b.shard[0]
-            if engine.comm.active and engine.stage >= 1:   # a collective: every rank calls it
+            if comm.active and subject.stage >= 1:   # a collective: every rank calls it
                 master, base = torch.empty(b.layout.padded_numel), 0
-                engine.comm.all_gather(master, mine.to("cpu").contiguous(), f"full_state_dict of block {b.index}")
+                comm.all_gather(master, mine.to("cpu").contiguous(), f"full_state_dict of block {b.index}")
             for k, s in items:
                 a = s.offset - base
                 out[k] = master[a:a + s.numel].to("cpu", copy=True).view(s.shape)
-        finally:
-            b.state.drop()
-    sd_order = list(engine.module.state_dict().keys())
+    sd_order = list(subject.module.state_dict().keys())
     return {k: out[k] for k in sd_order}
 
 

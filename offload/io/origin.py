@@ -53,9 +53,9 @@ def _can_generate(model) -> bool:
         return False
 
 
-def record(engine) -> dict:
-    """The "hf" and "base" fields of a checkpoint of ``engine``."""
-    model = engine.module
+def record(subject) -> dict:
+    """The "hf" and "base" fields of a checkpoint of ``subject`` (io/checkpoint.py ``Subject``)."""
+    model = subject.module
     hf = hf_model(model)
     config = json.loads(hf.config.to_json_string(use_diff=False)) if hf is not None else None
     gen = getattr(hf, "generation_config", None) if hf is not None and _can_generate(hf) else None
@@ -66,7 +66,7 @@ def record(engine) -> dict:
         if isinstance(pc, dict) and pc:
             peft = {name: _jsonable(c.to_dict() if hasattr(c, "to_dict") else dict(vars(c))) for name, c in pc.items()}
             break
-    loader = engine.weights
+    loader = subject.weights
     source = loader.files.path if loader.files is not None else None
     aux = []
     if loader.files is not None:
@@ -79,9 +79,9 @@ def record(engine) -> dict:
             "base": {"files": files, "tensors": refs}}
 
 
-def base_keys(engine) -> set:
-    """state_dict keys a checkpoint of ``engine`` refers to instead of copying."""
-    return set(engine.weights.base_reference())
+def base_keys(subject) -> set:
+    """state_dict keys a checkpoint of ``subject`` refers to instead of copying."""
+    return set(subject.weights.base_reference())
 
 
 def _checksum_key(ref: dict) -> str:
@@ -125,16 +125,16 @@ def read_base_tensor(meta: dict, key: str, _headers: Optional[dict] = None) -> t
     return t
 
 
-def restore_base(engine, meta: dict, path: str) -> None:
-    """On load: verify the base a checkpoint refers to and give the engine's frozen
+def restore_base(subject, meta: dict, path: str) -> None:
+    """On load: verify the base a checkpoint refers to and give ``subject``'s frozen
     parameters its values (no read when the engine loaded the same bytes)."""
     refs = (meta.get("base") or {}).get("tensors", {})
     if not refs:
         return
     check_files(meta, path)
-    mine = engine.weights.base_reference()
-    sd = engine.module.state_dict(keep_vars=True)
-    po = engine.param_offload
+    mine = subject.weights.base_reference()
+    sd = subject.module.state_dict(keep_vars=True)
+    po = subject.param_offload
     offloaded = po.frozen_ids() if po is not None else set()
     headers: dict = {}
     homes = {}                            # offloaded frozen parameters: written to their homes

@@ -23,7 +23,7 @@ Where the copy goes depends only on the parameters' residency:
     compute stream waits for ``block.update_event`` before the next use;
   * resident fp32 parameters, or optimizer state on the device: ``out`` is None and the copy
     is taken from the fp32 master; on a CPU device with the state in host memory (tier cpu,
-    or none: the device's memory is the host's) the parameters are the master itself (engine
+    or none: the device's memory is the host's) the parameters are the master itself (engine/build.py
     ``_master_is_param``), so ``commit`` has nothing to copy.
 Offloaded parameters always get a ``target``, fp32 included: the CPU kernel writes the new
 values there in the pass that updates the master (a device-side update copies them there).
