@@ -260,6 +260,8 @@ class Engine:
         # (root name, root module, parts) per block root holding any
         self.frozen = blk.frozen_parts(model, config.blocks, self._frozen_dtype) \
             if self._param_home_device() != "none" else []
+        from offload.params import quantized
+        self._codecs = quantized.codecs(self.frozen, config.offload_param, self._frozen_dtype)  # id(part) -> codec
         from offload.io.loader import WeightLoader
         self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self._in_place = self._plan_in_place()   # id(frozen part) -> file ranges read in place
@@ -429,7 +431,9 @@ class Engine:
         from offload.engine.memory_plan import BlockSize
         return [BlockSize(name, lay.numel if lay is not None else 0,
                           tuple(self._frozen_part_bytes(p) for p in parts), self._param_pieces(lay),
-                          tuple(id(p) in self._in_place for p in parts))
+                          tuple(id(p) in self._in_place for p in parts),
+                          tuple(self._codecs[id(p)].nbytes if id(p) in self._codecs else self._frozen_part_bytes(p)
+                                for p in parts))
                 for name, _, lay, parts in self._unit_parts()]
 
     @staticmethod
@@ -460,6 +464,8 @@ class Engine:
         out = {}
         for _, _, parts in self.frozen:
             for part in parts:
+                if id(part) in self._codecs:       # stored quantized: its own bytes, not the checkpoint's
+                    continue
                 dtype = self._frozen_dtype(part.segments[0].param)
                 exts = self.weights.in_place_extents([s.param for s in part.segments], dtype)
                 if exts is None:
@@ -597,7 +603,7 @@ class Engine:
         swapped = {}                       # NVMe key -> bytes; frozen parts read in place have none
         for i, (unit, bp) in enumerate(zip(units, plan.blocks)):
             _, _, lay, parts = unit
-            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen))
+            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen_home))
             for key, (part, n) in zip(self._part_keys(i, unit), homes):
                 if id(part) not in self._in_place:
                     swapped[key] = n
@@ -629,17 +635,23 @@ class Engine:
         # or the model's own initialisation for a meta part
         self.weights.load([s.param for s in part.segments], frozen_reference=True)
         n, nbytes = part.padded_numel, self._frozen_part_bytes(part)
+        codec = self._codecs.get(id(part))     # stored quantized (params/quantized.py): its blob's bytes
+        nbytes = codec.nbytes if codec is not None else nbytes
+
+        def fill(buf):
+            if codec is not None:
+                return codec.fill(buf.view(torch.uint8, nbytes))
+            flat = buf.view(dtype, n)
+            _fill_flat(flat, part)
+            return flat
         if self._param_home_device() == "cpu":
-            home = self._param_home_pool.acquire(nbytes).view(dtype, n)
-            _fill_flat(home, part)
-            bp = BlockParams(part, dtype, self.device, home_buf=home)
+            home = fill(self._param_home_pool.acquire(nbytes))
+            bp = BlockParams(part, dtype, self.device, home_buf=home, codec=codec)
         else:
             bp = BlockParams(part, dtype, self.device, store=self._param_store, pool=self._param_stage_pool,
-                             key=f"b{i}.frozen{k}")
+                             key=f"b{i}.frozen{k}", codec=codec)
             with self._param_stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
-                flat = loan.view(dtype, n)
-                _fill_flat(flat, part)
-                bp.write_home(flat)
+                bp.write_home(fill(loan))
         bp.release_initial()
         return bp
 
@@ -1123,6 +1135,9 @@ class Engine:
             "comm_bytes": {k: self.comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
         })
         snap["peaks"]["host_pool"] = host_peak
+        if self._codecs:                       # frozen parts stored quantized: bytes and errors
+            from offload.params import quantized
+            snap["frozen_quant"] = quantized.stats(list(self._codecs.values()), self.config.offload_param.frozen_dtype)
         # each pool by its memory-plan name: capacity, and the most bytes lent at once (on a
         # CPU-only machine untouched slots are not resident: what offload plan's RSS terms compare with)
         snap["host_pools"] = {p.name: {k: p.stats()[k] for k in ("capacity_bytes", "peak_bytes")} for p in pools}
