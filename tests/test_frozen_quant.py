@@ -234,3 +234,100 @@ def test_bad_frozen_dtype_settings_are_named(section, match):
 def test_frozen_dtype_flag():
     cfg = offload.Config.from_flags(["--offload-param", "cpu", "--frozen-dtype", "nf4"])
     assert cfg.offload_param.frozen_dtype == "nf4"
+
+
+# ---- estimate / plan / Trainer / export ------------------------------------------------------------
+def wide_lora_llama():
+    """A LoRA Llama whose linear weights reach the default threshold (frozen_quant_min_numel)."""
+    import peft
+    import transformers
+    conf = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_estimate_equals_the_engines_quantized_pools(param, fmt, tmp_path, monkeypatch):
+    """The estimate of a LoRA model with frozen_dtype counts the quantized homes as the engine
+    allocates them (host pools and swap bytes), fewer than with the base in bf16."""
+    import tempfile
+    from offload.planner import estimate as est
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = wide_lora_llama()
+    spec = est.spec_from_module(model, precision="bf16", frozen_dtype=fmt)
+    r = est.placement_bytes(spec, "cpu", param, "bf16", buffer_count=2)
+    plain = est.placement_bytes(est.spec_from_module(model, precision="bf16"), "cpu", param, "bf16", buffer_count=2)
+    cfg = est.plan_config("cpu", param, "bf16", 2, frozen_dtype=fmt)
+    eng = offload.initialize(model, cfg)
+    tiers = eng.stats()["tier_bytes"]
+    link = 2 * 2 * spec.largest_block * est.BYTES_PER_PARAM["bf16"]
+    assert r.pinned - link == tiers["host"] and r.nvme == tiers["nvme"]
+    assert eng.stats()["frozen_quant"]["tensors"] > 0
+    tier = "pinned" if param == "cpu" else "nvme"
+    assert getattr(r, tier) < getattr(plain, tier)
+    eng.close()
+
+
+def test_estimate_cli_knows_frozen_dtype(tmp_path, capsys):
+    import json
+    from _cli import run
+    wide_lora_llama().base_model.model.config.save_pretrained(tmp_path)
+    got = {}
+    for fmt in ("compute", "nf4"):
+        code, out, _ = run(["estimate", "--hf-config", str(tmp_path), "--lora-rank", "4", "--frozen-dtype", fmt,
+                            "--json"], capsys)
+        assert code == 0
+        got[fmt] = {(p["optimizer"], p["param"]): p for p in json.loads(out)["placements"]}
+    assert got["nf4"]["cpu", "cpu"]["pinned"] < got["compute"]["cpu", "cpu"]["pinned"]
+    assert got["nf4"]["nvme", "nvme"]["nvme"] < got["compute"]["nvme", "nvme"]["nvme"]
+
+
+def test_choose_places_the_quantized_base_on_the_host_when_it_fits():
+    """The planner keeps a quantized base offloaded (never 'none', where nothing would be
+    quantized), on the host tier when it fits there (a small model: it does)."""
+    from offload.planner.choose import choose
+    c = choose(wide_lora_llama(), tokens=64, precision="bf16", frozen_dtype="nf4")
+    assert c.param == "cpu", c
+
+
+def test_trainer_offload_config_takes_frozen_dtype(tmp_path):
+    from transformers import TrainingArguments
+    from offload.hf.config import engine_config
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    cfg = engine_config({"offload_param": {"device": "cpu", "frozen_dtype": "nf4", "frozen_double_quant": True}}, args)
+    assert cfg.offload_param.frozen_dtype == "nf4" and cfg.offload_param.frozen_double_quant
+
+
+def test_merged_export_goes_into_the_dequantized_base(tmp_path):
+    """export_hf(peft="merged") of a run over an nf4 base merges the adapter into the base as
+    the engine held it (dequantized), and says so."""
+    from offload.io.export import merged_base_note
+    from safetensors.torch import load_file
+    model = wide_lora_llama()
+    ck = tmp_path / "base"
+    model.base_model.model.save_pretrained(ck)
+    ref = clone(model)
+    eng = offload.initialize(model, qcfg(tmp_path, "cpu", "nf4", frozen_quant_min_numel=1 << 16),
+                             weights=str(ck), key_map=lambda k: "base_model.model." + k)
+    x = torch.randint(0, 97, (2, 8))
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()
+    eng.save_checkpoint(str(tmp_path / "ck"))
+    trained = {k: v.clone() for k, v in eng.full_state_dict().items()}
+    eng.close()
+    out = offload.export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), peft="merged")
+    assert "dequantized nf4 base" in merged_base_note(str(tmp_path / "ck"))
+    sd = load_file(f"{out}/model.safetensors")
+    with torch.no_grad():
+        ref.load_state_dict({k: v for k, v in trained.items() if "lora_" in k}, strict=False)
+        for n, p in ref.named_parameters():
+            if not p.requires_grad and quantized.quantizes(p.shape, p.dtype, "nf4", 1 << 16):
+                p.copy_(quantized.round_trip(p.data, "nf4"))
+        want = ref.merge_and_unload().state_dict()
+    k = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(sd[k].float(), want[k].float(), atol=1e-2, rtol=0)
+    mlp = "model.layers.0.mlp.up_proj.weight"                       # no adapter: the dequantized base itself
+    assert torch.equal(sd[mlp], want[mlp])

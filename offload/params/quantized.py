@@ -342,3 +342,29 @@ def stats(parts, fmt: str) -> dict:
             "max_abs_error": max((t["max_abs_error"] for t in tensors.values()), default=0.0),
             "rel_rms_error": max((t["rel_rms_error"] for t in tensors.values()), default=0.0),
             "per_tensor": tensors}
+
+
+def round_trip(t: torch.Tensor, fmt: str, double_quant: bool = False) -> torch.Tensor:
+    """``t`` (CPU, 2-D) through the codec's quantization and back, in its own dtype: the
+    values a frozen tensor had while the engine trained over it (a merge into the base it
+    trained against, a plain reference)."""
+    t = t.detach()
+    if fmt == "int8":
+        return qz.dequantize_int8_rows(qz.quantize_int8_rows(t), t.dtype)
+    return qz.dequantize_nf4(qz.quantize_nf4(t, double_quant=double_quant), t.dtype)
+
+
+def round_trip_base_(model, offload_param) -> int:
+    """Replace, in place, every parameter of ``model`` the engine stores quantized under the
+    ``offload_param`` section (``quantizes``; for a LoRA base loaded alone: every one of its
+    tensors counts as frozen) by its ``round_trip`` values. Returns how many were replaced."""
+    fmt = getattr(offload_param, "frozen_dtype", "compute")
+    if fmt not in FORMATS:
+        return 0
+    n = 0
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            if quantizes(p.shape, p.dtype, fmt, offload_param.frozen_quant_min_numel) and p.device.type == "cpu":
+                p.copy_(round_trip(p, fmt, offload_param.frozen_double_quant))
+                n += 1
+    return n
