@@ -22,8 +22,8 @@ Quantization runs once, chunk by chunk over each tensor while its values are in 
 (``fill``; the loader streams the checkpoint part by part): NF4 blocks and int8 rows are
 independent, so the codes equal ``offload.quantize``'s of the whole tensor, and the double
 quantization runs over the whole tensor's absmax as ``quantize_nf4`` does. The same pass
-records each tensor's error (max abs, relative RMS) of its dequantized values in ``dtype``
-against the values quantized, for ``Engine.stats()``.
+records each tensor's quantization error (max abs, relative RMS) of its dequantized fp32
+values against the values quantized, for ``Engine.stats()``.
 
 Dequantization (``materialize``): on a CPU device the native kernels (``offload.quantize``)
 write straight into the new flat; on CUDA the blob is copied (a quarter of the bytes for nf4)
@@ -194,7 +194,8 @@ class QuantizedPart:
         t = self._int8(blob, sc)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            err.add(x[r0:r1], qz.dequantize_int8_rows(qz.Int8RowTensor(t.codes[r0:r1], t.absmax[r0:r1], self.dtype)))
+            err.add(x[r0:r1], qz.dequantize_int8_rows(qz.Int8RowTensor(t.codes[r0:r1], t.absmax[r0:r1], self.dtype),
+                                                      torch.float32))
         sc.max_abs_error, sc.rel_rms_error = err.result()
 
     def _fill_nf4(self, blob: torch.Tensor, sc: SegmentCode, flat: torch.Tensor) -> None:
@@ -216,7 +217,7 @@ class QuantizedPart:
             m = min(n, i + _CHUNK) - i
             sub = qz.NF4Tensor(packed[i // 2:i // 2 + (m + 1) // 2], restored[i // bs:i // bs + qz.nblocks_of(m)],
                                torch.Size((m,)), self.dtype, bs)
-            err.add(flat[i:i + m], qz.dequantize_nf4(sub))
+            err.add(flat[i:i + m], qz.dequantize_nf4(sub, torch.float32))
         sc.max_abs_error, sc.rel_rms_error = err.result()
 
     # ---- dequantize from a home ---------------------------------------------------------
@@ -300,11 +301,15 @@ class _Error:
         self.max_abs, self.sq_err, self.sq_ref = 0.0, 0.0, 0.0
 
     def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
-        r, d = ref.float().reshape(-1), got.float().reshape(-1)
-        diff = d - r
-        self.max_abs = max(self.max_abs, float(diff.abs().max()) if diff.numel() else 0.0)
-        self.sq_err += float(diff.double().square().sum())
-        self.sq_ref += float(r.double().square().sum())
+        """``got``: the dequantized fp32 values of ``ref`` (consumed)."""
+        if not ref.numel():
+            return
+        r = ref.reshape(-1).float()
+        d = got.reshape(-1).sub_(r)
+        lo, hi = torch.aminmax(d)
+        self.max_abs = max(self.max_abs, float(hi), -float(lo))
+        self.sq_err += float(torch.linalg.vector_norm(d)) ** 2      # fp32 with torch's cascaded sums
+        self.sq_ref += float(torch.linalg.vector_norm(r)) ** 2
 
     def result(self) -> Tuple[float, float]:
         return self.max_abs, (math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else 0.0)
