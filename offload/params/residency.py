@@ -130,7 +130,7 @@ class BlockParams:
         return _HOST_SIDE[self._loan.state]
 
     def _staged(self) -> torch.Tensor:
-        """The staged home copy (1-D, compute dtype) in the loan's buffer."""
+        """The staged home copy (1-D, compute dtype; a quantized part's blob bytes) in the loan's buffer."""
         try:
             buf = self._loan.acquire()
             return buf[:self.home_nbytes] if self.codec is not None else buf.view(self.dtype)[:self.home_numel]
