@@ -26,6 +26,8 @@ so the device budget is inside the RSS.
     python benchmarks/bench_scale.py                    # small shapes, about a minute
     python benchmarks/bench_scale.py --size 7b          # Llama-7B shape LoRA (writes ~13.4 GB)
     python benchmarks/bench_scale.py --size 2b          # the full fine-tune at hidden 2048, 10 and 40 layers
+    python benchmarks/bench_scale.py --size 7b --frozen-dtype nf4   # LoRA over the nf4 base in host memory
+                                                        # against the bf16 base from NVMe, in the same run
     offload bench scale [...]                           # the same
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ ROOT = os.path.dirname(HERE)
 SHAPES = {
     "small": dict(hidden=384, layers=6, inter=1024, vocab=4000, heads=6, kv=6),
     "7b": dict(hidden=4096, layers=32, inter=11008, vocab=32000, heads=32, kv=32),
+    "13b": dict(hidden=5120, layers=40, inter=13824, vocab=32000, heads=40, kv=40),
     "ft-small": dict(hidden=384, layers=8, inter=1024, vocab=4000, heads=6, kv=6),
     "ft-2b": dict(hidden=2048, layers=40, inter=5504, vocab=32000, heads=16, kv=16),
 }
@@ -242,9 +245,12 @@ eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.init
 load_s = time.perf_counter() - t0
 rss_load = _status()["VmHWM"]
 x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
-losses, times, step_reads = [], [], []
+losses, times, step_reads, step_waits = [], [], [], []
 for step in range(a["steps"]):
     read0 = eng.stats()["bytes"].get("nvme_read", 0)
+    # time the compute thread spends on parameters: fetches it waits for, and the prefetches it
+    # issues itself (a quantized base is dequantized there)
+    wait0 = sum(eng.stats().get("seconds", {}).get(k, 0.0) for k in ("param_fetch", "prefetch_h2d"))
     t0 = time.perf_counter()
     for _ in range(a["gas"]):                # step() closes each micro-step; the gas-th commits
         phase[0] = f"step {step} forward"
@@ -256,6 +262,8 @@ for step in range(a["steps"]):
     eng.synchronize()
     times.append(time.perf_counter() - t0)
     step_reads.append(eng.stats()["bytes"].get("nvme_read", 0) - read0)   # swap files and checkpoint
+    step_waits.append(sum(eng.stats().get("seconds", {}).get(k, 0.0) for k in ("param_fetch", "prefetch_h2d"))
+                      - wait0)
     losses.append(loss.item())
 st = eng.stats()
 out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
@@ -264,7 +272,8 @@ out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.b
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],
        "rss_after_load_bytes": rss_load, "rss_base_bytes": rss_base, "rss_build_peak_bytes": rss_build_peak,
-       "step_times": times, "step_nvme_read_bytes": step_reads,
+       "step_times": times, "step_nvme_read_bytes": step_reads, "step_param_wait_s": step_waits,
+       "frozen_quant": {k: v for k, v in st.get("frozen_quant", {}).items() if k != "per_tensor"},
        "source_bytes": st.get("source_bytes", 0), "stage_seconds": st.get("seconds", {}),
        "host_pools": st.get("host_pools", {})}
 phase[0] = "close"
@@ -284,11 +293,16 @@ print("RESULT " + json.dumps(out))
 
 
 def engine_config(run: dict) -> dict:
-    """The engine config of one run (the child trains with it; the planner predicts with it)."""
+    """The engine config of one run (the child trains with it; the planner predicts with it):
+    everything on NVMe unless the run names its homes (``optimizer_home`` / ``param_home``)
+    and how the frozen base is stored (``frozen_dtype``)."""
+    od, pd = run.get("optimizer_home", "nvme"), run.get("param_home", "nvme")
     return {"precision": "bf16", "optimizer": {"lr": run["lr"]},
             "gradient_clipping": run["clip"], "gradient_accumulation_steps": run["gas"],
-            "offload_optimizer": {"device": "nvme", "nvme_path": run["nvme"], "buffer_count": 2},
-            "offload_param": {"device": "nvme", "nvme_path": run["nvme"], "device_budget_bytes": run["budget"]},
+            "offload_optimizer": {"device": od, "nvme_path": run["nvme"] if od == "nvme" else None, "buffer_count": 2},
+            "offload_param": {"device": pd, "nvme_path": run["nvme"] if pd == "nvme" else None,
+                              "device_budget_bytes": run["budget"],
+                              "frozen_dtype": run.get("frozen_dtype", "compute")},
             "prefetch": {"host_lookahead_bytes": run["budget"]}}    # one budget staged ahead on the host
 
 
@@ -522,21 +536,78 @@ def nvme_need(s: dict, layers: int, full: bool) -> int:
 
 def shapes(size: str):
     """(LoRA shape, full fine-tune shape) of a --size."""
-    return SHAPES["7b" if size == "7b" else "small"], SHAPES["ft-2b" if size == "2b" else "ft-small"]
+    return SHAPES[size if size in ("7b", "13b") else "small"], SHAPES["ft-2b" if size == "2b" else "ft-small"]
 
 
-def disk_need(size: str) -> int:
-    """Bytes of disk a --size needs at its peak: the LoRA run, or the deep full fine-tune."""
+def disk_need(size: str, frozen_dtype: str = "compute") -> int:
+    """Bytes of disk a --size needs at its peak: the LoRA run, or the deep full fine-tune
+    (--frozen-dtype: the LoRA runs only)."""
     lora, ft = shapes(size)
     a = nvme_need(lora, lora["layers"], False) if size != "2b" else 0
-    b = nvme_need(ft, ft["layers"], True) if size != "7b" else 0
+    b = nvme_need(ft, ft["layers"], True) if size not in ("7b", "13b") and frozen_dtype == "compute" else 0
     return max(a, b)
+
+
+def frozen_compare(args, root: str, out: dict) -> dict:
+    """--frozen-dtype: LoRA over the base quantized in host memory (offload_param cpu) against
+    the bf16 base read from NVMe (in place from the checkpoint), the same shape, tokens,
+    batch and steps, each in a fresh process; the adapters' optimizer state in host memory in
+    both, so every NVMe read of a step is the base's. Steady state: the steps after the first."""
+    shape, _ = shapes(args.size)
+    tokens = args.tokens or (128 if args.size in ("7b", "13b") else 64)
+    steps = max(args.steps or 3, 2)
+    ck = os.path.join(root, "lora-ckpt")
+    t0 = time.perf_counter()
+    nbytes = write_checkpoint(ck, shape, shape["layers"])
+    print(f"wrote {nbytes / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t0:.1f} s", flush=True)
+    budget = args.budget_layers * layer_bytes(shape) + (1 << 20)   # the same device budget for both runs
+    runs = {}
+    for name, home, fmt in (("bf16_nvme", "nvme", "compute"), (f"{args.frozen_dtype}_host", "cpu", args.frozen_dtype)):
+        nv = os.path.join(root, f"nvme-{name}")
+        os.makedirs(nv)
+        run = {"hf": hf_config(shape, shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3, "clip": 0.0, "gas": 1,
+               "tokens": tokens, "steps": steps, "budget": budget, "ckpt": ck, "nvme": nv,
+               "optimizer_home": "cpu", "param_home": home, "frozen_dtype": fmt}
+        r = child(run, timeout=7200)
+        r["run"] = run
+        steady = slice(1, None)
+        r["steady"] = {"step_s": statistics.median(r["step_times"][steady]),
+                       "nvme_read_bytes_per_step": max(r["step_nvme_read_bytes"][steady]),
+                       "param_wait_s": statistics.median(r["step_param_wait_s"][steady])}
+        print(f"{name}: peak RSS {r['peak_rss_bytes'] / GIB:.2f} GiB, steady step {r['steady']['step_s']:.2f} s, "
+              f"param wait {r['steady']['param_wait_s']:.2f} s/step, NVMe read "
+              f"{r['steady']['nvme_read_bytes_per_step'] / 1e9:.3f} GB/step, losses "
+              f"{', '.join(f'{x:.4f}' for x in r['losses'])}, load {r['load_s']:.1f} s"
+              + (f", quantized base {r['frozen_quant'].get('home_bytes', 0) / GIB:.2f} GiB" if fmt != "compute" else ""),
+              flush=True)
+        out[name] = r
+        shutil.rmtree(nv, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(ck, ignore_errors=True)
+    a, b = out["bf16_nvme"], out[f"{args.frozen_dtype}_host"]
+    tag = f"{args.size}_{args.frozen_dtype}"
+    return {f"rss_{tag}_gib": b["peak_rss_bytes"] / GIB,
+            f"nvme_read_bytes_steady_{tag}": b["steady"]["nvme_read_bytes_per_step"],
+            f"no_steady_nvme_reads_{tag}": b["steady"]["nvme_read_bytes_per_step"] == 0,
+            f"param_wait_ratio_{tag}": (b["steady"]["param_wait_s"] / a["steady"]["param_wait_s"]
+                                        if a["steady"]["param_wait_s"] > 0 else None),
+            f"step_speedup_{tag}": a["steady"]["step_s"] / b["steady"]["step_s"],
+            f"loss_falling_{tag}": b["losses"][-1] < b["losses"][0],
+            "tokens": tokens, "budget_layers": args.budget_layers,
+            "bf16_nvme_read_bytes_per_step": a["steady"]["nvme_read_bytes_per_step"],
+            "bf16_param_wait_s": a["steady"]["param_wait_s"], "bf16_step_s": a["steady"]["step_s"]}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", choices=["small", "7b", "2b"], default="small",
-                   help="small: ~1 minute; 7b: Llama-7B LoRA (writes ~13.4 GB); 2b: full fine-tune at hidden 2048")
+    p.add_argument("--size", choices=["small", "7b", "13b", "2b"], default="small",
+                   help="small: ~1 minute; 7b: Llama-7B LoRA (writes ~13.4 GB); 13b: Llama-13B LoRA (writes ~26 GB); "
+                        "2b: full fine-tune at hidden 2048")
+    p.add_argument("--frozen-dtype", choices=["compute", "int8", "nf4"], default="compute",
+                   help="int8 / nf4: LoRA over the base stored so in host memory against the bf16 base from NVMe")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step of the LoRA runs (default 64, 128 at 7b+)")
+    p.add_argument("--budget-layers", type=int, default=4,
+                   help="--frozen-dtype: the device budget of both runs, in layers (on a CPU device it is in the RSS)")
     p.add_argument("--path", default=None, help="directory on the disk under test (default: a temp dir)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -557,14 +628,24 @@ def main(argv=None) -> int:
     depths = [int(d) for d in args.depths.split(",")] if args.depths else [shallow, deep]
     runs_lora = args.size != "2b" and args.only in (None, "lora")
     runs_ft = args.size != "7b" and args.only in (None, "full")
-    need = disk_need(args.size)
+    need = disk_need(args.size, args.frozen_dtype)
     print(f"free disk at {root}: {free / GIB:.1f} GiB; --size {args.size} needs about {need / GIB:.1f} GiB", flush=True)
     if need > 0.95 * free:
-        fit = [k for k in ("small", "2b", "7b") if disk_need(k) < 0.95 * free]
+        fit = [k for k in ("small", "2b", "7b", "13b") if disk_need(k, args.frozen_dtype) < 0.95 * free]
         print(f"not enough free disk for --size {args.size}: sizes that fit here: {', '.join(fit) or 'none'}")
         shutil.rmtree(root, ignore_errors=True)
         return 2
     out = {"size": args.size, "load_avg": os.getloadavg()[0]}
+    if args.frozen_dtype != "compute":
+        try:
+            out["frozen_dtype"] = args.frozen_dtype
+            out["claims"] = frozen_compare(args, root, out)
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+        out["load_avg_end"] = os.getloadavg()[0]
+        print(json.dumps(out))
+        return 0
     from offload.planner.plan import measure_profile
     from dataclasses import asdict
     t0 = time.perf_counter()

@@ -360,3 +360,20 @@ def test_finetune_optimizer_errors(base, capsys, argv, msg):
                         "--offload-optimizer", "cpu", *argv], capsys)
     lines = [ln for ln in err.splitlines() if ln.startswith("offload: error:")]
     assert code == 2 and len(lines) == 1 and msg in lines[0], err
+
+
+def test_lora_over_an_nf4_base_merges_into_the_dequantized_base(base, capsys, tmp_path):
+    """offload_param.frozen_dtype nf4 through finetune: the base trains stored quantized
+    (stats report it) and --merge merges into the dequantized base, saying so."""
+    cfg = tmp_path / "nf4.json"
+    cfg.write_text(json.dumps({"offload_optimizer": {"device": "cpu"},
+                               "offload_param": {"device": "cpu", "frozen_dtype": "nf4", "frozen_quant_min_numel": 1024}}))
+    out = tmp_path / "merged"
+    code, text, err = run(["finetune", base / "base", "--data", base / "code.txt", "--out", out, "--steps", 2,
+                           "--batch-size", 2, "--seq-len", 32, "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--merge",
+                           "--config", cfg, "--log-every", 0], capsys)
+    assert code == 0, err
+    assert "merged into the dequantized nf4 base" in text, text
+    assert summary(out)["stats"]["frozen_quant"]["tensors"] > 0
+    m = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in k for k in m.state_dict())

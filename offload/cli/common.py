@@ -4,6 +4,7 @@ nearest flag, byte formatting, the engine-stats summary and the model arguments 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import List
 
@@ -75,6 +76,9 @@ def model_spec(args, default_gpt: bool = False):
     if lora is not None and trainable is not None:
         raise CLIError("give --lora-rank or --trainable-params, not both")
     in_place = getattr(args, "frozen_in_place", False)
+    frozen = getattr(args, "frozen_dtype", "compute") or "compute"
+    if frozen != "compute" and lora is None and trainable is None and args.model is None:
+        raise CLIError(f"--frozen-dtype {frozen} quantizes frozen parameters: give --lora-rank or --trainable-params too")
     if in_place and lora is None and trainable is None and args.model is None:
         raise CLIError("--frozen-in-place counts frozen parameters: give --lora-rank or --trainable-params too")
     if args.largest_layer is not None and args.params is None:
@@ -84,19 +88,21 @@ def model_spec(args, default_gpt: bool = False):
             raise CLIError("--lora-rank needs the model's modules: give --hf-config or --model "
                            "(with --params, give --trainable-params N)")
         model = lora_model(args)
-        return est.spec_from_module(model, args.hf_config or args.model, args.precision, in_place)
+        return est.spec_from_module(model, args.hf_config or args.model, args.precision, in_place, frozen)
     if args.params is not None:
         spec = est.spec_from_counts(args.params, args.largest_layer)
     elif args.hf_config is not None:
         spec = est.spec_from_hf_config(args.hf_config)
     elif args.model is not None:
-        spec = est.spec_from_callable(args.model, args.precision, in_place)
+        spec = est.spec_from_callable(args.model, args.precision, in_place, frozen)
     elif default_gpt:
         if trainable is not None:
             raise CLIError("--trainable-params needs the model: give --params, --hf-config or --model")
         return None
     else:
         raise CLIError("no model: give --params N [--largest-layer N], --hf-config PATH or --model pkg.mod:fn")
+    if frozen != "compute":
+        spec = dataclasses.replace(spec, frozen_dtype=frozen)
     return spec if trainable is None else est.with_trainable(spec, trainable, args.precision)
 
 
@@ -138,6 +144,9 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     f.add_argument("--frozen-in-place", action="store_true",
                    help="frozen weights are read in place from the checkpoint's safetensors files "
                         "(offload_param nvme with weights=): no swap-file copy of them")
+    f.add_argument("--frozen-dtype", default="compute", choices=("compute", "int8", "nf4"),
+                   help="frozen weights stored quantized in their home (offload_param.frozen_dtype): the host and "
+                        "NVMe bytes count the quantized base (default: %(default)s)")
     o = p.add_argument_group("the optimizer (its state's bytes per parameter)")
     o.add_argument("--optimizer", default="AdamW", choices=("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor"),
                    help="update rule (SGD counts a momentum buffer)")

@@ -24,6 +24,11 @@ def _export_hf(args) -> int:
     size = sum(os.path.getsize(os.path.join(out, f)) for f in files if os.path.isfile(os.path.join(out, f)))
     print(f"wrote {out}: {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}), "
           f"{fmt_bytes(size)}")
+    if args.peft == "merged":
+        from offload.io.export import merged_base_note
+        note = merged_base_note(args.checkpoint)
+        if note:
+            print(f"merged: {note}")
     return 0
 
 

@@ -83,7 +83,8 @@ def _placement(d: dict, args, spec_fields: dict, job) -> tuple:
     """(engine config dict, temporary NVMe dir or None): the user's placement, or the
     planner's when none is given (rank 0 measures and plans; every rank takes its choice)."""
     tmp = None
-    if not args.config and not any(k in d for k in _PLACEMENT):
+    frozen = (d.get("offload_param") or {}).get("frozen_dtype", "compute")   # --frozen-dtype: not a placement
+    if not args.config and not any((d.get(k) or {}).get("device") for k in _PLACEMENT):
         def plan() -> tuple:
             from transformers import AutoConfig, AutoModelForCausalLM
             import torch
@@ -96,12 +97,12 @@ def _placement(d: dict, args, spec_fields: dict, job) -> tuple:
                        rule=opt.get("type", "AdamW"), state_dtype=opt.get("state_dtype", "fp32"),
                        gradient_accumulation_steps=spec_fields.get("gradient_accumulation_steps", 1),
                        clipping=spec_fields.get("max_grad_norm", 1.0) > 0, nvme_path=args.nvme_path_for_plan,
-                       name=os.path.basename(os.path.normpath(args.model_dir)))
+                       name=os.path.basename(os.path.normpath(args.model_dir)), frozen_dtype=frozen)
             return c.optimizer, c.param, c.reason
         optimizer, param, reason = job.main_only("planning the placement", plan)
         job.say(f"placement (planner): --offload-optimizer {optimizer} --offload-param {param}: {reason}")
         d["offload_optimizer"] = {"device": optimizer}
-        d["offload_param"] = {"device": param}
+        d["offload_param"] = dict(d.get("offload_param") or {}, device=param)
     for tier in _PLACEMENT:
         sec = d.get(tier) or {}
         if sec.get("device") == "nvme" and not sec.get("nvme_path"):

@@ -50,6 +50,8 @@ _FLAGS = (
     ("--state-chunk-bytes", "offload_optimizer.state_chunk_bytes", "bytes",
      "optimizer state of larger blocks moves in chunks of this size (nvme)"),
     ("--device-budget", "offload_param.device_budget_bytes", "bytes", "peak offloaded param bytes on device"),
+    ("--frozen-dtype", "offload_param.frozen_dtype", str,
+     "compute | int8 | nf4: frozen parameters stored quantized in their home (dequantized on use)"),
     ("--aio-backend", "aio.backend", str, "native | portable"),
     ("--aio-block-size", "aio.block_size", "bytes", "I/O request size"),
     ("--aio-queue-depth", "aio.queue_depth", int, "I/O requests in flight"),

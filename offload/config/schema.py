@@ -26,6 +26,7 @@ from offload.dtypes import PRECISIONS, STATE_DTYPES
 
 
 TIER_DEVICES = ("none", "cpu", "nvme")
+FROZEN_DTYPES = ("compute", "int8", "nf4")   # offload_param.frozen_dtype
 
 
 def _check_choice(where: str, value, choices) -> None:
@@ -205,11 +206,32 @@ class OffloadParamConfig:
     # are read in place from the checkpoint's own files (verified, never written) instead of
     # being copied to the swap file; false copies them.
     frozen_in_place: bool = True
+    # How frozen parameters are stored in their home: "compute" (the kept dtype), or quantized
+    # ("int8" per row, "nf4" blocks of 64 as QLoRA) and dequantized into the compute dtype when
+    # their block visits the device (offload/params/quantized.py). Only 2-D frozen tensors of at
+    # least frozen_quant_min_numel elements are quantized: norms, biases, small tensors and
+    # every trainable parameter stay in the compute dtype.
+    frozen_dtype: str = "compute"
+    frozen_double_quant: bool = False   # nf4: the block scales themselves 8-bit (QLoRA's double quant)
+    frozen_quant_min_numel: int = 1 << 16
 
     def __post_init__(self):
         _check_finite(self, "offload_param.")
         _check_choice("offload_param.device", self.device, TIER_DEVICES)
         _check_positive("offload_param.device_budget_bytes", self.device_budget_bytes)
+        _check_choice("offload_param.frozen_dtype", self.frozen_dtype, FROZEN_DTYPES)
+        if not isinstance(self.frozen_double_quant, bool):
+            raise ConfigError(f"offload_param.frozen_double_quant={self.frozen_double_quant!r} must be true or false")
+        if self.frozen_double_quant and self.frozen_dtype != "nf4":
+            raise ConfigError(f"offload_param.frozen_double_quant quantizes nf4's block scales: set "
+                              f"offload_param.frozen_dtype to 'nf4' (it is {self.frozen_dtype!r}) or drop it")
+        if isinstance(self.frozen_quant_min_numel, bool) or not isinstance(self.frozen_quant_min_numel, int) \
+                or self.frozen_quant_min_numel < 0:
+            raise ConfigError(f"offload_param.frozen_quant_min_numel={self.frozen_quant_min_numel!r} must be an "
+                              f"integer >= 0 (elements below which a frozen tensor stays in the compute dtype)")
+        if self.frozen_dtype != "compute" and self.device == "none":
+            raise ConfigError(f"offload_param.frozen_dtype={self.frozen_dtype!r} stores frozen parameters quantized "
+                              f"in their offload home: set offload_param.device to 'cpu' or 'nvme'")
         if self.device == "nvme":
             _require_nvme_path("offload_param.nvme_path", self.nvme_path)
 

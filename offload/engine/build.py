@@ -104,6 +104,9 @@ class Builder:
                                          param_align=quant.BLOCK if state_dtype == "int8" else 1)
         self.frozen = blk.frozen_parts(module, config.blocks, lambda p: ph.frozen_dtype(p, dtype)) \
             if self.home_device != "none" else []
+        from offload.params import quantized
+        # id(frozen part) -> its codec, for the parts stored quantized (offload_param.frozen_dtype)
+        self.codecs = quantized.codecs(self.frozen, config.offload_param, lambda p: ph.frozen_dtype(p, dtype))
         self.units = ph.unit_parts(self.layouts, self.frozen)
 
     # ---- the plan ---------------------------------------------------------------------
@@ -120,7 +123,9 @@ class Builder:
         config = self.config
         sizes = [BlockSize(name, lay.numel if lay is not None else 0,
                            tuple(ph.frozen_part_bytes(p, self.dtype) for p in parts), param_pieces(lay),
-                           tuple(id(p) in self.in_place for p in parts))
+                           tuple(id(p) in self.in_place for p in parts),
+                           tuple(self.codecs[id(p)].nbytes if id(p) in self.codecs
+                                 else ph.frozen_part_bytes(p, self.dtype) for p in parts))
                  for name, _, lay, parts in self.units]
         avail = None                  # sizes the cpu activation pool when host_bytes is not set
         if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
@@ -150,6 +155,8 @@ class Builder:
         out = {}
         for _, _, parts in self.frozen:
             for part in parts:
+                if id(part) in self.codecs:        # stored quantized: its own bytes, not the checkpoint's
+                    continue
                 dtype = ph.frozen_dtype(part.segments[0].param, self.dtype)
                 exts = self.weights.in_place_extents([s.param for s in part.segments], dtype)
                 if exts is None:
@@ -213,7 +220,7 @@ class Builder:
             built.host_lookahead = mp.host_lookahead(cfg, budget)
             built.homes = ph.ParamHomes(config=cfg, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                         device=self.device, telemetry=self.telemetry, weights=self.weights,
-                                        plan=self.plan, units=self.units, in_place=self.in_place,
+                                        plan=self.plan, units=self.units, in_place=self.in_place, codecs=self.codecs,
                                         resources=resources, on_write_failure=on_param_write_failure)
         self._homes = built.homes
         self._blocks(built)

@@ -171,6 +171,7 @@ class Engine:
                                 rule=self.rule, state_dtype=self.state_dtype, optimizer=self.optimizer,
                                 telemetry=self.telemetry)
         self.layouts, self.frozen = builder.layouts, builder.frozen
+        self._codecs = builder.codecs     # id(frozen part) -> codec: the parts stored quantized
         from offload.io.loader import WeightLoader
         self.weights = WeightLoader(model, weights, key_map=key_map, init_fn=init_fn)   # checked before allocating
         self.plan = builder.plan_memory(self.weights)
@@ -477,7 +478,8 @@ class Engine:
                             module=self.module, counters=(self.global_step, self.micro_step),
                             grad_dtype=dtypes.grad_dtype(self.config.precision,
                                                          self.config.gradient_accumulation_steps),
-                            dtype=self.dtype)
+                            dtype=self.dtype, codecs=self._codecs,
+                            frozen_dtype=self.config.offload_param.frozen_dtype)
 
     def swap_dirs(self) -> Dict[str, str]:
         """The run directories of the NVMe swap stores in use ({"optimizer": ..., "params": ...})."""

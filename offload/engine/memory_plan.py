@@ -144,6 +144,8 @@ class BlockSize:
     params: Tuple[tuple, ...] = ()      # (offset, numel, shape, group) per parameter in the
                                         # block's flat (a per-tensor rule's state needs shapes)
     in_place: Tuple[bool, ...] = ()     # per frozen part: read in place from the checkpoint (no swap bytes)
+    frozen_home: Tuple[int, ...] = ()   # bytes of each frozen part at home when stored quantized
+                                        # (offload_param.frozen_dtype); empty: as ``frozen``
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,10 @@ class BlockPlan:
     state_bytes: int                    # this rank's optimizer state
     param_bytes: int                    # trainable part on the device (compute dtype, full flat)
     home_bytes: int                     # trainable part at home (the shard with ZeRO-3)
-    frozen: Tuple[int, ...]             # frozen parts, device bytes = home bytes
+    frozen: Tuple[int, ...]             # frozen parts on the device (compute dtype)
     state_chunks: Tuple[Tuple[int, int], ...] = ()   # element ranges of the state's chunks (state_chunks)
     chunk_bytes: Tuple[int, ...] = ()   # bytes of each chunk's state (one: state_bytes)
+    frozen_home: Tuple[int, ...] = ()   # frozen parts at home (quantized ones smaller than on the device)
 
     @property
     def device_bytes(self) -> int:
@@ -274,7 +277,8 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         sb = shard_state_bytes(config, s1 - s0, shp, rule, state_dtype) if b.numel else 0
         chunks = state_chunks(config, s1 - s0, shp, rule, state_dtype) if b.numel else ()
         cb = chunk_state_bytes(config, s1 - s0, chunks, shp, rule, state_dtype) if b.numel else ()
-        bps.append(BlockPlan((s0, s1), padded, gn, sb, padded * p, home * p, tuple(b.frozen), chunks, cb))
+        bps.append(BlockPlan((s0, s1), padded, gn, sb, padded * p, home * p, tuple(b.frozen), chunks, cb,
+                             tuple(b.frozen_home or b.frozen)))
     trained = [b for b in bps if b.padded_numel]
     oc, pc = config.offload_optimizer, config.offload_param
     grad_sizes = [b.grad_numel * gb for b in trained]
@@ -327,14 +331,14 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         largest = max(sizes)
         budget = budgets.device_budget(pc.device_budget_bytes, largest, working_set)
         device += budget
-        homes = [([b.home_bytes] if b.padded_numel else []) + list(b.frozen) for b in bps]
+        homes = [([b.home_bytes] if b.padded_numel else []) + list(b.frozen_home) for b in bps]
         if home == "cpu":
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:
             # frozen parts read in place live in the checkpoint's files, not in the swap file
             swapped = [([b.home_bytes] if b.padded_numel else [])
-                       + [f for f, ip in zip(b.frozen, s.in_place or (False,) * len(b.frozen)) if not ip]
+                       + [f for f, ip in zip(b.frozen_home, s.in_place or (False,) * len(b.frozen)) if not ip]
                        for b, s in zip(bps, blocks)]
             nvme["params"] = sum(_page(h) for hs in swapped for h in hs)
             pf = config.prefetch

@@ -16,7 +16,8 @@ from offload.optim.state import Tier
 
 
 def engine_stats(snap: dict, *, blocks, master_params, tier, param_offload, activations, resources, scaler, comm,
-                 stage: int, module, counters: tuple, grad_dtype: torch.dtype, dtype: torch.dtype) -> dict:
+                 stage: int, module, counters: tuple, grad_dtype: torch.dtype, dtype: torch.dtype,
+                 codecs=None, frozen_dtype: str = "compute") -> dict:
     """``snap`` (a telemetry snapshot) completed with the engine's figures; ``counters``:
     (global_step, micro_step); ``master_params``: indices of blocks whose parameters are
     views of the fp32 master (host pool bytes, not counted on the device twice)."""
@@ -45,6 +46,9 @@ def engine_stats(snap: dict, *, blocks, master_params, tier, param_offload, acti
         "comm_bytes": {k: comm.bytes.get(k, 0) for k in ("allreduce", "reduce_scatter", "allgather")},
     })
     snap["peaks"]["host_pool"] = res["host_peak"]
+    if codecs:                       # frozen parts stored quantized: bytes and errors
+        from offload.params import quantized
+        snap["frozen_quant"] = quantized.stats(list(codecs.values()), frozen_dtype)
     # on a CPU-only machine untouched slots are not resident: the peaks are what offload
     # plan's RSS terms compare with
     snap["host_pools"] = res["host_pools"]

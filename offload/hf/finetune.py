@@ -267,7 +267,7 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
 
     def write() -> dict:
         """Rank 0: the merge, the answers after training, the summary file."""
-        written = _finish_output(spec, tokenizer, say)
+        written = _finish_output(spec, tokenizer, say, trainer.offload_config.offload_param)
         after = _answers(lambda: _result_model(spec), tokenizer, questions, spec, None, "")
         if questions:
             say("held-out questions, greedy answers before -> after training:")
@@ -289,14 +289,21 @@ def _mode(spec: FinetuneSpec) -> str:
     return "full" if spec.lora is None else ("lora-merged" if spec.merge else "lora-adapter")
 
 
-def _finish_output(spec: FinetuneSpec, tokenizer, say) -> List[str]:
+def _finish_output(spec: FinetuneSpec, tokenizer, say, offload_param=None) -> List[str]:
     """The tokenizer beside the weights; with ``merge`` the adapter merged into a fresh copy of
     the base (written in place of the adapter), with ``merged_out`` that copy written there
-    and loaded back to check it."""
+    and loaded back to check it. A base trained over quantized (``offload_param.frozen_dtype``)
+    is merged into as the engine held it: dequantized."""
     if spec.merge or spec.merged_out:
         import peft
         from transformers import AutoModelForCausalLM
-        model = peft.PeftModel.from_pretrained(load_model(spec.model_dir), spec.out)
+        from offload.params import quantized
+        base = load_model(spec.model_dir)
+        n = quantized.round_trip_base_(base, offload_param) if offload_param is not None else 0
+        if n:
+            say(f"merge: the adapter is merged into the dequantized {offload_param.frozen_dtype} base the run "
+                f"trained over ({n} tensors through the {offload_param.frozen_dtype} codec), not the original weights")
+        model = peft.PeftModel.from_pretrained(base, spec.out)
         if spec.merged_out:
             probe = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.",
                                             add_special_tokens=False)["input_ids"]])

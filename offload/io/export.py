@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from offload.io import checkpoint, origin
+from offload.params import quantized
 from offload.io.hf import (INDEX_FILE, TensorSpec, WeightsError, canonical_key, peft_adapter_key, plan_shards,
                            read_header, shard_names, stale_weight_files, write_safetensors)
 
@@ -170,10 +171,14 @@ def _export_model(src: _Source, out_dir: str, max_shard_bytes: int, dtype, merge
         dt, shape = src.spec(k)
         specs.append(TensorSpec(out, dtype if (dtype is not None and dt.is_floating_point) else dt, shape))
     cfg = peft_cfg.get(adapter) or {}
+    base = quantized_base(meta) if merge else None
 
     def produce(spec: TensorSpec) -> torch.Tensor:
         k = names[spec.key]
         t = src.value(k)
+        if base is not None and ".modules_to_save." not in k \
+                and quantized.quantizes(t.shape, t.dtype, base.frozen_dtype, base.frozen_quant_min_numel):
+            t = quantized.round_trip(t, base.frozen_dtype, base.frozen_double_quant)   # as it trained
         if k in lora:
             t = _merge(t, src, lora[k], cfg)
         return _cast(t, spec.dtype if t.is_floating_point() else None)
@@ -196,6 +201,27 @@ def _export_model(src: _Source, out_dir: str, max_shard_bytes: int, dtype, merge
         if (meta.get("hf") or {}).get("architectures"):
             config["architectures"] = meta["hf"]["architectures"]
         _write_json(os.path.join(out_dir, "config.json"), config)
+
+
+def quantized_base(meta: dict):
+    """The offload_param section of a checkpoint whose PEFT base trained stored quantized
+    (``frozen_dtype`` int8 / nf4), else None: a merge goes into that base dequantized, the
+    weights the adapter was trained against (params/quantized.py ``round_trip``)."""
+    from offload.config.schema import OffloadParamConfig
+    sec = dict((meta.get("config") or {}).get("offload_param") or {})
+    if sec.get("frozen_dtype", "compute") not in quantized.FORMATS:
+        return None
+    sec["device"], sec["nvme_path"] = "cpu", None
+    return OffloadParamConfig(**sec)
+
+
+def merged_base_note(checkpoint_dir: str) -> Optional[str]:
+    """What ``export_hf(peft="merged")`` merged into, in words, when not the original base."""
+    base = quantized_base(_Source(os.fspath(checkpoint_dir)).meta)
+    if base is None:
+        return None
+    return (f"the adapter is merged into the dequantized {base.frozen_dtype} base it trained over "
+            f"(frozen_dtype {base.frozen_dtype}), not the original weights")
 
 
 def _merge(w: torch.Tensor, src: _Source, lo: dict, cfg: dict) -> torch.Tensor:

@@ -75,14 +75,14 @@ class ParamHomes:
     err)``: a trainable home's write-back failed after its job returned."""
 
     def __init__(self, *, config, stage: int, comm, dtype: torch.dtype, device: torch.device, telemetry,
-                 weights, plan, units: list, in_place: Dict[int, list], resources,
+                 weights, plan, units: list, in_place: Dict[int, list], codecs: Dict[int, object], resources,
                  on_write_failure: Callable[[int, BaseException], None]):
         self.device_kind = home_device(config, stage)
         if self.device_kind == "none":
             raise ValueError("ParamHomes without offloaded parameters")
         self._config, self._stage, self._comm = config, stage, comm
         self._dtype, self._device, self._telemetry = dtype, device, telemetry
-        self._weights, self._in_place = weights, in_place
+        self._weights, self._in_place, self.codecs = weights, in_place, codecs
         self._on_write_failure = on_write_failure
         self._store = self._stage_pool = self._write_pool = self._home_pool = self._source = None
         pc = config.offload_param
@@ -94,7 +94,7 @@ class ParamHomes:
         swapped = {}                       # NVMe key -> bytes; frozen parts read in place have none
         for i, (unit, bp) in enumerate(zip(units, plan.blocks)):
             _, _, lay, parts = unit
-            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen))
+            homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen_home))
             for key, (part, n) in zip(part_keys(i, unit), homes):
                 if id(part) not in in_place:
                     swapped[key] = n
@@ -155,17 +155,24 @@ class ParamHomes:
         # from the checkpoint (remembered as the base's origin, so checkpoints refer to it),
         # or the model's own initialisation for a meta part
         self._weights.load([s.param for s in part.segments], frozen_reference=True)
-        n, nbytes = part.padded_numel, part.padded_numel * dtype.itemsize
+        n = part.padded_numel
+        codec = self.codecs.get(id(part))     # stored quantized (params/quantized.py): its blob's bytes
+        nbytes = codec.nbytes if codec is not None else n * dtype.itemsize
+
+        def fill(buf):
+            if codec is not None:
+                return codec.fill(buf.view(torch.uint8, nbytes))
+            flat = buf.view(dtype, n)
+            fill_flat(flat, part)
+            return flat
         if self.device_kind == "cpu":
-            home = self._home_pool.acquire(nbytes).view(dtype, n)
-            fill_flat(home, part)
-            bp = BlockParams(part, dtype, self._device, home_buf=home)
+            home = fill(self._home_pool.acquire(nbytes))
+            bp = BlockParams(part, dtype, self._device, home_buf=home, codec=codec)
         else:
-            bp = BlockParams(part, dtype, self._device, store=self._store, pool=self._stage_pool, key=key)
+            bp = BlockParams(part, dtype, self._device, store=self._store, pool=self._stage_pool, key=key,
+                             codec=codec)
             with self._stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
-                flat = loan.view(dtype, n)
-                fill_flat(flat, part)
-                bp.write_home(flat)
+                bp.write_home(fill(loan))
         bp.release_initial()
         return bp
 

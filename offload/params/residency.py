@@ -79,8 +79,11 @@ WRITE_BACK = "parameter write-back"     # the stage named in the errors of a hom
 class BlockParams:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
                  store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None,
-                 wait_timeout_s: Optional[float] = None, on_failure=None):
+                 wait_timeout_s: Optional[float] = None, on_failure=None, codec=None):
         self.layout = layout
+        # a frozen part stored quantized (params/quantized.py): the home holds its codec's
+        # blob, the device copy is the flat of ``dtype`` values it dequantizes to
+        self.codec = codec
         self.dtype = dtype
         self.device = device
         self.numel = layout.padded_numel  # the device copy: the full flat
@@ -88,7 +91,7 @@ class BlockParams:
         # The home copy: the full flat, or (ZeRO-3) only this rank's shard; then ``gather(full,
         # shard)`` (an async all-gather returning a work handle) assembles the device copy.
         self.home_numel = home_numel or self.numel
-        self.home_nbytes = self.home_numel * dtype.itemsize
+        self.home_nbytes = codec.nbytes if codec is not None else self.home_numel * dtype.itemsize
         self._gather = gather
         self._work = None                 # all-gather in flight (FETCHING)
         self.home_buf = home_buf          # 1-D host tensor (HOST home), else None
@@ -128,9 +131,10 @@ class BlockParams:
         return _HOST_SIDE[self._loan.state]
 
     def _staged(self) -> torch.Tensor:
-        """The staged home copy (1-D, compute dtype) in the loan's buffer."""
+        """The staged home copy (1-D, compute dtype; a quantized part's blob bytes) in the loan's buffer."""
         try:
-            return self._loan.acquire().view(self.dtype)[:self.home_numel]
+            buf = self._loan.acquire()
+            return buf[:self.home_nbytes] if self.codec is not None else buf.view(self.dtype)[:self.home_numel]
         except Exception as exc:      # the loan gave its buffer back: HOME again
             raise self._error("parameter read", exc) from exc
 
@@ -230,7 +234,9 @@ class BlockParams:
             # held bytes at once, their write goes on (both only read them)
             src = self._staged() if self.on_nvme else self.home_buf
             copied = 0 if self.device.type == "cpu" else self.home_nbytes
-            if self._gather is not None:       # ZeRO-3: every rank's shard into the device copy
+            if self.codec is not None:         # stored quantized: dequantized into a new device flat
+                self.device_buf, self._event = self.codec.materialize(src, self.device, h2d_stream)
+            elif self._gather is not None:     # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 self._work = self._gather(self.device_buf, src.to(self.device))
             elif self.device.type == "cpu":
@@ -441,13 +447,14 @@ class BlockParams:
         and state dicts, not the training path. A staged copy is used as it is; otherwise
         the home is read through a staging buffer, which goes back at once."""
         with self._lock:
+            copy = self.codec.values if self.codec is not None else torch.clone   # quantized: its values
             if not self.on_nvme:
-                return self.home_buf.clone()
+                return copy(self.home_buf)
             self.finish_write()            # WRITING: read back once written
             if self._loan.in_memory:
-                return self._staged().clone()
+                return copy(self._staged())
             try:
-                return self._staged().clone()
+                return copy(self._staged())
             finally:
                 self._loan.release()
 

@@ -24,21 +24,27 @@ class Choice:
 def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_steps: int = 1,
            clipping: bool = False, nvme_path: Optional[str] = None, device_memory: Optional[int] = None,
            profile: Optional[plan.Profile] = None, name: str = "model", rule: str = "AdamW",
-           state_dtype: str = "fp32") -> Choice:
+           state_dtype: str = "fp32", frozen_dtype: str = "compute") -> Choice:
     """Measure this machine (a few seconds; or use ``profile``), rank every placement for
     ``model`` (a built module, the meta device is fine) at ``tokens`` per micro-step, with the
     update rule's state bytes (``rule`` / ``state_dtype``; a placement the engine refuses for
     them is never chosen), and pick:
     no offload when the model's states fit on the device, else the fastest placement that fits
     the device, host memory and disk. Every parameter is counted as trained (a LoRA model's
-    frozen base is over-counted for optimizer state, so the choice errs towards offloading)."""
-    spec = est.spec_from_module(model, name, precision)
+    frozen base is over-counted for optimizer state, so the choice errs towards offloading).
+    ``frozen_dtype`` int8 / nf4 (offload_param.frozen_dtype): a frozen base is stored quantized,
+    so it needs its parameters offloaded: the host tier when the quantized base fits there,
+    NVMe otherwise (never ``none``, where nothing would be quantized)."""
+    spec = est.spec_from_module(model, name, precision, frozen_dtype=frozen_dtype)
     profile = profile or plan.measure_profile(nvme_path)
     compute = plan.flops_compute(spec, tokens, profile, precision)
     machine = est.this_machine(nvme_path, device_memory)
     ranked = plan.rank(spec, profile, compute, machine, precision, gradient_accumulation_steps, clipping,
                        rule=rule, state_dtype=state_dtype)
-    base = plan.fits_without_offload(ranked)
+    if frozen_dtype != "compute":           # quantized homes exist only with parameter offload
+        ranked = [r for r in ranked if r.memory.param != "none"]
+        ranked.sort(key=lambda r: (not r.fits, r.memory.param != "cpu"))   # stable: fastest first within
+    base = plan.fits_without_offload(ranked) if frozen_dtype == "compute" else None
     if base is not None:
         return Choice("none", "none", f"the model's states ({est_bytes(base.memory.device)}) fit on the device "
                       f"({est_bytes(machine.device_bytes)}): offloading would only slow it down",

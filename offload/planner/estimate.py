@@ -62,6 +62,7 @@ class ModelSpec:
     plan_blocks: tuple = ()     # the memory plan's BlockSize of each block (trainable part and
                                 # frozen parts), when known from a module with frozen parameters
     precision: Optional[str] = None     # the compute dtype ``plan_blocks``' frozen bytes assume
+    frozen_dtype: str = "compute"       # offload_param.frozen_dtype: how frozen parts are stored at home
 
     @property
     def trained(self) -> int:
@@ -97,12 +98,14 @@ def spec_from_counts(params: float, largest_layer: Optional[float] = None,
     return ModelSpec(int(params), int(largest_layer), int(largest_layer), "model", blocks, exact)
 
 
-def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen_in_place: bool = False) -> ModelSpec:
+def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen_in_place: bool = False,
+                     frozen_dtype: str = "compute") -> ModelSpec:
     """From a built module (the meta device is fine), blocked the way the engine blocks it
     (``offload.core.blocks.auto_block_roots``); a tied parameter is counted once, in its first block.
     A module with frozen parameters (``requires_grad`` False: a LoRA model's base) gets its
     trainable count and the memory plan's blocks as the engine groups them
-    (``blocks_of_module`` at ``precision``; ``frozen_in_place``: read in place from the checkpoint)."""
+    (``blocks_of_module`` at ``precision``; ``frozen_in_place``: read in place from the checkpoint;
+    ``frozen_dtype``: int8 / nf4 homes sized as the engine stores them)."""
     from offload.core.blocks import auto_block_roots
     modules = dict(model.named_modules())
     claimed = set()
@@ -127,7 +130,8 @@ def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen
     if not trainable:
         raise EstimateError(f"{name} has no trainable parameters (every requires_grad is False)")
     return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks),
-                     trainable, tuple(blocks_of_module(model, precision, frozen_in_place)), precision)
+                     trainable, tuple(blocks_of_module(model, precision, frozen_in_place, frozen_dtype)), precision,
+                     frozen_dtype)
 
 
 def with_trainable(spec: ModelSpec, trainable: float, precision: str = "bf16") -> ModelSpec:
@@ -182,10 +186,11 @@ def _linear_names(model) -> set:
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def spec_from_callable(target: str, precision: str = "bf16", frozen_in_place: bool = False) -> ModelSpec:
+def spec_from_callable(target: str, precision: str = "bf16", frozen_in_place: bool = False,
+                       frozen_dtype: str = "compute") -> ModelSpec:
     """``pkg.mod:fn`` -> fn() built on the meta device (no memory, no weights); frozen
     parameters as in ``spec_from_module``."""
-    return spec_from_module(module_from_callable(target), target, precision, frozen_in_place)
+    return spec_from_module(module_from_callable(target), target, precision, frozen_in_place, frozen_dtype)
 
 
 def module_from_callable(target: str):
@@ -302,16 +307,31 @@ def spec_blocks(spec: ModelSpec, precision: str = "bf16") -> list:
     out = []
     for i, n in enumerate(sizes):
         t = max(1, n * spec.trainable // total)
-        out.append(BlockSize(f"block{i}", t, (-(-(n - t) * p // 4096) * 4096,) if n > t else ()))
+        dev = (-(-(n - t) * p // 4096) * 4096,) if n > t else ()
+        out.append(BlockSize(f"block{i}", t, dev, frozen_home=tuple(_quantized_home(n - t, spec.frozen_dtype, d)
+                                                                   for d in dev)))
     return out
 
 
-def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False) -> list:
+def _quantized_home(numel: int, frozen_dtype: str, compute_bytes: int) -> int:
+    """Home bytes of a frozen part of ``numel`` elements known only by its count: quantized
+    as square-ish matrices (int8's row scales a small term), else its compute bytes."""
+    from offload.params import quantized
+    if frozen_dtype not in quantized.FORMATS:
+        return compute_bytes
+    rows = max(1, int(numel ** 0.5))
+    return -(-quantized.tensor_bytes((rows, -(-numel // rows)), frozen_dtype) // 4096) * 4096
+
+
+def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False,
+                     frozen_dtype: str = "compute") -> list:
     """A built module (the meta device is fine) as the memory plan's blocks, grouped the way
     the engine groups it (``core/blocks.py``): each block root's trainable parameters, and
     its frozen ones as one part per storage dtype (their own, or the compute dtype when that
     is narrower), trained blocks first, then roots holding only frozen parameters.
-    ``frozen_in_place``: frozen parts are read in place from the checkpoint (no swap bytes)."""
+    ``frozen_in_place``: frozen parts are read in place from the checkpoint (no swap bytes);
+    ``frozen_dtype`` int8 / nf4: parts with a quantized tensor have the home bytes of their
+    codec (params/quantized.py, the config's default threshold) and are never read in place."""
     import torch
     from offload.core import blocks as blk
     from offload.engine.memory_plan import BlockSize
@@ -326,14 +346,24 @@ def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = Fal
 
     def nbytes(part):
         return part.padded_numel * kept(part.segments[0].param).itemsize
+    from offload.config.schema import OffloadParamConfig
+    from offload.params import quantized
+    codecs = quantized.codecs([("", None, ps) for ps in frozen.values()],
+                              OffloadParamConfig(device="cpu", frozen_dtype=frozen_dtype), kept) \
+        if frozen_dtype in quantized.FORMATS else {}
+
+    def sizes(parts) -> dict:
+        return dict(frozen=tuple(nbytes(q) for q in parts),
+                    in_place=tuple(frozen_in_place and id(q) not in codecs for q in parts),
+                    frozen_home=tuple(codecs[id(q)].nbytes if id(q) in codecs else nbytes(q) for q in parts))
     out = []
     for lay in layouts:
         parts = frozen.pop(lay.name, [])
-        out.append(BlockSize(lay.name, lay.numel, tuple(nbytes(q) for q in parts),
+        out.append(BlockSize(lay.name, lay.numel,
                              params=tuple((sg.offset, sg.numel, tuple(sg.shape), sg.group) for sg in lay.segments),
-                             in_place=(frozen_in_place,) * len(parts)))
+                             **sizes(parts)))
     for name, parts in frozen.items():
-        out.append(BlockSize(name, 0, tuple(nbytes(q) for q in parts), in_place=(frozen_in_place,) * len(parts)))
+        out.append(BlockSize(name, 0, **sizes(parts)))
     return out
 
 
@@ -342,7 +372,7 @@ def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_coun
                 grad_host_bytes: Optional[int] = None, device_budget_bytes: Optional[int] = None,
                 world_size: int = 1, activations: str = "none", activation_host_bytes: Optional[int] = None,
                 host_lookahead_bytes: Optional[int] = None, rule: Optional[str] = None,
-                state_dtype: Optional[str] = None, update_ahead: bool = False):
+                state_dtype: Optional[str] = None, update_ahead: bool = False, frozen_dtype: str = "compute"):
     """The engine config of one placement (NVMe paths point at the temp dir: the plan reads
     no files). Several ranks shard with ZeRO: stage 3 when parameters are offloaded, else 2.
     ``update_ahead`` applies to the placements with the optimizer on cpu (the only ones that
@@ -357,7 +387,8 @@ def plan_config(optimizer: str, param: str, precision: str = "bf16", buffer_coun
                                "buffer_count": buffer_count, "grad_host_bytes": grad_host_bytes,
                                "update_ahead": update_ahead and optimizer == "cpu"},
          "offload_param": {"device": param, "nvme_path": tmp if param == "nvme" else None,
-                           "device_budget_bytes": device_budget_bytes},
+                           "device_budget_bytes": device_budget_bytes,
+                           "frozen_dtype": frozen_dtype if param != "none" else "compute"},
          "offload_activations": {"device": activations, "nvme_path": tmp if activations == "nvme" else None,
                                  "host_bytes": activation_host_bytes},
          "prefetch": {"host_lookahead_bytes": host_lookahead_bytes}}
@@ -392,7 +423,7 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     cfg = plan_config(optimizer, param, precision, buffer_count, gradient_clipping, gradient_accumulation_steps,
                       grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
                       activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
-                      rule=rule, state_dtype=state_dtype, update_ahead=update_ahead)
+                      rule=rule, state_dtype=state_dtype, update_ahead=update_ahead, frozen_dtype=spec.frozen_dtype)
     from offload.engine.engine import placement_refusal
     from offload import device as dev
     # the engine on this machine's compute device: on a CPU, one rank, step() updates the

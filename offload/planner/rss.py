@@ -169,6 +169,9 @@ def predict_rss(mplan, *, baseline: int, activations: Optional[int], device_is_h
         dev = mplan.device - (mplan.param_budget or 0)       # offloaded parameters live in their slots
         if dev > 0:
             terms.append(RssTerm("device model states", dev, "the device is the process heap"))
+        if mplan.param_budget and any(b.frozen_home != b.frozen for b in mplan.blocks):
+            terms.append(RssTerm("dequantized parameters", mplan.param_budget,
+                                 "frozen parts stored quantized are dequantized into copies of their own"))
         terms.append(RssTerm("gradients in flight", int(grad_in_flight),
                              "one block's gradients from autograd, before the copy into their buffer"))
         if activations is None:

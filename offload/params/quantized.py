@@ -1,0 +1,375 @@
+"""A frozen part stored quantized in its home (``offload_param.frozen_dtype`` int8 / nf4).
+
+A frozen part (core/blocks.py ``frozen_parts``: a block's frozen parameters, one flat) is
+kept in its home (a host pool slot, an NVMe extent) as one byte blob and materialized on the
+device as the usual flat of ``dtype`` values (the dtype the part is kept in), so everything
+downstream of ``BlockParams.ensure`` sees a plain frozen flat. Which tensors are quantized:
+2-D floating tensors of at least ``min_numel`` elements; the others (norms, biases, small
+tensors) are stored as their values in ``dtype`` beside them. Trainable parameters never reach
+this module (they are not frozen parts).
+
+Byte layout of the blob, each piece starting on a 64-byte boundary, segments in part order::
+
+    raw   values  dtype [numel]
+    int8  codes   int8 [rows * cols]      absmax fp32 [rows]                  (offload.quantize)
+    nf4   packed  uint8 [ceil(numel / 2)] absmax fp32 [ceil(numel / 64)]      (no double quant)
+    nf4   packed  uint8 [ceil(numel / 2)] absmax_q uint8 [nblocks] absmax_scale fp32 [ceil(nblocks / 256)]
+
+the blob rounded up to 4 KiB (O_DIRECT). The mean subtracted before the double quantization
+is one fp32 value per tensor, kept in this object (``SegmentCode.absmax_offset``).
+
+Quantization runs once, chunk by chunk over each tensor while its values are in memory
+(``fill``; the loader streams the checkpoint part by part): NF4 blocks and int8 rows are
+independent, so the codes equal ``offload.quantize``'s of the whole tensor, and the double
+quantization runs over the whole tensor's absmax as ``quantize_nf4`` does. The same pass
+records each tensor's quantization error (max abs, relative RMS) of its dequantized fp32
+values against the values quantized, for ``Engine.stats()``.
+
+Dequantization (``materialize``): on a CPU device the native kernels (``offload.quantize``)
+write straight into the new flat; on CUDA the blob is copied (a quarter of the bytes for nf4)
+and dequantized on the copy stream with torch ops that compute the same fp32 operations, so
+both give the same bits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from offload import quantize as qz
+from offload.core.blocks import BlockLayout
+from offload.optim import quant as q8
+
+FORMATS = ("int8", "nf4")           # offload_param.frozen_dtype other than "compute"
+_ALIGN = 64                         # every piece of the blob starts on this byte boundary
+_PAGE = 4096                        # the blob's size unit (O_DIRECT homes)
+_CHUNK = 1 << 20                    # elements quantized at once (a multiple of 64 and of 256 * 64)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _align(n: int, unit: int = _ALIGN) -> int:
+    return (n + unit - 1) // unit * unit
+
+
+def quantizes(shape, dtype: torch.dtype, fmt: str, min_numel: int) -> bool:
+    """Whether a frozen tensor of ``shape`` / ``dtype`` is stored quantized under ``fmt``:
+    2-D floating tensors of at least ``min_numel`` elements (a norm, a bias, a small tensor
+    would gain little and lose precision where it matters most)."""
+    return fmt in FORMATS and len(shape) == 2 and dtype in _FLOATS and math.prod(shape) >= max(min_numel, 1)
+
+
+def tensor_bytes(shape, fmt: str, double_quant: bool = False) -> int:
+    """Bytes a tensor of ``shape`` takes quantized under ``fmt`` (its pieces, unaligned):
+    nf4 n/2 + 4 n/64 (double quant: n/2 + n/64 + 4 n/(64 * 256)), int8 n + 4 rows."""
+    n = math.prod(shape)
+    if fmt == "int8":
+        return n + 4 * shape[0]
+    nb = qz.nblocks_of(n)
+    return (n + 1) // 2 + (nb + 4 * q8.nblocks(nb) if double_quant else 4 * nb)
+
+
+@dataclasses.dataclass
+class SegmentCode:
+    """Where one tensor of the part lies in the blob, and how it is coded."""
+    name: str
+    param: torch.nn.Parameter
+    offset: int                             # elements into the part's flat
+    numel: int
+    shape: Tuple[int, ...]
+    fmt: str                                # "raw", "int8" or "nf4"
+    pieces: Dict[str, Tuple[int, int]]      # piece -> (byte offset in the blob, bytes)
+    absmax_offset: float = 0.0              # nf4 double quant: the mean subtracted
+    max_abs_error: float = 0.0
+    rel_rms_error: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.pieces.values())
+
+
+class QuantizedPart:
+    """The codec of one frozen part: its blob layout, quantization into a home, and
+    dequantization from a home into the part's flat of ``dtype`` values."""
+
+    def __init__(self, layout: BlockLayout, dtype: torch.dtype, fmt: str, double_quant: bool = False,
+                 min_numel: int = 0):
+        assert fmt in FORMATS, fmt
+        self.layout = layout
+        self.dtype = dtype
+        self.fmt = fmt
+        self.double_quant = double_quant and fmt == "nf4"
+        self.numel = layout.padded_numel
+        self.segments: List[SegmentCode] = []
+        at = 0
+        for s in layout.segments:
+            kind = fmt if quantizes(s.shape, s.param.dtype, fmt, min_numel) else "raw"
+            pieces = {}
+            for piece, nbytes in self._pieces(kind, s.numel, tuple(s.shape)):
+                pieces[piece] = (at, nbytes)
+                at = _align(at + nbytes)
+            self.segments.append(SegmentCode(s.name, s.param, s.offset, s.numel, tuple(s.shape), kind, pieces))
+        self.nbytes = max(_align(at, _PAGE), _PAGE)
+
+    @classmethod
+    def for_part(cls, layout: BlockLayout, dtype: torch.dtype, fmt: str, double_quant: bool,
+                 min_numel: int) -> Optional["QuantizedPart"]:
+        """The codec of a frozen part, or None when no tensor of it is quantized (the part
+        stays in ``dtype`` as it would without ``frozen_dtype``: nothing to gain)."""
+        if not all(s.param.dtype in _FLOATS for s in layout.segments) \
+                or not any(quantizes(s.shape, s.param.dtype, fmt, min_numel) for s in layout.segments):
+            return None
+        return cls(layout, dtype, fmt, double_quant, min_numel)
+
+    def _pieces(self, kind: str, n: int, shape) -> list:
+        if kind == "raw":
+            return [("values", n * self.dtype.itemsize)]
+        if kind == "int8":
+            return [("codes", n), ("absmax", 4 * shape[0])]
+        nb = qz.nblocks_of(n)
+        if self.double_quant:
+            return [("packed", (n + 1) // 2), ("absmax_q", nb), ("absmax_scale", 4 * q8.nblocks(nb))]
+        return [("packed", (n + 1) // 2), ("absmax", 4 * nb)]
+
+    @property
+    def quantized_bytes(self) -> int:
+        """Bytes of the quantized tensors' pieces (codes and scales)."""
+        return sum(sc.nbytes for sc in self.segments if sc.fmt != "raw")
+
+    @property
+    def quantized_numel(self) -> int:
+        return sum(sc.numel for sc in self.segments if sc.fmt != "raw")
+
+    # ---- views of a blob ----------------------------------------------------------------
+    @staticmethod
+    def _piece(blob: torch.Tensor, sc: SegmentCode, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        off, nbytes = sc.pieces[name]
+        return blob[off:off + nbytes].view(dtype)
+
+    def _nf4(self, blob: torch.Tensor, sc: SegmentCode) -> qz.NF4Tensor:
+        packed = self._piece(blob, sc, "packed")
+        if self.double_quant:
+            return qz.NF4Tensor(packed, None, torch.Size((sc.numel,)), self.dtype, qz.NF4_BLOCK,
+                                self._piece(blob, sc, "absmax_q"), self._piece(blob, sc, "absmax_scale", torch.float32),
+                                sc.absmax_offset)
+        return qz.NF4Tensor(packed, self._piece(blob, sc, "absmax", torch.float32), torch.Size((sc.numel,)),
+                            self.dtype)
+
+    def _int8(self, blob: torch.Tensor, sc: SegmentCode) -> qz.Int8RowTensor:
+        codes = self._piece(blob, sc, "codes", torch.int8).view(sc.shape)
+        return qz.Int8RowTensor(codes, self._piece(blob, sc, "absmax", torch.float32), self.dtype)
+
+    # ---- quantize into a home -----------------------------------------------------------
+    def fill(self, blob: torch.Tensor) -> torch.Tensor:
+        """Write the part's current parameter values into ``blob`` (uint8 host tensor of at
+        least ``nbytes``), quantizing the quantized tensors chunk by chunk, and record each
+        one's error. Returns the blob's first ``nbytes``."""
+        blob = blob.view(torch.uint8)[:self.nbytes]
+        with torch.no_grad():
+            blob.zero_()
+            for sc in self.segments:
+                src = sc.param.detach()
+                if src.device.type != "cpu":
+                    src = src.cpu()
+                if sc.fmt == "raw":
+                    self._piece(blob, sc, "values", self.dtype).copy_(src.reshape(-1))
+                elif sc.fmt == "int8":
+                    self._fill_int8(blob, sc, src.reshape(sc.shape))
+                else:
+                    self._fill_nf4(blob, sc, src.reshape(-1))
+        return blob
+
+    def _fill_int8(self, blob: torch.Tensor, sc: SegmentCode, x: torch.Tensor) -> None:
+        codes = self._piece(blob, sc, "codes", torch.int8)
+        absmax = self._piece(blob, sc, "absmax", torch.float32)
+        rows, cols = sc.shape
+        step = max(1, _CHUNK // max(cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            t = qz.quantize_int8_rows(x[r0:r1])
+            codes[r0 * cols:r1 * cols].copy_(t.codes.reshape(-1))
+            absmax[r0:r1].copy_(t.absmax)
+        err = _Error()
+        t = self._int8(blob, sc)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            err.add(x[r0:r1], qz.dequantize_int8_rows(qz.Int8RowTensor(t.codes[r0:r1], t.absmax[r0:r1], self.dtype),
+                                                      torch.float32))
+        sc.max_abs_error, sc.rel_rms_error = err.result()
+
+    def _fill_nf4(self, blob: torch.Tensor, sc: SegmentCode, flat: torch.Tensor) -> None:
+        n, bs = sc.numel, qz.NF4_BLOCK
+        packed = self._piece(blob, sc, "packed")
+        absmax = torch.empty(qz.nblocks_of(n)) if self.double_quant else self._piece(blob, sc, "absmax", torch.float32)
+        for i in range(0, n, _CHUNK):
+            t = qz.quantize_nf4(flat[i:i + _CHUNK], bs)
+            packed[i // 2:i // 2 + t.packed.numel()].copy_(t.packed)
+            absmax[i // bs:i // bs + t.absmax.numel()].copy_(t.absmax)
+        if self.double_quant:     # over the whole tensor's absmax, as quantize_nf4 does
+            dq = qz._nf4_tensor(packed, absmax, torch.empty(n, dtype=flat.dtype, device="meta"), bs, True)
+            self._piece(blob, sc, "absmax_q").copy_(dq.absmax_q)
+            self._piece(blob, sc, "absmax_scale", torch.float32).copy_(dq.absmax_scale)
+            sc.absmax_offset = dq.absmax_offset
+        restored = qz.nf4_absmax(self._nf4(blob, sc))
+        err = _Error()
+        for i in range(0, n, _CHUNK):
+            m = min(n, i + _CHUNK) - i
+            sub = qz.NF4Tensor(packed[i // 2:i // 2 + (m + 1) // 2], restored[i // bs:i // bs + qz.nblocks_of(m)],
+                               torch.Size((m,)), self.dtype, bs)
+            err.add(flat[i:i + m], qz.dequantize_nf4(sub, torch.float32))
+        sc.max_abs_error, sc.rel_rms_error = err.result()
+
+    # ---- dequantize from a home ---------------------------------------------------------
+    def dequantize(self, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The part's flat (``numel`` values of ``dtype``, padding zeroed) from ``blob`` (a
+        host uint8 tensor holding what ``fill`` wrote) into ``out`` (contiguous, CPU)."""
+        blob = blob.view(torch.uint8)
+        with torch.no_grad():
+            end = 0
+            for sc in self.segments:
+                dst = out[sc.offset:sc.offset + sc.numel]
+                if sc.fmt == "raw":
+                    dst.copy_(self._piece(blob, sc, "values", self.dtype))
+                elif sc.fmt == "int8":
+                    qz.dequantize_int8_rows(self._int8(blob, sc), self.dtype, out=dst)
+                else:
+                    qz.dequantize_nf4(self._nf4(blob, sc), self.dtype, out=dst)
+                end = max(end, sc.offset + sc.numel)
+            out[end:].zero_()
+        return out
+
+    def values(self, blob: torch.Tensor) -> torch.Tensor:
+        """A new host flat of the part's values (checkpoints, state dicts, hand-back)."""
+        return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype))
+
+    def materialize(self, blob: torch.Tensor, device: torch.device, stream=None):
+        """``(flat, event)``: the part's values on ``device`` from its home's ``blob`` (host
+        uint8). CPU: dequantized there (event None). CUDA: the blob copied on ``stream`` and
+        dequantized there; ``event`` marks the flat ready (the caller waits on it)."""
+        if device.type == "cpu":
+            return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype)), None
+        from offload import device as dev
+        blob = blob.view(torch.uint8)[:self.nbytes]
+        with torch.cuda.stream(stream):
+            qb = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            qb.copy_(blob, non_blocking=True)
+            out = torch.empty(self.numel, dtype=self.dtype, device=device)
+            self._dequantize_torch(qb, out)
+            return out, dev.record_event(stream)
+
+    def _dequantize_torch(self, blob: torch.Tensor, out: torch.Tensor) -> None:
+        """``dequantize`` in torch ops on any device (the CUDA path): the fp32 operations of
+        ``offload.quantize``'s references, so the same bits."""
+        with torch.no_grad():
+            end = 0
+            for sc in self.segments:
+                dst = out[sc.offset:sc.offset + sc.numel]
+                if sc.fmt == "raw":
+                    dst.copy_(self._piece(blob, sc, "values", self.dtype))
+                elif sc.fmt == "int8":
+                    t = self._int8(blob, sc)
+                    inv127 = torch.tensor(1.0 / 127.0, dtype=torch.float32, device=blob.device)
+                    dst.copy_(((t.codes.float() * t.absmax[:, None]) * inv127).reshape(-1))
+                else:
+                    t = self._nf4(blob, sc)
+                    if t.double_quant:
+                        code8 = q8.dynamic_map(True).to(blob.device)
+                        nb = t.absmax_q.numel()
+                        absmax = code8[t.absmax_q.long()] * t.absmax_scale.repeat_interleave(q8.BLOCK)[:nb]
+                        absmax = absmax + torch.tensor(t.absmax_offset, device=blob.device)
+                    else:
+                        absmax = t.absmax
+                    q = torch.stack([t.packed >> 4, t.packed & 15], dim=1).view(-1)[:sc.numel].long()
+                    code = qz.nf4_code().to(blob.device)
+                    dst.copy_(code[q] * absmax.repeat_interleave(qz.NF4_BLOCK)[:sc.numel])
+                end = max(end, sc.offset + sc.numel)
+            out[end:].zero_()
+
+    # ---- what it stores -----------------------------------------------------------------
+    def tensor_stats(self) -> Dict[str, dict]:
+        """Per quantized tensor: its format, elements, bytes stored and its error."""
+        return {sc.name: {"format": sc.fmt, "numel": sc.numel, "bytes": sc.nbytes,
+                          "max_abs_error": sc.max_abs_error, "rel_rms_error": sc.rel_rms_error}
+                for sc in self.segments if sc.fmt != "raw"}
+
+
+class _Error:
+    """Max abs error and relative RMS error, accumulated chunk by chunk."""
+
+    def __init__(self):
+        self.max_abs, self.sq_err, self.sq_ref = 0.0, 0.0, 0.0
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
+        """``got``: the dequantized fp32 values of ``ref`` (consumed)."""
+        if not ref.numel():
+            return
+        r = ref.reshape(-1).float()
+        d = got.reshape(-1).sub_(r)
+        lo, hi = torch.aminmax(d)
+        self.max_abs = max(self.max_abs, float(hi), -float(lo))
+        self.sq_err += float(torch.linalg.vector_norm(d)) ** 2      # fp32 with torch's cascaded sums
+        self.sq_ref += float(torch.linalg.vector_norm(r)) ** 2
+
+    def result(self) -> Tuple[float, float]:
+        return self.max_abs, (math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else 0.0)
+
+
+def codecs(frozen, offload_param, dtype_of) -> Dict[int, QuantizedPart]:
+    """``id(part) -> QuantizedPart`` of the frozen parts stored quantized under the
+    ``offload_param`` config section (``frozen_dtype``, ``frozen_double_quant``,
+    ``frozen_quant_min_numel``); ``frozen`` as ``core.blocks.frozen_parts`` gives it,
+    ``dtype_of(param)`` the dtype a frozen parameter is kept in."""
+    fmt = getattr(offload_param, "frozen_dtype", "compute")
+    if fmt not in FORMATS:
+        return {}
+    out = {}
+    for _, _, parts in frozen:
+        for part in parts:
+            codec = QuantizedPart.for_part(part, dtype_of(part.segments[0].param), fmt,
+                                           offload_param.frozen_double_quant, offload_param.frozen_quant_min_numel)
+            if codec is not None:
+                out[id(part)] = codec
+    return out
+
+
+def stats(parts, fmt: str) -> dict:
+    """``Engine.stats()["frozen_quant"]``: the format, the bytes the quantized tensors take
+    and would take in the compute dtype, the worst errors and each tensor's own."""
+    tensors = {}
+    qbytes = cbytes = 0
+    for p in parts:
+        tensors.update(p.tensor_stats())
+        qbytes += p.quantized_bytes
+        cbytes += p.quantized_numel * p.dtype.itemsize
+    return {"frozen_dtype": fmt, "tensors": len(tensors), "quantized_bytes": qbytes, "compute_bytes": cbytes,
+            "home_bytes": sum(p.nbytes for p in parts),
+            "max_abs_error": max((t["max_abs_error"] for t in tensors.values()), default=0.0),
+            "rel_rms_error": max((t["rel_rms_error"] for t in tensors.values()), default=0.0),
+            "per_tensor": tensors}
+
+
+def round_trip(t: torch.Tensor, fmt: str, double_quant: bool = False) -> torch.Tensor:
+    """``t`` (CPU, 2-D) through the codec's quantization and back, in its own dtype: the
+    values a frozen tensor had while the engine trained over it (a merge into the base it
+    trained against, a plain reference)."""
+    t = t.detach()
+    if fmt == "int8":
+        return qz.dequantize_int8_rows(qz.quantize_int8_rows(t), t.dtype)
+    return qz.dequantize_nf4(qz.quantize_nf4(t, double_quant=double_quant), t.dtype)
+
+
+def round_trip_base_(model, offload_param) -> int:
+    """Replace, in place, every parameter of ``model`` the engine stores quantized under the
+    ``offload_param`` section (``quantizes``; for a LoRA base loaded alone: every one of its
+    tensors counts as frozen) by its ``round_trip`` values. Returns how many were replaced."""
+    fmt = getattr(offload_param, "frozen_dtype", "compute")
+    if fmt not in FORMATS:
+        return 0
+    n = 0
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            if quantizes(p.shape, p.dtype, fmt, offload_param.frozen_quant_min_numel) and p.device.type == "cpu":
+                p.copy_(round_trip(p, fmt, offload_param.frozen_double_quant))
+                n += 1
+    return n
