@@ -56,9 +56,8 @@ from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.core.hooks import Hooks
 from offload.engine import build
-from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
-from offload.engine.step_control import StepControl
+from offload.engine.step_control import LossScaler, StepControl
 from offload.optim import groups as opt_groups
 from offload.optim.state import Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
