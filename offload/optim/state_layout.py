@@ -34,7 +34,8 @@ from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
 
 ALIGN = 4096
-_ITEM = {name: dtypes.element_size(dtypes.state_storage_dtype(name)) for name in dtypes.STATE_DTYPES}
+_TORCH = {name: dtypes.state_storage_dtype(name) for name in dtypes.STATE_DTYPES}   # read at import, not per step
+_ITEM = {name: dtypes.element_size(t) for name, t in _TORCH.items()}
 
 
 def _align(n: int) -> int:
@@ -168,7 +169,7 @@ class StateLayout:
                              f"{buf.dtype} {tuple(buf.shape)}")
         out: Dict[str, torch.Tensor] = {}
         for r in self.regions:
-            out[r.name] = buf[r.offset:r.offset + r.nbytes].view(dtypes.state_storage_dtype(r.dtype))
+            out[r.name] = buf[r.offset:r.offset + r.nbytes].view(_TORCH[r.dtype])
         return out.pop("master"), out
 
     def describe(self) -> dict:
