@@ -196,10 +196,10 @@ def bench_kernels(names, n, pairs, L) -> dict:
 # ---- part 2: state on NVMe -------------------------------------------------------------------
 class NvmeStateRun:
     """The AdamW step of `nblocks` blocks of `block` params whose state lives in an NvmeStore,
-    each block's state one buffer in offload/optim/state_layout.py's StateLayout."""
+    each block's state one buffer in offload/optim/state.py's StateLayout."""
 
     def __init__(self, store, pool, nblocks: int, block: int, state_dtype: str):
-        from offload.optim.state_layout import StateLayout
+        from offload.optim.state import StateLayout
         self.rule, self.group = get_rule("AdamW"), dict(get_rule("AdamW").defaults, **HP["AdamW"])
         self.store, self.pool, self.n, self.block, self.dtype = store, pool, nblocks, block, state_dtype
         self.layout = StateLayout.for_rule(self.rule, self.group, block, state_dtype)
@@ -271,7 +271,7 @@ def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
         raise SystemExit(f"--nvme-path {path} has {free / 2**30:.1f} GiB free; this run writes "
                          f"{need / 2**30:.1f} GiB: use a smaller --nvme-size or another path")
     store = NvmeStore(path, name="bench_optim")
-    from offload.optim.state_layout import StateLayout
+    from offload.optim.state import StateLayout
     adam, group = get_rule("AdamW"), dict(get_rule("AdamW").defaults)
     pool = HostPool([StateLayout.for_rule(adam, group, block, d).nbytes for d in ("fp32", "int8") for _ in range(4)],
                     name="bench_optim")

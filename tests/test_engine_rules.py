@@ -173,7 +173,7 @@ def test_adafactor_factors_whole_matrices(tmp_path):
 def test_adafactor_split_tensor_keeps_unfactored_piece():
     """A shard that holds only part of a matrix (ZeRO) keeps the unfactored variance of its
     piece; whole matrices in the shard keep row / column statistics."""
-    from offload.optim.state_layout import StateLayout
+    from offload.optim.state import StateLayout
     rule = get_rule("Adafactor")
     hp = dict(rule.defaults)
     # shard [0, 1024) of a flat holding a 16 x 16 matrix at 0 and a 40 x 30 matrix at 256 (split)

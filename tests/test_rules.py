@@ -454,9 +454,9 @@ def test_bad_hyperparameters_name_the_key():
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_state_layout_views_step_in_place(state_dtype):
-    """One buffer per shard (state_layout.py): aligned regions, the rule steps its views in place, the
+    """One buffer per shard (optim/state.py StateLayout): aligned regions, the rule steps its views in place, the
     description round-trips; int8 Adam with fp32 master is <= 6.2 bytes per parameter."""
-    from offload.optim.state_layout import ALIGN, StateLayout
+    from offload.optim.state import ALIGN, StateLayout
     rule = get_rule("AdamW")
     group = dict(rule.defaults)
     n = 40960

@@ -102,7 +102,7 @@ def traced_step(tmp_path):
     return tracer.seen
 
 
-ENTRY = re.compile(r"^\s*[-*\d.]+\s*`(offload/[\w/]+\.py)`(.*)$", re.M)
+ENTRY = re.compile(r"^[ \t]*[-*\d.]+\s*`(offload/[\w/]+\.py)`(.*)$", re.M)
 
 
 def _section(text: str):

@@ -64,7 +64,7 @@ def own_master_params(blocks: List[BlockShard], indices: List[int]) -> None:
 
 def param_pieces(lay) -> tuple:
     """(offset, numel, shape, group) of each parameter of a block (a per-tensor rule's state
-    needs the shapes: engine/memory_plan.py, optim/state_layout.py)."""
+    needs the shapes: engine/memory_plan.py, optim/state.py)."""
     if lay is None:
         return ()
     return tuple((s.offset, s.numel, tuple(s.shape), s.group) for s in lay.segments)
@@ -257,7 +257,7 @@ class Builder:
 
     def _state_layout(self, lay, s0: int, s1: int):
         """This rank's shard [s0, s1) of the block's state as the rule lays it out."""
-        from offload.optim.state_layout import StateLayout
+        from offload.optim.state import StateLayout
         groups = [{k: g[k] for k in self.optimizer.defaults} for g in self.optimizer.param_groups]
         return StateLayout.for_shard(self.rule, groups, s1 - s0, self.state_dtype,
                                      [(o - s0, n, shp, g) for o, n, shp, g in param_pieces(lay)])

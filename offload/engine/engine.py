@@ -56,9 +56,8 @@ from offload.dist.grad_sync import GradSync
 from offload.config import Config
 from offload.core.hooks import Hooks
 from offload.engine import build
-from offload.engine.loss_scaler import LossScaler
 from offload.engine.outside_reads import UpdateWaits
-from offload.engine.step_control import StepControl
+from offload.engine.step_control import LossScaler, StepControl
 from offload.optim import groups as opt_groups
 from offload.optim.state import Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
@@ -200,7 +199,9 @@ class Engine:
         dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
         dev.reuse_heap()              # training reuses its freed blocks (device.reuse_heap)
         self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
-        self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry)
+        # one rank, stages 0 and 1: nothing to reduce or move, so no dist/ on the step's path
+        self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry) \
+            if self.comm.active or self.stage >= 2 else None
         self._gatherer = None         # one thread: post-update parameter all-gathers (stages 1, 2)
         if self.comm.active and self.stage in (1, 2):
             self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-gather")
@@ -342,7 +343,7 @@ class Engine:
         self.control.zero_grad()
 
     def _submit(self, block: BlockShard, grad_scale: float) -> None:
-        if not self.comm.active and not block.grad.close_window(block.layout.segments):
+        if not self.control.distributed and not block.grad.close_window(block.layout.segments):
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
             return                        # (nor was an update computed ahead: _submit_ahead)
         groups, done = self._commit_inputs

@@ -74,7 +74,7 @@ def shard_state_bytes(config, numel: int, params: Sequence[tuple] = (), rule: Op
     slot, an NVMe extent and the device tensor hold). ``params``: (start, numel, shape,
     group) of each parameter in shard coordinates, needed by a per-tensor rule
     (Adafactor); without them such a rule counts its unfactored worst case."""
-    from offload.optim.state_layout import StateLayout
+    from offload.optim.state import StateLayout
     r, sd, hp = _rule_of(config, rule, state_dtype)
     if r.per_tensor and not params:
         return _page(math.ceil(r.bytes_per_param("host", sd, hp) * numel))
@@ -94,7 +94,7 @@ def state_chunks(config, numel: int, params: Sequence[tuple] = (), rule: Optiona
     ``state_chunk_bytes``. Never chunked: a rule whose rows are per tensor (Adafactor: its
     factored rows need the whole tensor's gradient, and a tensor may be larger than a
     chunk), and ``state_chunk_bytes: null``."""
-    from offload.optim.state_layout import StateLayout
+    from offload.optim.state import StateLayout
     whole = ((0, numel),)
     oc = config.offload_optimizer
     limit = getattr(oc, "state_chunk_bytes", None)

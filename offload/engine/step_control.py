@@ -60,8 +60,41 @@ from offload.core import sharding
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.core.block_shard import BlockShard
-from offload.engine.loss_scaler import LossScaler
 from offload.core.telemetry import Telemetry
+from offload.config import LossScalerConfig
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale; after
+    ``growth_interval`` clean steps the scale grows (the same rule as torch.amp.GradScaler).
+    Owned by the window's commit; inert (scale 1) in fp32 and bf16."""
+
+    def __init__(self, cfg: LossScalerConfig, enabled: bool):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.scale = float(cfg.initial_scale) if enabled else 1.0
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+            self.clean_steps = 0
+            self.skipped += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.cfg.growth_interval == 0:
+                self.scale *= self.cfg.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.scale = float(d["scale"])
+        self.clean_steps = int(d["clean_steps"])
+        self.skipped = int(d["skipped"])
 
 
 class Window(enum.Enum):
@@ -76,9 +109,11 @@ class StepControl:
 
     ``submit(block, grad_scale)`` queues one block's update (the engine builds the job);
     ``on_block_complete(index)``, if given, is told when a block's gradients of a backward
-    are all in (parameter offload releases the block)."""
+    are all in (parameter offload releases the block). ``grad_sync`` is None where no
+    gradient crosses ranks or buffers (one rank, stages 0 and 1): a one-rank step then runs
+    nothing in dist/."""
 
-    def __init__(self, *, blocks: Sequence[BlockShard], pipeline, grad_sync: GradSync, comm: Comm,
+    def __init__(self, *, blocks: Sequence[BlockShard], pipeline, grad_sync: Optional[GradSync], comm: Comm,
                  scaler: LossScaler, telemetry: Telemetry, gradient_accumulation_steps: int,
                  gradient_clipping: float, param_order: dict, read_ahead: bool,
                  submit: Callable[[BlockShard, float], None],
@@ -88,6 +123,7 @@ class StepControl:
         self.pipeline = pipeline
         self.grad_sync = grad_sync
         self.comm = comm
+        self.distributed = comm.active        # fixed for the engine's life: read once
         self.scaler = scaler
         self.telemetry = telemetry
         self.gas = gradient_accumulation_steps
@@ -141,7 +177,8 @@ class StepControl:
         self._drop_ahead()                    # computed from gradients this backward adds to
         if self.state is Window.ACCUMULATED:  # another backward joins this micro-step
             self._drop_norms()
-            self.grad_sync.reopen()
+            if self.grad_sync is not None:
+                self.grad_sync.reopen()
         self._backwards += 1
         if self._backwards == 2 and self.gas > 1 and not self._warned_multi:
             self._warned_multi = True
@@ -151,7 +188,8 @@ class StepControl:
                           f"the window), as DeepSpeed does", stacklevel=3)
         self._boundary = self.at_boundary()
         self._arrival = []
-        self.grad_sync.begin(self._boundary)
+        if self.grad_sync is not None:
+            self.grad_sync.begin(self._boundary)
         for b in self.blocks:
             (b.landing or b.grad).begin_backward()
         if self._boundary and self._read_ahead:   # the commit will queue blocks in forward order
@@ -170,7 +208,7 @@ class StepControl:
             if not buf.complete:
                 buf.arrived = buf.num_segments
                 self.on_block_complete(b)
-        if not self._boundary:
+        if not self._boundary and self.grad_sync is not None:
             self.grad_sync.wait_all()         # summed in place before the next backward lands
 
     def on_block_complete(self, block: BlockShard) -> None:
@@ -178,8 +216,10 @@ class StepControl:
         self._arrival.append(block.index)
         if self._on_complete is not None:
             self._on_complete(block.index)
-        for b in self.grad_sync.ready(block):     # collectives issued in the fixed block order
-            norm = self._boundary and self.needs_norm and not self.comm.active
+        # collectives issued in the fixed block order; without them each block as it completes
+        ready = self.grad_sync.ready(block) if self.grad_sync is not None else (block,)
+        for b in ready:
+            norm = self._boundary and self.needs_norm and not self.distributed
             if b.grad.spills:
                 # the window's sum waits for step() or the next micro-step on NVMe (grads.py),
                 # parked on a worker right after its norm is taken
@@ -211,9 +251,10 @@ class StepControl:
         self.state = Window.COMMITTING
         try:
             self.comm.step = self.global_step + 1
-            if self.comm.active:              # the ranks took the same path through the model
+            if self.distributed:              # the ranks took the same path through the model
                 self.comm.check_same("block order of backward", self._arrival)
-            self.grad_sync.wait_all()
+            if self.grad_sync is not None:
+                self.grad_sync.wait_all()
             coef, overflow = 1.0, False
             if self.needs_norm:
                 with self.telemetry.span("offload::grad_norm"):
@@ -253,7 +294,8 @@ class StepControl:
     def _discard(self) -> None:
         self._drop_norms()
         self._drop_ahead()
-        self.grad_sync.discard()
+        if self.grad_sync is not None:
+            self.grad_sync.discard()
         for b in self.blocks:
             b.grad.reset_window()
             if b.landing is not None:
@@ -276,7 +318,8 @@ class StepControl:
         (it skips grad None): in fp32 also where the window's gradients are bf16 (no
         accumulation), whose norms in bf16 would carry 3 significant digits into the clip."""
         try:
-            self.grad_sync.wait(block)
+            if self.grad_sync is not None:
+                self.grad_sync.wait(block)
         except BaseException as exc:      # named for its block, raised from step()
             raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
         block.grad.wait_landed()
@@ -292,7 +335,7 @@ class StepControl:
         """(grad_scale for the kernel, overflow) from the global gradient norm, computed as
         torch.nn.utils.clip_grad_norm_ does: per-parameter norms (parameters without a
         gradient skipped), stacked in model.parameters() order, then the norm of those."""
-        if not self.comm.active:
+        if not self.distributed:
             if not self._norms:               # not computed during backward: now, on the workers
                 self._norms = [self.pipeline.run(self._block_norms, b) for b in self.blocks]
             per_param = [item for fut in self._norms for item in fut.result()]
@@ -315,7 +358,7 @@ class StepControl:
             norms = torch._foreach_norm([g for _, g in per_param], 2.0, dtype=torch.float32)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if len(norms) \
             else torch.zeros(())
-        if self.comm.active and self.grad_sync.stage >= 1:   # sqrt of the sum over ranks of the local squares
+        if self.distributed and self.grad_sync.stage >= 1:   # sqrt of the sum over ranks of the local squares
             sq = (total.double() ** 2).reshape(1)
             self.comm.all_reduce(sq, "gradient norm")
             total = sq.sqrt()[0].float()

@@ -8,7 +8,7 @@ Layout of a checkpoint directory::
                             [start, end) of the padded flat, file, CRC32, ``layout``: the
                             shard's StateLayout.describe())
     block_00000.rank0.bin   rank 0's shard of block 0 as the optimizer state buffer holds it
-    block_00000.rank1.bin   (optim/state_layout.py: the fp32 master, the rule's rows at the
+    block_00000.rank1.bin   (optim/state.py: the fp32 master, the rule's rows at the
     ...                     state dtype, int8 codes and their scales), byte for byte
     extra.pt                frozen parameters, buffers, rank 0's RNG states
     rng.rank1.pt ...        the other ranks' RNG states
@@ -103,7 +103,7 @@ class Subject(Protocol):
     def set_counters(self, global_step: int, micro_step: int) -> None: ...
 
     def state_layout(self, i: int):
-        """Block ``i``'s StateLayout (optim/state_layout.py)."""
+        """Block ``i``'s StateLayout (optim/state.py)."""
 
     def read_state(self, i: int) -> ContextManager[Tuple[torch.Tensor, torch.Tensor]]:
         """Block ``i``'s state buffer and its fp32 master view, held for the ``with``."""
@@ -449,7 +449,7 @@ def _fill_state(path: str, binfo: dict, layout, buf: torch.Tensor, s0: int, s1: 
     """Fill ``buf`` (the loading rank's shard [s0, s1) laid out by ``layout``) from the
     checkpoint's shard files, whatever the sharding they were saved at."""
     from offload.optim import quant
-    from offload.optim.state_layout import StateLayout
+    from offload.optim.state import StateLayout
     name = binfo["name"] or "<root>"
     master, rows = layout.views(buf)
     buf.zero_()

@@ -12,7 +12,7 @@ rows and columns need the parameter's shape.
 The factored rows are tiny (R + C values for an R x C matrix) and stay fp32 whatever the
 state dtype; only an unfactored ``variance`` follows ``state_dtype``.
 
-In the engine (optim/pipeline.py, optim/state_layout.py) the rule is stepped per tensor
+In the engine (optim/pipeline.py, optim/state.py) the rule is stepped per tensor
 (``per_tensor``): a parameter of >= 2 dimensions wholly inside the rank's shard keeps its
 factored ``row_var`` / ``col_var``; a 1-D parameter its ``variance``. Sharding: the factored
 statistics need every row and column of the matrix, so a tensor that ZeRO splits across

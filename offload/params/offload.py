@@ -98,6 +98,7 @@ class ParamOffload:
         self.budget = budget
         self.busy = False
         self._h2d = dev.new_stream(engine.device)
+        self._one_rank = not engine.comm.active   # fixed: read once, not on the step's path
         self._owner: Dict[int, int] = {id(s.param): i for i, bp in enumerate(params) if bp is not None
                                        for _, s in bp.segments}
         self.prefetcher = Prefetcher(params, budget=budget, device_lookahead=device_lookahead,
@@ -397,7 +398,7 @@ class ParamOffload:
             if bp is not None and bp.users == 0 and bp.device_bytes and bp.trainable is not None:
                 self._release(i)
         order = pf.next_order()
-        if pf.enabled and order is not None and not self.engine.comm.active:
+        if pf.enabled and order is not None and self._one_rank:
             seen = 0
             for i in order:
                 if i in keep:
