@@ -79,6 +79,8 @@ def run(argv):
            "offload_param": {"device": prm, "nvme_path": nvme if prm == "nvme" else None},
            "gradient_clipping": float(clip), "aio": {"backend": "native", "block_size": 1 << 16},
            "wait_timeout_s": 5.0 if stage == "stall" else 60.0, "prefetch": {"enabled": not noprefetch}}
+    if stage == "gradient collective":   # one rank runs gradient collectives only where ZeRO partitions them
+        cfg["zero_optimization"] = {"stage": 2}
     eng = offload.initialize(make_model(layers=2), cfg)
     dirs = list(eng.swap_dirs().values())
     key = f"b{TARGET}.state"

@@ -254,7 +254,11 @@ class StepControl:
             if self.distributed:              # the ranks took the same path through the model
                 self.comm.check_same("block order of backward", self._arrival)
             if self.grad_sync is not None:
-                self.grad_sync.wait_all()
+                for b in self.blocks:         # a failed collective names its block and stage
+                    try:
+                        self.grad_sync.wait(b)
+                    except Exception as exc:
+                        raise self.pipeline.record_failure(b, "gradient collective", exc) from exc
             coef, overflow = 1.0, False
             if self.needs_norm:
                 with self.telemetry.span("offload::grad_norm"):

@@ -88,7 +88,7 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed:
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values of an int8 row (flat)."""
     n = codes.numel()
-    values = dynamic_map(signed)[codes.reshape(-1).long()]
+    values = dynamic_map(signed).to(codes.device)[codes.reshape(-1).long()]
     scale = absmax.repeat_interleave(BLOCK)[:n]
     result = values * scale
     if out is not None:

@@ -221,9 +221,11 @@ class QuantizedPart:
         sc.max_abs_error, sc.rel_rms_error = err.result()
 
     # ---- dequantize from a home ---------------------------------------------------------
-    def dequantize(self, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, blob: torch.Tensor, out: torch.Tensor, reference: bool = False) -> torch.Tensor:
         """The part's flat (``numel`` values of ``dtype``, padding zeroed) from ``blob`` (a
-        host uint8 tensor holding what ``fill`` wrote) into ``out`` (contiguous, CPU)."""
+        uint8 tensor holding what ``fill`` wrote) into ``out`` (contiguous, on the blob's
+        device). ``reference``: ``offload.quantize``'s torch references, which run on any
+        device and give the native kernels' bits; else the native kernels (CPU)."""
         blob = blob.view(torch.uint8)
         with torch.no_grad():
             end = 0
@@ -232,9 +234,17 @@ class QuantizedPart:
                 if sc.fmt == "raw":
                     dst.copy_(self._piece(blob, sc, "values", self.dtype))
                 elif sc.fmt == "int8":
-                    qz.dequantize_int8_rows(self._int8(blob, sc), self.dtype, out=dst)
+                    t = self._int8(blob, sc)
+                    if reference:
+                        dst.copy_(qz.dequantize_int8_rows_reference(t, self.dtype).reshape(-1))
+                    else:
+                        qz.dequantize_int8_rows(t, self.dtype, out=dst)
                 else:
-                    qz.dequantize_nf4(self._nf4(blob, sc), self.dtype, out=dst)
+                    t = self._nf4(blob, sc)
+                    if reference:
+                        dst.copy_(qz.dequantize_nf4_reference(t, self.dtype).reshape(-1))
+                    else:
+                        qz.dequantize_nf4(t, self.dtype, out=dst)
                 end = max(end, sc.offset + sc.numel)
             out[end:].zero_()
         return out
@@ -255,36 +265,8 @@ class QuantizedPart:
             qb = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             qb.copy_(blob, non_blocking=True)
             out = torch.empty(self.numel, dtype=self.dtype, device=device)
-            self._dequantize_torch(qb, out)
+            self.dequantize(qb, out, reference=True)
             return out, dev.record_event(stream)
-
-    def _dequantize_torch(self, blob: torch.Tensor, out: torch.Tensor) -> None:
-        """``dequantize`` in torch ops on any device (the CUDA path): the fp32 operations of
-        ``offload.quantize``'s references, so the same bits."""
-        with torch.no_grad():
-            end = 0
-            for sc in self.segments:
-                dst = out[sc.offset:sc.offset + sc.numel]
-                if sc.fmt == "raw":
-                    dst.copy_(self._piece(blob, sc, "values", self.dtype))
-                elif sc.fmt == "int8":
-                    t = self._int8(blob, sc)
-                    inv127 = torch.tensor(1.0 / 127.0, dtype=torch.float32, device=blob.device)
-                    dst.copy_(((t.codes.float() * t.absmax[:, None]) * inv127).reshape(-1))
-                else:
-                    t = self._nf4(blob, sc)
-                    if t.double_quant:
-                        code8 = q8.dynamic_map(True).to(blob.device)
-                        nb = t.absmax_q.numel()
-                        absmax = code8[t.absmax_q.long()] * t.absmax_scale.repeat_interleave(q8.BLOCK)[:nb]
-                        absmax = absmax + torch.tensor(t.absmax_offset, device=blob.device)
-                    else:
-                        absmax = t.absmax
-                    q = torch.stack([t.packed >> 4, t.packed & 15], dim=1).view(-1)[:sc.numel].long()
-                    code = qz.nf4_code().to(blob.device)
-                    dst.copy_(code[q] * absmax.repeat_interleave(qz.NF4_BLOCK)[:sc.numel])
-                end = max(end, sc.offset + sc.numel)
-            out[end:].zero_()
 
     # ---- what it stores -----------------------------------------------------------------
     def tensor_stats(self) -> Dict[str, dict]:
