@@ -6,6 +6,7 @@ and exit with status 2; no traceback.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -33,6 +34,9 @@ def _warning_line(message, category, filename, lineno, file=None, line=None):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     warnings.showwarning = _warning_line
+    # bitsandbytes, when installed, logs on import that it could not fetch a CPU 4-bit matmul
+    # from a hub; nothing here runs its kernels, so its output would only cloud the command's own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
