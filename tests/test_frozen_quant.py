@@ -13,7 +13,7 @@ from offload.core import blocks as blk
 from offload.params import quantized
 from _models import batches, clone
 from test_engine import max_diff, parity_bounds
-from test_frozen_offload import base_key_map, lora_llama, save_base, swap_bytes
+from test_frozen_offload import base_key_map, engine_run, lora_llama, save_base, swap_bytes
 
 MIN_NUMEL = 1024          # the test model's tensors are small: quantize every 2-D one of them
 
@@ -49,20 +49,6 @@ def plain_run(model, data, fused=False, lr=1e-3, wd=0.01):
         opt.zero_grad(set_to_none=True)
         snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return snaps, losses
-
-
-def engine_run(model, data, config):
-    eng = offload.initialize(model, config)
-    snaps, losses = [], []
-    for x, y in data:
-        loss = eng(x, y)
-        losses.append(loss.item())
-        eng.backward(loss)
-        eng.step()
-        snaps.append(dict(eng.full_state_dict()))
-    stats = eng.stats()
-    eng.close()
-    return snaps, losses, stats
 
 
 def qcfg(tmp_path, param, fmt, double_quant=False, **extra):
@@ -131,7 +117,7 @@ def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, t
     ref_model = dequantized_base(base, fmt, double_quant)
     ref, ref_losses = plain_run(clone(ref_model), data)
     fused, fused_losses = plain_run(clone(ref_model), data, fused=True)
-    got, losses, stats = engine_run(clone(base), data, qcfg(tmp_path, param, fmt, double_quant))
+    got, stats, _, losses = engine_run(clone(base), data, qcfg(tmp_path, param, fmt, double_quant))
     trainable = [k for k in ref[0] if "lora_" in k]
     bounds = parity_bounds([{k: s[k] for k in trainable} for s in ref], [{k: s[k] for k in trainable} for s in fused])
     for step, (r, g, bound) in enumerate(zip(ref, got, bounds)):
