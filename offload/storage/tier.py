@@ -1,6 +1,6 @@
 """Tiers: where a block's bytes live between uses, behind one interface, and the one
 loaned-buffer state machine every owner of offloaded bytes uses (optimizer state,
-parameter homes, parked gradients).
+parameter homes, parked gradients, saved activations).
 
 A tier holds keyed byte ranges:
 
@@ -19,6 +19,7 @@ the lot), ``tier.loan(key, nbytes, what)`` returns a key's ``Loan``, whose verbs
     ``try_fill()`` is ``fill()`` without waiting for a pool buffer; ``lend(buf, read)`` is
     ``fetch()`` / ``fill()`` with a buffer the caller supplies (one from another source when
     the tier's pool cannot be waited for).
+    ``keep()`` is ``commit(keep=True)`` decided after the write started: WRITING --> WRITING_KEPT.
     RESIDENT (device and host tiers): every verb is a no-op, acquire() returns the bytes.
 
 ``release()`` from READY returns the buffer without writing it (the bytes were only read);
@@ -32,7 +33,15 @@ at once, without waiting for the write (the write and the readers only read them
 modifies them until the write is settled: ``fill()`` and ``commit()`` refuse that state.
 
 Lifetimes: the lent buffer belongs to the loan from ``fetch()``/``fill()`` until it is back
-ON_TIER; another key may use it only after that. The loan is agnostic of what the bytes mean
+ON_TIER; another key may use it only after that. ``CallerBuffer`` lends memory the caller
+owns (a tensor written or read in place) like a pool buffer.
+
+Keys and retirement (owners whose keys come and go, e.g. saved activations): a loan made
+with ``key=None`` and a free list ``keys`` is bound to ``keys.take(nbytes)`` at its first
+``commit()`` (reading it before is an error). ``retire()`` (the owner is gone, possibly in a
+finalizer) never waits nor takes a lock; the tier's ``settle_retired()``, on the owner's
+thread, gives a retired loan's buffer back, and its key to ``keys.give(key, nbytes)``, once
+no I/O of it is in flight. The loan is agnostic of what the bytes mean
 (rows, dtypes, sizes): owners view ``acquire()``'s 1-D uint8 tensor as they need.
 
 Failures and waits: every wait is bounded (``timeout``, default the tier's
@@ -44,6 +53,7 @@ the write's error).
 """
 from __future__ import annotations
 
+import collections
 import enum
 import errno as errno_mod
 import threading
@@ -89,18 +99,30 @@ def io_error(op: str, what: str, exc: BaseException) -> BaseException:
 
 
 class NvmeTier:
-    """Keys in an ``NvmeStore``; buffers lent by ``pool`` (a HostPool) around their use."""
+    """Keys in an ``NvmeStore``; buffers lent by ``pool`` (a HostPool) around their use.
+    ``store`` None: loans only hold lent buffers (READY until released or retired), never
+    written: an owner whose bytes stay on the host uses the same verbs."""
 
     kind = TierKind.NVME
 
     def __init__(self, store, pool, *, wait_timeout_s: float = DEFAULT_WAIT_S):
         self.store, self.pool, self.wait_timeout_s = store, pool, wait_timeout_s
+        self._retired = collections.deque()   # loans retire()d: appends are atomic (finalizers)
+        self._draining: list = []             # ... settled once their I/O is done
 
     def reserve(self, sizes) -> None:
         self.store.reserve(dict(sizes))
 
-    def loan(self, key: str, nbytes: int, what: str = "") -> "Loan":
-        return Loan(self, key, nbytes, what or key)
+    def loan(self, key: Optional[str], nbytes: int, what: str = "", keys=None) -> "Loan":
+        """``key`` None: bound at the first commit from the free list ``keys`` (module doc)."""
+        return Loan(self, key, nbytes, what or key, keys)
+
+    def settle_retired(self) -> None:
+        """On the owner's thread, never waits: every retired loan with no I/O in flight gives
+        its buffer back (and its key to its free list); the others wait for a later call."""
+        while self._retired:
+            self._draining.append(self._retired.popleft())
+        self._draining = [loan for loan in self._draining if not loan._settle_retired()]
 
     def put(self, key: str, src: torch.Tensor, what: str = "", write_pool=None,
             timeout: Optional[float] = None) -> None:
@@ -159,11 +181,32 @@ def _wait(io, op: str, what: str, timeout: Optional[float]) -> None:
         raise io_error(op, what, exc) from exc
 
 
+class CallerBuffer:
+    """Memory the caller owns (a contiguous CPU tensor) lent to a loan in place of a pool
+    buffer, with a HostBuffer's ``view`` / ``release``: ``release`` only drops the loan's
+    reference (the caller's tensor lives on); the I/O reads or writes the tensor in place."""
+
+    __slots__ = ("nbytes", "_data")
+
+    def __init__(self, data: torch.Tensor):
+        self._data = data.view(-1).view(torch.uint8)
+        self.nbytes = self._data.numel()
+
+    def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
+        assert self._data is not None, "this caller buffer was already released"
+        end = offset_bytes + numel * dtype.itemsize
+        assert 0 <= offset_bytes and end <= self.nbytes, f"a view of {end - offset_bytes} bytes in {self.nbytes}"
+        return self._data[offset_bytes:end].view(dtype)
+
+    def release(self) -> None:
+        self._data = None
+
+
 class Loan:
     """One key's bytes, lent into memory around their use. Thread-safe; see the module doc."""
 
-    def __init__(self, tier: NvmeTier, key: str, nbytes: int, what: str):
-        self.tier, self.key, self.nbytes, self.what = tier, key, nbytes, what
+    def __init__(self, tier: NvmeTier, key: Optional[str], nbytes: int, what: str, keys=None):
+        self.tier, self.key, self.nbytes, self.what, self.keys = tier, key, nbytes, what, keys
         self.state = LoanState.ON_TIER
         self._lock = threading.RLock()
         self._buf = None       # HostBuffer on loan while not ON_TIER
@@ -190,6 +233,11 @@ class Loan:
     @property
     def in_memory(self) -> bool:
         return self.state is not LoanState.ON_TIER
+
+    @property
+    def buffer(self):
+        """The buffer on loan (a pool's, an OwnedBuffer, a CallerBuffer), None when ON_TIER or RESIDENT."""
+        return self._buf
 
     def _timeout(self, timeout: Optional[float]) -> float:
         if timeout is not None:
@@ -274,12 +322,28 @@ class Loan:
             if self.state is LoanState.RESIDENT:
                 return
             assert self.state is LoanState.READY, f"{self.what}: commit from {self.state}"
+            assert self.key is not None or self.keys is not None, f"{self.what}: commit with no key nor free list"
             try:
+                if self.key is None:
+                    self.key = self.keys.take(self.nbytes)
                 self._io = self.tier.store.write(self.key, self._bytes)
             except BaseException as exc:
                 self._give_back()
                 raise io_error("write", self.what, exc) from exc
             self.state = LoanState.WRITING_KEPT if keep else LoanState.WRITING
+
+    def keep(self) -> None:
+        """The bytes are needed after all while their write is in flight: WRITING ->
+        WRITING_KEPT (READY once written); no-op when READY or WRITING_KEPT. Never waits."""
+        with self._lock:
+            if self.state is LoanState.WRITING:
+                self.state = LoanState.WRITING_KEPT
+            assert self.state in (LoanState.READY, LoanState.WRITING_KEPT), f"{self.what}: keep from {self.state}"
+
+    def retire(self) -> None:
+        """The owner let the loan go for good (it may be a finalizer on any thread): never
+        waits, takes no lock; ``tier.settle_retired()`` gives back its buffer and key later."""
+        self.tier._retired.append(self)
 
     def unkeep(self) -> None:
         """The kept bytes are no longer needed: WRITING_KEPT -> WRITING (the buffer goes back
@@ -352,6 +416,7 @@ class Loan:
         self._bytes = buf.view(torch.uint8, self.nbytes)
 
     def _start_read(self, buf) -> None:
+        assert self.key is not None, f"{self.what}: read before its first write bound a key"
         self._take(buf)
         try:
             self._io = self.tier.store.read(self.key, self._bytes)
@@ -369,6 +434,18 @@ class Loan:
             self.state = LoanState.ON_TIER
             return
         self._give_back()
+
+    def _settle_retired(self) -> bool:
+        """Retired: buffer and key back unless an I/O is still in flight (False)."""
+        with self._lock:
+            if self._io is not None and not self._io.done():
+                return False
+            self._io = None
+            self._give_back()
+            if self.keys is not None and self.key is not None:
+                self.keys.give(self.key, self.nbytes)
+                self.key = None
+            return True
 
     def _give_back(self) -> None:
         self._bytes = None

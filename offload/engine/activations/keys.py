@@ -1,8 +1,9 @@
 """The NVMe keys saved tensors are written to: reused by size, reserved in batches.
 
-A key of the store holds one saved tensor's copy (or a direct write's head page) from its
-write until the record retires; then it goes back to the free list of its size (a multiple
-of 4096 bytes). A size with no free key reserves as many new keys again as it has so far:
+The free list of the saved tensors' loans (storage/tier.py: a loan bound to a key at its
+write): a key holds one saved tensor's copy (or a direct write's head page) from its write
+until the loan retires; then it goes back to the free list of its size (a multiple of 4096
+bytes). A size with no free key reserves as many new keys again as it has so far:
 the sizes of one step's saved tensors repeat layer after layer, so a few reservations (one
 swap file each) serve every later step.
 """
@@ -16,8 +17,8 @@ from offload.storage.pinned_pool import PAGE
 
 
 class SwapKeys:
-    def __init__(self, store):
-        self.store = store                  # the NvmeStore the keys are reserved in
+    def __init__(self, tier):
+        self.tier = tier                    # the NvmeTier the keys are reserved in
         self._lock = threading.Lock()
         self._free: Dict[int, List[str]] = collections.defaultdict(list)
         self._reserved = collections.Counter()   # key size -> keys reserved
@@ -38,12 +39,12 @@ class SwapKeys:
             base = sum(self._reserved.values())
             names = [f"a{base + j}" for j in range(n)]
             self._reserved[size] += n
-        self.store.reserve({k: size for k in names})
+        self.tier.reserve({k: size for k in names})
         with self._lock:
             self._free[size].extend(names[1:])
         return names[0]
 
-    def give(self, key: str, size: int) -> None:
-        """``key`` (of ``size``, from ``size_of``) is free again: no transfer uses it."""
+    def give(self, key: str, nbytes: int) -> None:
+        """``key`` (taken for ``nbytes``) is free again: no transfer uses it."""
         with self._lock:
-            self._free[size].append(key)
+            self._free[self.size_of(nbytes)].append(key)

@@ -2,7 +2,10 @@
 use in backward, and the host pool and NVMe keys their copies occupy.
 
 The handler's contract (``pack`` / ``unpack``) is the package's (activations/__init__.py).
-One saved tensor is a ``Saved`` record (saved.py), moved through its states here.
+One saved tensor is a ``Saved`` record (saved.py), moved through its states here; its host
+and NVMe copies are loans of one ``storage.tier.NvmeTier`` over the store and the pool
+(ranges of the pool lent with ``Loan.lend``, keys from keys.py's free list), moved by their
+verbs: nothing here reads or writes the store itself.
 
 Lifetimes. The device copy of a packed tensor is autograd's to free; on CUDA the D2H runs on
 a side stream after the producing kernels and ``record_stream`` keeps its memory from reuse
@@ -22,7 +25,7 @@ durable, and only the bytes before that boundary go through a one-page range of 
 tensor needed again before its write is durable is handed back as it is. The NVMe extent (a
 key of the store, checksummed per extent like all the engine's swap data) returns to a free
 list when the last handle goes; ranges and keys of retired records are given back on this
-engine's thread (``_settle_retired``), never from a finalizer.
+engine's thread (``NvmeTier.settle_retired``), never from a finalizer.
 
 Budget. Bytes in flight to NVMe are bounded by ``lookahead_bytes``: packing waits (bounded)
 for the oldest write, never for the newest (a tensor larger than the lookahead is written
@@ -57,9 +60,10 @@ from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
-from offload.engine.activations.saved import Saved, SavedState, Transfers, direct_head, layout_of
+from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.pinned_pool import PAGE, PoolBudgetError
+from offload.storage.pinned_pool import PAGE, HostBuffer, PoolBudgetError
+from offload.storage.tier import CallerBuffer, LoanState, NvmeTier
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
@@ -95,6 +99,8 @@ class ActivationOffload:
         self.pool = pool                    # HostArena offload-activations: every host copy's range
         self.wait_timeout_s = float(wait_timeout_s)
         self.store = store                  # NvmeStore for tier nvme
+        # every host / NVMe copy is a loan of this tier (cpu: no store, the loans only hold ranges)
+        self._tier = NvmeTier(store, pool, wait_timeout_s=self.wait_timeout_s)
         self.telemetry = telemetry
         self.saved_tensors = self
         # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
@@ -104,18 +110,16 @@ class ActivationOffload:
         self._d2h = dev.new_stream(device)
         self._h2d = dev.new_stream(device)
         # Records retire (``__del__``) on whichever thread drops the graph, possibly inside a
-        # locked section of this one: counters take a re-entrant lock, retired keys go
-        # through a deque (atomic appends) and are settled under the lock later.
+        # locked section of this one: counters take a re-entrant lock, retired loans go
+        # through the tier's deque (atomic appends) and are settled on this thread later.
         self._lock = threading.RLock()
-        self._retired = collections.deque()  # (keys, io, host, keep) of records whose last handle is gone
-        self._draining: List[tuple] = []     # ... whose transfer was still in flight
-        self._keys = SwapKeys(store) if store is not None else None   # NVMe keys of the copies
+        self._keys = SwapKeys(self._tier) if store is not None else None   # NVMe keys of the copies
         self._param_storages: set = set()
         self._records: List[weakref.ref] = []        # this forward's records, pack order
         self._by_src: Dict[int, weakref.ref] = {}    # id(tensor) -> record (saved twice)
         self._copying = collections.deque()          # records with a D2H in flight (CUDA), oldest first
         self._writing = collections.deque()          # records with an NVMe write in flight
-        self._copying_in: Dict[int, Saved] = {}     # nvme on CUDA: H2D in flight from a pool range, oldest first
+        self._copying_in: Dict[int, Saved] = {}     # nvme on CUDA: H2D in flight from a loan's range, oldest first
         self._in_forward = False
         self._writing_bytes = 0
         self._order: Optional[List[int]] = None      # the last backward's unpack order (record indices)
@@ -123,7 +127,6 @@ class ActivationOffload:
         self._ahead = Lookahead("act_prefetch", telemetry)   # the order expected now, and its cursor
         self._armed: Optional[int] = None            # records ``_ahead``'s order covers (None: not armed)
         self.device_bytes = 0               # offloaded tensors' bytes on the device held here
-        self.host_bytes = 0                 # bytes of the pool's ranges lent to host copies
         self.stats_ = collections.Counter()
 
     # ---- lifecycle verbs --------------------------------------------------------------------
@@ -137,8 +140,7 @@ class ActivationOffload:
             self._order = None
         self._records, self._by_src, self._unpacked = [], {}, []
         self._armed = None
-        with self._lock:
-            self._settle_retired()                   # the last graph's ranges and keys come back
+        self._tier.settle_retired()                  # the last graph's ranges and keys come back
         if self._window is not None:
             self._window.trim()                      # the forward's RSS does not carry the reads' pages
         self._param_storages = {t.untyped_storage().data_ptr()
@@ -153,8 +155,7 @@ class ActivationOffload:
         if self.tier == "nvme" and self.device.type == "cpu":
             # every copy of this forward is on NVMe and backward reads straight into device
             # memory: the pool's pages leave the RSS until the next forward
-            with self._lock:
-                self._settle_retired()
+            self._tier.settle_retired()
             self.pool.trim()
             # room to read the whole forward back (address space; pages fault in once used)
             recs = [r() for r in self._records]
@@ -183,11 +184,13 @@ class ActivationOffload:
                 and t.data_ptr() % t.element_size() == 0):
             return self._pack_direct(t, nbytes)
         host = self._lend(nbytes, t)                 # a range of the budgeted pool (may wait, bounded)
-        rec = Saved(self, len(self._records), t, layout == "dense", host)
+        rec = Saved(self, len(self._records), t, layout == "dense")
+        rec.loans = (self._loan(rec, nbytes),)
+        rec.loans[0].lend(host, read=False)          # -> READY: the host copy
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         with self.telemetry.span("offload::act_d2h", "act_" + dev.link(t.device, _HOST), rec.nbytes):
-            dst = host.view(rec.dtype, t.numel())
+            dst = rec.loans[0].acquire().view(rec.dtype)
             # dense: its bytes in memory order (any permutation of dims); gapped: packed
             src = t.as_strided((t.numel(),), (1,)) if rec.dense else t.contiguous().view(-1)
             rec.event = dev.copy_to_host_async(dst, src, self._d2h)
@@ -199,10 +202,15 @@ class ActivationOffload:
             self._device_hold(rec.nbytes)            # until the D2H ends, its memory is held
             self._copying.append(rec)
         else:
-            rec.state = SavedState.ON_HOST
+            rec.state = SavedState.OFF_DEVICE
             self._write(rec)
         self._pump()
         return rec
+
+    def _loan(self, rec: Saved, nbytes: int, what: str = ""):
+        """A loan of ``nbytes`` for ``rec``, its key taken from the free list at its write."""
+        return self._tier.loan(None, nbytes, f"saved tensor {rec.index}{what} (shape {rec.shape}, {rec.dtype})",
+                               keys=self._keys)
 
     def _pack_direct(self, t: torch.Tensor, nbytes: int) -> Saved:
         """CPU device, nvme: host and device are one memory, so a copy to the pool would only
@@ -213,22 +221,27 @@ class ActivationOffload:
         backward's read straight into device memory."""
         head = direct_head(t)
         host = self._lend(PAGE, t) if head else None
-        rec = Saved(self, len(self._records), t, True, host)
+        rec = Saved(self, len(self._records), t, True)
         rec.head, rec.held = head, t
+        flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+        rec.loans = (self._loan(rec, nbytes - head),)
+        rec.loans[0].lend(CallerBuffer(flat[head:]), read=False)     # written from the tensor itself
+        if head:
+            rec.loans += (self._loan(rec, PAGE, " head page"),)
+            rec.loans[1].lend(host, read=False)
         self._records.append(weakref.ref(rec))
         self._by_src[id(t)] = weakref.ref(rec)
         self._device_hold(nbytes)                    # until its write is durable
         with self.telemetry.span("offload::act_d2h", "act_h2h", head):   # only the head page is copied
             if head:
-                flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-                host.view(torch.uint8, PAGE)[PAGE - head:].copy_(flat[:head])
+                rec.loans[1].acquire()[PAGE - head:].copy_(flat[:head])
         with self._lock:
             self.stats_["saved_bytes"] += nbytes
             self.stats_["d2h_bytes"] += nbytes
             self.stats_["direct_bytes"] += nbytes
             self.stats_["direct_tensors"] += 1
             self.stats_["tensors"] += 1
-        rec.state = SavedState.ON_HOST
+        rec.state = SavedState.OFF_DEVICE
         self._write(rec)
         self._pump()
         return rec
@@ -251,71 +264,59 @@ class ActivationOffload:
         while self._writing:
             rec = self._writing[0]
             over = self._writing_bytes > self.lookahead and len(self._writing) > 1
-            if rec.wio is not None and not (over or rec.wio.done()):
+            if rec.writing and not (over or self._polled(rec)):
                 break
             self._finish_write(rec)
 
     def _finish_copy_out(self) -> None:
-        """The oldest D2H: wait for it (CUDA), then on to NVMe (ON_HOST -> WRITING)."""
+        """The oldest D2H: wait for it (CUDA), then on to NVMe (the loan READY -> WRITING)."""
         rec = self._copying.popleft()
         if rec.state is SavedState.COPYING_OUT:
             dev.sync_event(rec.event)
             rec.event = None
-            rec.state = SavedState.ON_HOST
+            rec.state = SavedState.OFF_DEVICE
             self._device_hold(-rec.nbytes)
             self._write(rec)
 
     def _reap_writes(self) -> None:
         """Dequeue writes that finished (or were finished by a fetch), never wait."""
-        while self._writing and (self._writing[0].wio is None or self._writing[0].wio.done()):
+        while self._writing and (not self._writing[0].writing or self._polled(self._writing[0])):
             self._finish_write(self._writing[0])
 
+    @staticmethod
+    def _polled(rec: Saved) -> bool:
+        """Settle ``rec``'s finished transfers (``Loan.poll``: never waits); True when none is in flight."""
+        return all([loan.poll() for loan in rec.loans])
+
     def _write(self, rec: Saved) -> None:
+        """nvme: commit the loans (each takes its key from the free list)."""
         if self.tier != "nvme":
             return
-        if rec.head is not None:                     # straight from device memory: body, head page
-            body = rec.held.as_strided((rec.held.numel(),), (1,)).view(torch.uint8)[rec.head:]
-            rec.key = self._take_key(body.numel())
-            with self.telemetry.span("offload::act_nvme_write"):
-                ios = [self.store.write(rec.key, body)]
-                if rec.head:
-                    rec.head_key = self._take_key(PAGE)
-                    ios.append(self.store.write(rec.head_key, rec.host.view(torch.uint8, PAGE)))
-            rec.wio = Transfers(ios)
-            rec.state = SavedState.WRITING
-            self._writing.append(rec)
-            self._writing_bytes += rec.nbytes
-            return
-        rec.key = self._take_key(rec.nbytes)
+        self._tier.settle_retired()                  # retired keys come back before new ones are reserved
         with self.telemetry.span("offload::act_nvme_write"):
-            rec.wio = self.store.write(rec.key, rec.host.view(torch.uint8, rec.nbytes))
-        rec.state = SavedState.WRITING
+            for loan in rec.loans:                   # a direct write: body, then head page
+                loan.commit()
+        rec.writing = True
         self._writing.append(rec)
         self._writing_bytes += rec.nbytes
 
     def _finish_write(self, rec: Saved) -> None:
         """The oldest write: dequeue it, waiting for it unless a fetch already did."""
         self._writing.popleft()
-        if rec.wio is not None:
-            self._complete_write(rec)
+        self._complete_write(rec)
 
-    def _complete_write(self, rec: Saved, stage: bool = False) -> None:
-        """Wait (bounded) for ``rec``'s write; it stays dequeued-later in ``_writing``. A
-        record still WRITING goes ON_NVME and gives its host copy back, or with ``stage``
-        keeps it (STAGED: a fetch about to copy it back). A direct write's device tensor is
-        let go (``_release_held``) unless unpack already handed it out (then it is autograd's,
+    def _complete_write(self, rec: Saved) -> None:
+        """Wait (bounded) for ``rec``'s write, if still in flight (it stays in ``_writing``
+        until dequeued). Its loans go ON_TIER (their ranges back), or READY when a fetch kept
+        the host copy (``Loan.keep``). A direct write's device tensor is let go
+        (``_release_held``) unless unpack already handed it out (then it is autograd's,
         counted by the unpack)."""
-        wio, rec.wio = rec.wio, None
-        self._writing_bytes -= rec.nbytes
-        self._wait_io(wio, "write")
-        writing = rec.state is SavedState.WRITING
-        if writing and stage:
-            rec.state = SavedState.STAGED
+        if not rec.writing:
             return
-        if writing:
-            rec.state = SavedState.ON_NVME
-        self._drop_host(rec)
-        self._release_held(rec, counted=writing)
+        rec.writing = False
+        self._writing_bytes -= rec.nbytes
+        self._wait(rec, "write")
+        self._release_held(rec, counted=rec.state is SavedState.OFF_DEVICE and not rec.unpacks)
 
     def _release_held(self, rec: Saved, counted: bool = True) -> None:
         """A direct write is durable: the device tensor it was written from is autograd's
@@ -349,8 +350,7 @@ class ActivationOffload:
         deadline = time.monotonic() + self.wait_timeout_s
         with self.telemetry.span("offload::act_pool_wait"):
             while buf is None:
-                with self._lock:
-                    self._settle_retired()
+                self._tier.settle_retired()
                 buf = self.pool.try_acquire(nbytes)
                 if buf is not None or self._make_room():
                     continue
@@ -367,10 +367,8 @@ class ActivationOffload:
         return self._lent(buf)
 
     def _lent(self, buf):
-        if buf is not None:
-            with self._lock:
-                self.host_bytes += buf.nbytes
-                self.telemetry.peak("act_host_bytes", self.host_bytes)
+        if buf is not None:   # the pool lends to host copies only: its bytes in use are theirs
+            self.telemetry.peak("act_host_bytes", self.pool.in_use_bytes)
         return buf
 
     def _make_room(self) -> bool:
@@ -387,14 +385,15 @@ class ActivationOffload:
             dev.sync_event(rec.event)
             rec.event = None
             rec.state = SavedState.ON_DEVICE
-            self._drop_host(rec)
+            rec.loans[0].release()                   # the range back; the NVMe copy remains
             return True
         return False
 
     def _forward_host_bytes(self) -> int:
         """Pool bytes held by this forward's own host copies."""
-        recs = (r() for r in self._records)
-        return sum(r.host.nbytes for r in recs if r is not None and r.host is not None)
+        recs = [r() for r in self._records]
+        return sum(loan.buffer.nbytes for r in recs if r is not None for loan in r.loans
+                   if isinstance(loan.buffer, HostBuffer))
 
     def _budget_error(self, nbytes: int, t, single: bool = False, waited: bool = False) -> ActivationHostBudgetError:
         what = f"a saved tensor of {_fmt(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
@@ -419,53 +418,17 @@ class ActivationOffload:
             "offload_activations.device to nvme (host copies go on to NVMe as the pool fills), raise "
             "offload_activations.min_bytes, or checkpoint activations (torch.utils.checkpoint)")
 
-    def _drop_host(self, rec: Saved) -> None:
-        """The host copy's range goes back to the pool (no transfer uses it any more)."""
-        host, rec.host = rec.host, None
-        if host is not None:
-            self._give_back(host)
-
-    def _give_back(self, host) -> None:
-        n = host.nbytes
-        host.release()
-        with self._lock:
-            self.host_bytes -= n
-
-    # ---- retired records: their ranges and keys back ------------------------------------------
-    def _take_key(self, nbytes: int) -> str:
-        with self._lock:
-            self._settle_retired()
-        return self._keys.take(nbytes)
-
-    def _settle_retired(self) -> None:   # lock held; on the engine's thread
-        while self._retired:
-            self._draining.append(self._retired.popleft())
-        still = []
-        for keys, io, host, keep in self._draining:
-            if io is None or io.done():
-                for key, size in keys:
-                    self._keys.give(key, size)
-                if host is not None:
-                    self._give_back(host)
-            else:
-                still.append((keys, io, host, keep))   # a transfer on a key / the range is still in flight
-        self._draining = still
-
+    # ---- retired records: their loans' ranges and keys back -----------------------------------
     def _retire(self, rec: Saved) -> None:
-        """The last handle of ``rec`` is gone: its pool range and NVMe key go back at the next
-        ``_settle_retired`` (a finalizer may run inside the pool's own critical section, so it
-        only queues them: deque appends are atomic)."""
+        """The last handle of ``rec`` is gone: its loans retire (their ranges and keys go back
+        at the tier's next ``settle_retired``: a finalizer may run inside the pool's own
+        critical section). A transfer in flight keeps what it reads or writes alive until it
+        ends (the loan holds its buffer: a pool range, or the caller's memory)."""
         with self._lock:
             if rec.restored is not None or rec.direct is not None or rec.held is not None:
                 self.device_bytes -= rec.nbytes
-        keys = []
-        if rec.key is not None:
-            keys.append((rec.key, SwapKeys.size_of(rec.nbytes - (rec.head or 0))))
-        if rec.head_key is not None:
-            keys.append((rec.head_key, PAGE))
-        if keys or rec.host is not None:
-            # a transfer in flight keeps what it reads or writes (``direct``, ``held``) alive until it ends
-            self._retired.append((keys, rec.io or rec.wio, rec.host, (rec.direct, rec.held)))
+        for loan in rec.loans:
+            loan.retire()
 
     # ---- unpack: back to the device ------------------------------------------------------------
     def unpack(self, rec: Saved) -> torch.Tensor:
@@ -479,7 +442,7 @@ class ActivationOffload:
             if not self._unpacked or self._unpacked[-1] != rec.index:
                 self._unpacked.append(rec.index)
             self._reap_writes()
-            if rec.state in (SavedState.READING, SavedState.STAGED, SavedState.COPYING_IN, SavedState.ON_DEVICE):
+            if self._on_its_way(rec):
                 self._expected().hit()
             else:
                 self._expected().miss()
@@ -514,26 +477,33 @@ class ActivationOffload:
             rec = self._records[i]() if i < len(self._records) else None
             if rec is None or rec.last is not None:
                 continue
-            if rec.state in (SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
+            if rec.state is SavedState.OFF_DEVICE and not self._on_its_way(rec):
                 with self.telemetry.span("offload::act_prefetch"):
                     if not self._fetch(rec, wait=False):
                         break                        # the pool is full: on demand from here
-            if rec.state is SavedState.READING and rec.io.done():
-                self._staged(rec)
-            if rec.state is SavedState.STAGED:
+            if rec.state is SavedState.OFF_DEVICE and self._polled(rec):   # its reads landed
                 self._to_device(rec)
 
+    def _on_its_way(self, rec: Saved) -> bool:
+        """A fetch brought ``rec`` back or started to: on the device, or (nvme) its loans
+        read or reading (a cpu tier's host copy is at rest READY)."""
+        if rec.state in (SavedState.COPYING_IN, SavedState.ON_DEVICE):
+            return True
+        return (rec.state is SavedState.OFF_DEVICE and self.tier == "nvme" and not rec.writing
+                and all(loan.state in (LoanState.READING, LoanState.READY) for loan in rec.loans))
+
     def _fetch(self, rec: Saved, wait: bool = True) -> bool:
-        """ON_HOST (or still COPYING_OUT / WRITING: the host copy is here) -> STAGED;
-        ON_NVME -> READING (into a pool range; on the CPU device straight into device
-        memory). Without ``wait``: False, nothing started, when the pool has no range now."""
+        """Bring ``rec``'s bytes into memory: a host copy in flight or still written is kept
+        (its loans READY); on NVMe: read (into a pool range; on the CPU device straight into
+        device memory, the loans over it). Without ``wait``: False, nothing started, when
+        the pool has no range now."""
         if rec.state is SavedState.COPYING_OUT:      # unpacked before its forward ended
             dev.sync_event(rec.event)
             rec.event = None
             self._device_hold(-rec.nbytes)
-            rec.state = SavedState.STAGED             # _pump only dequeues it
+            rec.state = SavedState.OFF_DEVICE         # the loan READY; _pump only dequeues it
             return True
-        if rec.state is SavedState.WRITING and rec.held is not None:
+        if rec.writing and rec.held is not None and not rec.unpacks:
             # written from device memory, which is still here: handed back as it is (its
             # device bytes, counted since pack, go with it); the write goes on, and lets it go
             # when it is durable (_complete_write)
@@ -543,33 +513,27 @@ class ActivationOffload:
                 self.stats_["h2d_bytes"] += rec.nbytes
                 self.stats_["held_hits"] += 1
             return True
-        if rec.state is SavedState.WRITING:
-            self._complete_write(rec, stage=True)     # its host copy is still here; _pump only dequeues it
-            return True
-        if rec.state is SavedState.ON_HOST:
-            rec.state = SavedState.STAGED
-            return True
-        assert rec.state is SavedState.ON_NVME, rec.state
-        if rec.wio is not None:                       # a direct write unpacked before it was durable: again
-            self._complete_write(rec)
-        if self.device.type == "cpu" and rec.head:     # direct write: head page, then the body
-            rec.direct = self._read_target(PAGE + rec.nbytes - rec.head)
+        if rec.writing:
+            if rec.held is None:
+                rec.loans[0].keep()                  # its host copy is still here: kept for the copy back
+            self._complete_write(rec)                # (a direct write unpacked before it was durable: read)
+        if rec.loans[0].state is not LoanState.ON_TIER:
+            return True                              # in memory, or its read in flight
+        if self.device.type == "cpu":                # host and device are one memory: no pool range
+            if rec.head:                             # direct write: head page, then the body
+                rec.direct = self._read_target(PAGE + rec.nbytes - rec.head)
+                targets = (rec.direct[PAGE:], rec.direct[:PAGE])
+            else:
+                rec.direct = self._read_target(rec.nbytes)
+                targets = (rec.direct,)
             self._device_hold(rec.nbytes)
-            rec.io = Transfers([self.store.read(rec.key, rec.direct[PAGE:]),
-                                 self.store.read(rec.head_key, rec.direct[:PAGE])])
-            rec.state = SavedState.READING
+            for loan, target in zip(rec.loans, targets):
+                loan.lend(CallerBuffer(target), read=True)
             return True
-        if self.device.type == "cpu":                 # host and device are one memory: no pool range
-            rec.direct = self._read_target(rec.nbytes)
-            self._device_hold(rec.nbytes)
-            dst = rec.direct
-        else:
-            rec.host = self._lend(rec.nbytes, wait=wait)
-            if rec.host is None:
-                return False
-            dst = rec.host.view(torch.uint8, rec.nbytes)
-        rec.io = self.store.read(rec.key, dst)
-        rec.state = SavedState.READING
+        host = self._lend(rec.nbytes, wait=wait)
+        if host is None:
+            return False
+        rec.loans[0].lend(host, read=True)
         return True
 
     def _read_target(self, nbytes: int) -> torch.Tensor:
@@ -578,32 +542,30 @@ class ActivationOffload:
         t = self._window.lend(nbytes) if self._window is not None else None
         return t if t is not None else _aligned_cpu_device(nbytes)
 
-    def _wait_io(self, io, direction: str) -> bool:
-        """Wait (bounded) for an NVMe transfer of the engine's thread; a wait that is needed is
-        timed as ``offload::act_nvme_wait`` and counted in ``wait_s[direction]``. Raises the
-        transfer's error, if any; returns whether it had to wait."""
-        late = not io.done()
-        if late:
-            t0 = time.perf_counter()
-            with self.telemetry.span("offload::act_nvme_wait"):
-                io.wait(self.wait_timeout_s)
-            with self._lock:
-                self.stats_[f"{direction}_wait_s"] += time.perf_counter() - t0
-        io.wait(0)                                   # raises its error, if any
-        return late
-
-    def _staged(self, rec: Saved) -> None:
-        if self._wait_io(rec.io, "read"):             # backward needed it before its read landed
-            with self._lock:
-                self.stats_["late_reads"] += 1
-        rec.io = None
-        rec.state = SavedState.STAGED
+    def _wait(self, rec: Saved, direction: str) -> bool:
+        """Settle ``rec``'s loans' reads or writes, waiting (bounded by ``wait_timeout_s`` in
+        all) for those in flight; a wait that is needed is timed as ``offload::act_nvme_wait``
+        and counted in ``wait_s[direction]``. Raises a transfer's error, if any (its buffer
+        back first); returns whether it had to wait."""
+        if self._polled(rec):
+            return False
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self.telemetry.span("offload::act_nvme_wait"):
+            for loan in rec.loans:
+                left = max(0.0, deadline - time.monotonic())
+                loan.acquire(left) if direction == "read" else loan.finish_write(left)
+        with self._lock:
+            self.stats_[f"{direction}_wait_s"] += time.perf_counter() - t0
+        return True
 
     def _to_device(self, rec: Saved) -> None:
-        """STAGED -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
+        """Loans READY -> COPYING_IN (CUDA) or ON_DEVICE (CPU): the tensor with its strides."""
         if rec.direct is not None:                    # CPU device, read from NVMe into device memory
             off = PAGE - rec.head if rec.head else 0   # a direct write's head page: the tensor starts in it
             src, rec.direct = rec.direct[off:off + rec.nbytes].view(rec.dtype), None
+            for loan in rec.loans:
+                loan.release()                        # the read target is the tensor's now
             with self.telemetry.span("offload::act_h2d", "act_h2h", 0 if rec.dense else rec.nbytes):
                 if rec.dense:
                     t = src.as_strided(rec.shape, rec.stride)     # the read's target is the tensor
@@ -615,7 +577,7 @@ class ActivationOffload:
             with self._lock:
                 self.stats_["h2d_bytes"] += rec.nbytes
             return
-        host = rec.host.view(torch.uint8, rec.nbytes).view(rec.dtype)
+        host = rec.loans[0].acquire().view(rec.dtype)
         with self.telemetry.span("offload::act_h2d", "act_" + dev.link(_HOST, self.device), rec.nbytes):
             if rec.dense:
                 flat = self._empty_on_h2d(rec, (host.numel(),), (1,))
@@ -630,7 +592,7 @@ class ActivationOffload:
         with self._lock:
             self.stats_["h2d_bytes"] += rec.nbytes
         if self.tier == "nvme" and ev is None:
-            self._drop_host(rec)                     # the NVMe copy remains for a second unpack
+            rec.loans[0].release()                   # the range back; the NVMe copy remains for a second unpack
         elif self.tier == "nvme":
             self._copying_in[id(rec)] = rec          # its range comes back when the copy ends
 
@@ -642,11 +604,12 @@ class ActivationOffload:
             return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
 
     def _restore(self, rec: Saved) -> torch.Tensor:
-        if rec.state in (SavedState.COPYING_OUT, SavedState.ON_HOST, SavedState.ON_NVME, SavedState.WRITING):
+        if rec.state in (SavedState.COPYING_OUT, SavedState.OFF_DEVICE):
             self._fetch(rec)
-        if rec.state is SavedState.READING:
-            self._staged(rec)
-        if rec.state is SavedState.STAGED:
+        if rec.state is SavedState.OFF_DEVICE:
+            if self._wait(rec, "read"):              # backward needed it before its read landed
+                with self._lock:
+                    self.stats_["late_reads"] += 1
             self._to_device(rec)
         if rec.state is SavedState.ON_DEVICE and rec.restored is not None and self._h2d is not None:
             dev.mark_used(rec.restored, dev.current_stream(self.device))   # copy synced by _make_room
@@ -657,7 +620,7 @@ class ActivationOffload:
             dev.mark_used(rec.restored, compute)
             if self.tier == "nvme":
                 dev.sync_event(rec.event)
-                self._drop_host(rec)
+                rec.loans[0].release()
             rec.event = None
             rec.state = SavedState.ON_DEVICE
         assert rec.state is SavedState.ON_DEVICE, rec.state
@@ -668,7 +631,7 @@ class ActivationOffload:
         rec.unpacks += 1
         rec.keep = t if rec.unpacks < rec.handles else None   # another handle unpacks it soon
         # back to where it waits: the host copy (cpu tier) or the NVMe copy stays for a second unpack
-        rec.state = SavedState.ON_HOST if self.tier == "cpu" else SavedState.ON_NVME
+        rec.state = SavedState.OFF_DEVICE
         return t
 
     # ---- report ---------------------------------------------------------------------------------
@@ -704,11 +667,11 @@ class ActivationOffload:
 
     def close(self) -> None:
         for rec in list(self._writing):
-            try:
-                if rec.wio is not None:
-                    rec.wio.wait(self.wait_timeout_s)
-            except Exception:   # noqa: BLE001 - closing: the data is discarded anyway
-                pass
+            for loan in rec.loans:
+                try:
+                    loan.finish_write(self.wait_timeout_s)
+                except Exception:   # noqa: BLE001 - closing: the data is discarded anyway
+                    pass
         self._writing.clear()
         self._records = []
         if self._window is not None:
