@@ -272,3 +272,158 @@ def test_try_fill_and_lend_a_buffer_from_elsewhere(tmp_path):
     assert pool.stats()["in_use_bytes"] == 0
     store.close()
     pool.close()
+
+
+# ---- the extensions owners with changing keys use (saved activations) ---------------------------
+class FreeList:
+    """A free list of keys for loans bound at their write: reserves a key when none is free."""
+
+    def __init__(self, tier):
+        self.tier, self.free, self.given, self.made = tier, [], [], 0
+
+    def take(self, nbytes):
+        if self.free:
+            return self.free.pop()
+        self.made += 1
+        key = f"f{self.made}"
+        self.tier.reserve({key: nbytes})
+        return key
+
+    def give(self, key, nbytes):
+        self.given.append(key)
+        self.free.append(key)
+
+
+class Gate:
+    """An I/O handle that does not report done until ``open`` (a transfer still in flight)."""
+    open = False
+
+    def __init__(self, io):
+        self.io = io
+
+    def done(self):
+        return Gate.open and self.io.done()
+
+    def wait(self, timeout=None):
+        if not Gate.open:
+            time.sleep(min(timeout or 0.0, 0.2))
+            raise TimeoutError("gated")
+        self.io.wait(timeout)
+
+
+def test_key_bound_at_write_and_back_to_the_free_list_at_retirement(store, pool):
+    """key=None: reading before the first commit is an error (no buffer kept); the first
+    commit takes a key from the free list and keeps it across releases; a retired loan's
+    key goes back to the free list and the next loan's write reuses it."""
+    tier = NvmeTier(store, pool, wait_timeout_s=5)
+    keys = FreeList(tier)
+    loan = tier.loan(None, 8192, "saved tensor 3", keys=keys)
+    assert loan.state is LoanState.ON_TIER and loan.key is None
+    with pytest.raises(AssertionError, match="saved tensor 3: read before its first write"):
+        loan.acquire()
+    assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
+    loan.fill().fill_(5)
+    loan.commit()
+    assert loan.key == "f1" and loan.state is LoanState.WRITING
+    loan.release()
+    assert int(loan.acquire()[0]) == 5 and loan.key == "f1"      # the key stays bound: read back
+    loan.release()
+    loan.retire()
+    assert keys.given == []                                     # only settling gives it back
+    tier.settle_retired()
+    assert keys.given == ["f1"] and loan.key is None and pool.stats()["in_use_bytes"] == 0
+    other = tier.loan(None, 8192, "saved tensor 4", keys=keys)
+    other.fill().fill_(6)
+    other.commit()
+    other.release()
+    assert other.key == "f1" and keys.made == 1                  # reused, nothing reserved
+    no_list = tier.loan(None, 8192, "saved tensor 5")
+    no_list.fill()
+    with pytest.raises(AssertionError, match="saved tensor 5: commit with no key nor free list"):
+        no_list.commit()
+    no_list.release()
+
+
+def test_keep_decided_after_the_write_started(store, pool):
+    """keep(): WRITING -> WRITING_KEPT, the bytes readable at once and READY once written
+    (the buffer stays); a no-op when READY; an error when nothing is in memory."""
+    tier = NvmeTier(store, pool, wait_timeout_s=5)
+    tier.reserve({"k": 8192})
+    loan = tier.loan("k", 8192, "saved tensor 1")
+    with pytest.raises(AssertionError, match="saved tensor 1: keep from LoanState.ON_TIER"):
+        loan.keep()
+    data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    loan.fill().copy_(data)
+    loan.keep()
+    assert loan.state is LoanState.READY                        # nothing written: stays READY
+    loan.commit()
+    loan.keep()
+    assert loan.state is LoanState.WRITING_KEPT and torch.equal(loan.acquire(), data)
+    loan.finish_write()
+    assert loan.state is LoanState.READY and pool.stats()["in_use_bytes"] > 0
+    loan.release()
+    assert torch.equal(loan.acquire(), data)                    # it was durable
+    loan.release()
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def test_caller_buffer_writes_and_reads_in_place(store, pool):
+    """A CallerBuffer lends the caller's tensor: the write reads it in place, the read lands in
+    it in place, and letting it go leaves the tensor alone (no pool buffer is used)."""
+    from offload.storage.tier import CallerBuffer
+
+    def aligned(n):
+        raw = torch.zeros(n + PAGE, dtype=torch.uint8)
+        return raw[(-raw.data_ptr()) % PAGE:][:n]
+    tier = NvmeTier(store, pool, wait_timeout_s=5)
+    tier.reserve({"k": 3 * PAGE})
+    src, dst = aligned(3 * PAGE), aligned(3 * PAGE)
+    src.copy_(torch.randint(0, 256, (3 * PAGE,), dtype=torch.uint8))
+    loan = tier.loan("k", 3 * PAGE, "saved tensor 2")
+    loan.lend(CallerBuffer(src), read=False)
+    assert loan.acquire().data_ptr() == src.data_ptr() and pool.stats()["in_use_bytes"] == 0
+    loan.commit()
+    loan.release()
+    assert loan.state is LoanState.ON_TIER and loan.buffer is None and src.numel() == 3 * PAGE
+    loan.lend(CallerBuffer(dst), read=True)
+    assert loan.state is LoanState.READING
+    got = loan.acquire()
+    assert got.data_ptr() == dst.data_ptr() and torch.equal(dst, src)
+    loan.release()
+    assert torch.equal(dst, src) and pool.stats()["in_use_bytes"] == 0
+    with pytest.raises(AssertionError, match="a view of"):
+        CallerBuffer(dst).view(torch.uint8, 3 * PAGE + 1)
+
+
+def test_retire_never_waits_and_settles_once_the_io_is_done(store, pool, monkeypatch):
+    """retire() only queues (it may run in a finalizer inside the pool's critical section);
+    settle_retired() never waits: a loan whose write is in flight keeps its buffer and key
+    until a later call finds the write done. The owner's own waits stay bounded."""
+    tier = NvmeTier(store, pool, wait_timeout_s=0.5)
+    keys = FreeList(tier)
+    write = store.write
+    monkeypatch.setattr(store, "write", lambda key, src: Gate(write(key, src)))
+    monkeypatch.setattr(Gate, "open", False)
+    loan = tier.loan(None, 8192, "saved tensor 7", keys=keys)
+    loan.fill().fill_(7)
+    loan.commit()
+    t0 = time.monotonic()
+    with pytest.raises(TierTimeout, match="write of saved tensor 7 not done after 0.5 s"):
+        loan.finish_write()                                      # bounded
+    assert time.monotonic() - t0 < 5
+    stuck = pool.stats()["in_use_bytes"]                         # its buffer stays with the stuck write
+    loan = tier.loan(None, 8192, "saved tensor 8", keys=keys)
+    loan.fill().fill_(8)
+    loan.commit()
+    with pool._cond:                                             # a finalizer inside the pool's lock
+        loan.retire()
+    t0 = time.monotonic()
+    tier.settle_retired()
+    assert time.monotonic() - t0 < 0.5                           # never waits for the write
+    assert loan.state is LoanState.WRITING and keys.given == [] and pool.stats()["in_use_bytes"] > stuck
+    Gate.open = True
+    deadline = time.monotonic() + 10
+    while keys.given == []:
+        assert time.monotonic() < deadline
+        tier.settle_retired()
+    assert keys.given == ["f2"] and loan.key is None and pool.stats()["in_use_bytes"] == stuck

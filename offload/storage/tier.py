@@ -34,15 +34,16 @@ modifies them until the write is settled: ``fill()`` and ``commit()`` refuse tha
 
 Lifetimes: the lent buffer belongs to the loan from ``fetch()``/``fill()`` until it is back
 ON_TIER; another key may use it only after that. ``CallerBuffer`` lends memory the caller
-owns (a tensor written or read in place) like a pool buffer.
+owns (a tensor written from or read into in place) like a pool buffer. The loan is agnostic
+of what the bytes mean (rows, dtypes, sizes): owners view ``acquire()``'s 1-D uint8 tensor as
+they need.
 
 Keys and retirement (owners whose keys come and go, e.g. saved activations): a loan made
 with ``key=None`` and a free list ``keys`` is bound to ``keys.take(nbytes)`` at its first
 ``commit()`` (reading it before is an error). ``retire()`` (the owner is gone, possibly in a
 finalizer) never waits nor takes a lock; the tier's ``settle_retired()``, on the owner's
 thread, gives a retired loan's buffer back, and its key to ``keys.give(key, nbytes)``, once
-no I/O of it is in flight. The loan is agnostic of what the bytes mean
-(rows, dtypes, sizes): owners view ``acquire()``'s 1-D uint8 tensor as they need.
+no I/O of it is in flight.
 
 Failures and waits: every wait is bounded (``timeout``, default the tier's
 ``wait_timeout_s``) and raises ``TierTimeout`` naming the key's owner and the stage. A failed
@@ -416,9 +417,9 @@ class Loan:
         self._bytes = buf.view(torch.uint8, self.nbytes)
 
     def _start_read(self, buf) -> None:
-        assert self.key is not None, f"{self.what}: read before its first write bound a key"
         self._take(buf)
         try:
+            assert self.key is not None, f"{self.what}: read before its first write bound a key"
             self._io = self.tier.store.read(self.key, self._bytes)
         except BaseException as exc:
             self._give_back()
