@@ -3,14 +3,15 @@
 
 Its host copy and NVMe copy are ``storage.tier.Loan``s of the activation tier (one, or two for
 a direct write: the body and the head page), moved by their verbs: lent a pool range (or the
-caller's memory: the tensor itself, a read target in device memory), committed to a key taken
-from the free list at the write (activations/keys.py), kept when a fetch comes during the
-write, released once copied back, retired when the record goes. The record's own states are
-the device side only (``SavedState``), moved by activations/offload.py::
+caller's memory, ``CallerBuffer``: the tensor itself, a read target in device memory),
+committed to a key the free list gives at the write (activations/keys.py), kept
+(``Loan.keep``) when a fetch comes during the write, released once copied back, retired when
+the record goes. The record's own states are the device side only (``SavedState``), moved by
+activations/offload.py::
 
-    pack:      COPYING_OUT --(D2H done)--> OFF_DEVICE      (loan: READY [--commit--> WRITING --> ON_TIER])
-    backward:  OFF_DEVICE (loan READY, once read if it was ON_TIER) --to_device()--> COPYING_IN
-               --(H2D done)--> ON_DEVICE --unpack--> OFF_DEVICE (handed to autograd)
+    pack:      COPYING_OUT --(D2H done)--> OFF_DEVICE     (loans READY [--commit()--> WRITING --> ON_TIER])
+    backward:  OFF_DEVICE (loans READY: the host copy, or read back) --to_device()--> COPYING_IN
+               --(H2D done)--> ON_DEVICE (CPU device: at once) --unpack--> OFF_DEVICE
     direct (CPU device, nvme): a fetch while the write is in flight hands the held tensor
                over: OFF_DEVICE --> ON_DEVICE (the loans' write goes on)
 
