@@ -210,7 +210,7 @@ class Loan:
         self.tier, self.key, self.nbytes, self.what, self.keys = tier, key, nbytes, what, keys
         self.state = LoanState.ON_TIER
         self._lock = threading.RLock()
-        self._buf = None       # HostBuffer on loan while not ON_TIER
+        self._buf = None       # buffer on loan while not ON_TIER (a pool's, OwnedBuffer, CallerBuffer)
         self._bytes: Optional[torch.Tensor] = None   # 1-D uint8 view of the bytes
         self._io = None        # IOHandle of the read or write in flight
 
