@@ -23,7 +23,7 @@ from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
 from offload.core.block_shard import BlockShard
-from offload.engine.grads import GradBuffer
+from offload.engine.step_control import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
 from offload.optim.state import OptimState, Tier, chunk_key

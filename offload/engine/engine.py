@@ -57,13 +57,12 @@ from offload.config import Config
 from offload.core.hooks import Hooks
 from offload.engine import build
 from offload.engine.outside_reads import UpdateWaits
-from offload.engine.step_control import LossScaler, StepControl
+from offload.engine.step_control import LossScaler, StepControl, UpdateAndGrads
 from offload.optim import groups as opt_groups
 from offload.optim.state import Tier
 from offload.optim.pipeline import StepArgs, StepPipeline
 from offload.params import homes as ph
-from offload.params.residency import ParamState
-from offload.params.writeback import ParamWriteBack
+from offload.params.residency import ParamState, ParamWriteBack
 from offload.storage.resources import Resources
 from offload.core.telemetry import Telemetry
 
@@ -73,36 +72,6 @@ class _StepCounters:
     """A closed engine's counters (``Engine.global_step`` / ``micro_step`` stay readable)."""
     global_step: int
     micro_step: int
-
-
-class _UpdateAndGrads:
-    """The engine's part of each block's lifecycle (a participant of core/hooks.py): a
-    block's update lands before any module reads its parameters (its own module and modules
-    sharing a tied parameter); each parameter's gradient leaves the device as it accumulates,
-    and a block whose gradients are all in is complete (StepControl is told; it tells the hook
-    owner's post_backward)."""
-
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-
-    def pre_forward(self, i: int) -> None:
-        if i >= len(self.engine.blocks):
-            return                           # a block of frozen parameters only: no update
-        self.engine.blocks[i].wait_update_before_use(self.engine.telemetry)
-
-    def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
-        e = self.engine
-        block = e.blocks[i]
-        seg = block.layout.segments[k]
-        grad = param.grad
-        buf = block.landing or block.grad    # full-size either way: land at the flat offset
-        # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
-        with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
-                              grad.numel() * grad.element_size()):
-            buf.land(k, seg.offset, grad, e._d2h)
-        param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream)
-        if buf.complete:
-            e.control.on_block_complete(block)
 
 
 def initialize(model: nn.Module, config: Any = None, param_groups: Optional[Sequence[dict]] = None, *,
@@ -286,7 +255,7 @@ class Engine:
         (without parameter offload, whose materialize waits itself), parameter offload,
         activation offload."""
         self.hooks = Hooks(self.module, self.layouts, self.units)
-        self.hooks.join(_UpdateAndGrads(self))
+        self.hooks.join(UpdateAndGrads(self))
         if self.param_offload is None:
             self.hooks.join(UpdateWaits(self.blocks, self.telemetry))
         else:
