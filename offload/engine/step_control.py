@@ -65,8 +65,7 @@ from offload.dist.grad_sync import GradSync
 from offload.core.block_shard import BlockShard
 from offload.core.telemetry import Telemetry
 from offload.config import LossScalerConfig
-from offload.storage.pinned_pool import OwnedBuffer
-from offload.storage.tier import LoanState, TierTimeout
+from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
 
 
 _POLL_S = 0.05        # a borrow waiting for a pool buffer re-checks whether any will come back this often

@@ -12,7 +12,7 @@ import collections
 import threading
 from typing import Dict, List
 
-from offload.storage.pinned_pool import PAGE
+from offload.storage.tier import PAGE
 
 
 class SwapKeys:
