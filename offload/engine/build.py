@@ -22,11 +22,10 @@ from offload import device as dev
 from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
-from offload.core.block_shard import BlockShard
 from offload.engine.step_control import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
-from offload.optim.state import OptimState, Tier, chunk_key
+from offload.optim.state import BlockShard, OptimState, Tier, chunk_key
 from offload.params import homes as ph
 
 TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}

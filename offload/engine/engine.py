@@ -50,7 +50,6 @@ from torch import nn
 from offload.engine import holders
 from offload import device as dev
 from offload import dtypes
-from offload.core.block_shard import BlockShard
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
 from offload.config import Config
@@ -58,9 +57,8 @@ from offload.core.hooks import Hooks
 from offload.engine import build
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import LossScaler, StepControl, UpdateAndGrads
-from offload.optim import groups as opt_groups
-from offload.optim.state import Tier
-from offload.optim.pipeline import StepArgs, StepPipeline
+from offload.optim.state import BlockShard, Tier
+from offload.optim.pipeline import StepArgs, StepPipeline, hyperparams, make_optimizer
 from offload.params import homes as ph
 from offload.params.residency import ParamState, ParamWriteBack
 from offload.storage.resources import Resources
@@ -134,7 +132,7 @@ class Engine:
         refused = placement_refusal(config)
         if refused:
             raise ConfigError(refused)
-        self.optimizer = opt_groups.make_optimizer(model, param_groups, config.optimizer, self.rule, self)
+        self.optimizer = make_optimizer(model, param_groups, config.optimizer, self.rule, self)
         builder = build.Builder(module=model, config=config, comm=self.comm, device=self.device, dtype=self.dtype,
                                 rule=self.rule, state_dtype=self.state_dtype, optimizer=self.optimizer,
                                 telemetry=self.telemetry)
@@ -341,7 +339,7 @@ class Engine:
         # (WRITING: the buffer comes back once the last write-back completes; the job waits)
         if not block.grad.close_window(block.layout.segments):
             return                        # no gradient: step() skips the block, as torch does
-        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=opt_groups.hyperparams(self.optimizer), rule=self.rule))
+        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=hyperparams(self.optimizer), rule=self.rule))
 
     def _gather_params(self, block: BlockShard, job) -> None:
         """On the gather thread, in submission order (the same on every rank): wait for the
@@ -375,7 +373,7 @@ class Engine:
                 self.param_offload.plan_write_through()   # before the updates are queued
             # what every block's update of this commit shares (_submit): the hyper-parameters
             # as the groups hold them now, and the point of the compute stream after backward
-            self._commit_inputs = (opt_groups.hyperparams(self.optimizer), dev.record_event(dev.current_stream(self.device)))
+            self._commit_inputs = (hyperparams(self.optimizer), dev.record_event(dev.current_stream(self.device)))
         committed = self.control.step()
         if committed:
             self.optimizer.step()

@@ -62,7 +62,7 @@ from offload import device as dev
 from offload.core import sharding
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
-from offload.core.block_shard import BlockShard
+from offload.optim.state import BlockShard
 from offload.core.telemetry import Telemetry
 from offload.config import LossScalerConfig
 from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
