@@ -92,10 +92,10 @@ def _best_rate(fn: Callable[[], None], work: float, repeat: int = 3) -> float:
 
 def adam_probe(numel: int = 4 << 20) -> Tuple[Callable[[], None], str]:
     """(one CPU Adam step over ``numel`` fp32 parameters, its backend's name): the engine's own
-    update, the AdamW rule's ``cpu_step`` (optim/rule.py, optim/adam.py), so the plan prices the
+    update, the AdamW rule's ``cpu_step`` (optim/rule.py), so the plan prices the
     kernel that runs."""
     from offload import _native
-    from offload.optim.adam import AdamW
+    from offload.optim.rule import AdamW
     rule = AdamW()
     group = dict(rule.defaults, weight_decay=0.0)
     p = torch.randn(numel)
