@@ -25,10 +25,34 @@ from offload.core import sharding
 from offload.engine.step_control import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
+from offload.optim.pipeline import StepPipeline
 from offload.optim.state import BlockShard, OptimState, Tier, chunk_key
 from offload.params import homes as ph
+from offload.params.residency import ParamWriteBack
 
 TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+def tune_host_heap(config, device: torch.device, stage: int) -> None:
+    """Process-wide malloc tuning only where parameters or saved activations leave a CPU
+    device (device.py): both free large host blocks every step; for parameters only while
+    loading (the engine's ``reuse_heap`` after building), for saved activations while
+    training too."""
+    acts_offloaded = config.offload_activations.device != "none"
+    dev.return_freed_host_memory(bound_large_allocations=ph.home_device(config, stage) != "none" or acts_offloaded,
+                                 keep=acts_offloaded)
+    if device.type == "cpu":
+        dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
+
+
+def placement_refusal(config) -> Optional[str]:
+    """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
+    ``offload estimate`` marks a placement with."""
+    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.device == "none":
+        return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
+                "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
+                "state_dtype bf16 with offload_optimizer.device none")
+    return None
 
 
 def shard_range(lay: blk.BlockLayout, stage: int, comm) -> tuple:
@@ -226,6 +250,49 @@ class Builder:
         self._units(built)
         self._move_rest()
         return built
+
+    def pipeline(self, built: Built, resources, grad_sync, keep_staged) -> StepPipeline:
+        """The optimizer's block jobs, writing each update's parameters back through a
+        ``ParamWriteBack`` (``keep_staged(index)``: params/offload.py ``plan_write_through``)."""
+        cfg = self.config
+        return StepPipeline(built.blocks, workers=cfg.optimizer_workers, slots=built.swap_slots,
+                            telemetry=self.telemetry, compute_device=self.device, grad_sync=grad_sync,
+                            wait_timeout_s=cfg.wait_timeout_s,
+                            params=ParamWriteBack(compute_device=self.device, copy_param=self.dtype == torch.float32,
+                                                  state_on_device=self.tier is Tier.DEVICE,
+                                                  write_pool=resources.pool("offload-param-write"),
+                                                  telemetry=self.telemetry, wait_timeout_s=cfg.wait_timeout_s,
+                                                  keep_staged=keep_staged))
+
+    def param_offload(self, owner, built: Built):
+        """Parameter offload, the hook participant over the built units (None when no
+        parameter is offloaded); ``owner`` is the engine."""
+        from offload.params.offload import ParamOffload
+        if built.homes is None:
+            return None
+        offload = ParamOffload(owner, built.units, budget=built.param_budget,
+                               device_lookahead=built.device_lookahead, host_lookahead=built.host_lookahead,
+                               prefetch=self.config.prefetch.enabled)
+        offloaded = {id(s.param) for u in built.units for _, s in u.segments}
+        offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                     if id(p) not in offloaded)
+        return offload
+
+    def activation_offload(self, resources):
+        """Activation offload, the hook participant (None with ``offload_activations.device``
+        none); its pool and store come from ``resources``."""
+        from offload.engine.activations import ActivationOffload
+        ac = self.config.offload_activations
+        if ac.device == "none":
+            return None
+        store = resources.make_store("activations", ac.nvme_path) if ac.device == "nvme" else None
+        # unpinned, it is trimmed every step (activations.py)
+        pool = resources.make_pool("offload-activations", pin=ac.pin_memory and dev.can_pin(),
+                                   huge_pages=True, arena=True)
+        return ActivationOffload(model=self.module, device=self.device, tier=ac.device,
+                                 min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
+                                 pool=pool, store=store, telemetry=self.telemetry,
+                                 wait_timeout_s=self.config.wait_timeout_s)
 
     def _storage(self) -> None:
         """The optimizer's host pools and NVMe store, and the gradients' NVMe tier."""

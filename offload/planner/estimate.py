@@ -424,7 +424,7 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
                       grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
                       activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
                       rule=rule, state_dtype=state_dtype, update_ahead=update_ahead, frozen_dtype=spec.frozen_dtype)
-    from offload.engine.engine import placement_refusal
+    from offload.engine.build import placement_refusal
     from offload import device as dev
     # the engine on this machine's compute device: on a CPU, one rank, step() updates the
     # first block inline (no second state buffer for it with update_ahead)
