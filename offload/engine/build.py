@@ -154,8 +154,7 @@ class Builder:
         if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
             import psutil
             avail = psutil.virtual_memory().available
-        inline_first = self.device.type == "cpu" and not self.comm.active   # pipeline.submitting
-        kw = {"host_available": avail, "inline_first": inline_first}
+        kw = {"host_available": avail}
         esize = self.dtype.itemsize
         plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, **kw)
         self._working_set = None
@@ -406,7 +405,7 @@ class Builder:
             if self.stage >= 2:            # full-size, lives only until reduce-scattered
                 landing = GradBuffer(None, len(lay.segments), numel=lay.padded_numel, dtype=grad_dtype,
                                      device=self.device)
-            ahead = self._ahead_slot(nbytes, s1 - s0, params, first=not built.blocks)
+            ahead = self._ahead_slot(nbytes, s1 - s0, params)
             built.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
                                            landing=landing, ahead=ahead))
             del full, master
@@ -415,14 +414,10 @@ class Builder:
             # model's construction would otherwise keep them resident after free)
             dev.trim_host_heap(dev.step_trim_bytes())
 
-    def _ahead_slot(self, nbytes: int, numel: int, params, first: bool) -> Optional[AheadSlot]:
+    def _ahead_slot(self, nbytes: int, numel: int, params) -> Optional[AheadSlot]:
         """``offload_optimizer.update_ahead``: the block's second state buffer and, unless
-        its parameters are resident fp32 (copied from the master), its staged parameters.
-        None for the first block where step() updates it inline (pipeline.submitting), as
-        soon as its gradients, the last of backward, are in."""
+        its parameters are resident fp32 (copied from the master), its staged parameters."""
         if not self.config.offload_optimizer.update_ahead:
-            return None
-        if self.plan.inline_first and first:
             return None
         spare = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
         out = out_buf = None

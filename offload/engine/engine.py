@@ -246,8 +246,6 @@ class Engine:
     def _submit_ahead(self, block: BlockShard) -> None:
         """``offload_optimizer.update_ahead``: ``block``'s gradients of the window's last
         backward are in; its update starts now, into its ahead slot (optim/ahead.py)."""
-        if block.ahead is None:
-            return                        # the block step() updates inline (build.py _ahead_slot)
         if block.ahead.out_lent and self.param_offload is not None:
             self.param_offload.release_before_update(block.index)
         if block.ahead.out_lent and block.params.state is not ParamState.WRITING:

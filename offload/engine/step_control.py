@@ -24,10 +24,8 @@ The window, as an explicit state::
 
 Overlap: the commit queues every block's update in forward order and returns at once; the
 next forward of block k waits for block k's update alone (the engine's wait hooks), so the
-optimizer runs under the next forward. On a CPU compute device with one rank the first
-block's update runs inside step() on the main thread (the forward would wait for it first
-thing; there it runs on torch's own OpenMP team, with no worker to wake). Work that changes nothing is moved earlier, into the
-backward that is expected to close the window: reading optimizer state back from NVMe
+optimizer runs under the next forward. Work that changes nothing is moved earlier, into
+the backward that is expected to close the window: reading optimizer state back from NVMe
 (read-ahead in forward order) and each block's gradient norm (clipping, fp16) on the
 optimizer workers as its gradients land. A further backward() in the same micro-step
 discards those norms (they are recomputed at the commit).
