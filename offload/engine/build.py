@@ -33,16 +33,15 @@ from offload.params.residency import ParamWriteBack
 TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
-def tune_host_heap(config, device: torch.device, stage: int) -> None:
-    """Process-wide malloc tuning only where parameters or saved activations leave a CPU
-    device (device.py): both free large host blocks every step; for parameters only while
-    loading (the engine's ``reuse_heap`` after building), for saved activations while
-    training too."""
-    acts_offloaded = config.offload_activations.device != "none"
-    dev.return_freed_host_memory(bound_large_allocations=ph.home_device(config, stage) != "none" or acts_offloaded,
-                                 keep=acts_offloaded)
-    if device.type == "cpu":
-        dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
+def update_rule(config):
+    """The config's update rule (offload/optim), or the ConfigError ``placement_refusal`` gives."""
+    from offload.config import ConfigError
+    from offload.optim import get_rule
+    rule = get_rule(config.optimizer.type)
+    refused = placement_refusal(config)
+    if refused:
+        raise ConfigError(refused)
+    return rule
 
 
 def placement_refusal(config) -> Optional[str]:

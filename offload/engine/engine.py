@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
-import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -79,16 +77,19 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.module = model
         self.device = dev.compute_device()
-        build.tune_host_heap(config, self.device, self.stage)
+        # process-wide malloc tuning only where parameters or saved activations leave a CPU
+        # device (device.py): both free large host blocks every step; for parameters only while
+        # loading (reuse_heap below), for saved activations while training too. Called here:
+        # device.py's warning points at the user's initialize call (its stacklevel)
+        acts_offloaded = config.offload_activations.device != "none"
+        dev.return_freed_host_memory(bound_large_allocations=ph.home_device(config, self.stage) != "none"
+                                     or acts_offloaded, keep=acts_offloaded)
+        if self.device.type == "cpu":
+            dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
         self.dtype = dtypes.compute_dtype(config.precision)
         self.telemetry = Telemetry()
-        from offload.optim import get_rule
-        from offload.config import ConfigError
-        self.rule = get_rule(config.optimizer.type)     # the update rule (offload/optim)
+        self.rule = build.update_rule(config)
         self.state_dtype = config.optimizer.state_dtype
-        refused = build.placement_refusal(config)
-        if refused:
-            raise ConfigError(refused)
         self.optimizer = make_optimizer(model, param_groups, config.optimizer, self.rule, self)
         builder = build.Builder(module=model, config=config, comm=self.comm, device=self.device, dtype=self.dtype,
                                 rule=self.rule, state_dtype=self.state_dtype, optimizer=self.optimizer,
@@ -253,7 +254,8 @@ class Engine:
         # (WRITING: the buffer comes back once the last write-back completes; the job waits)
         if not block.grad.close_window(block.layout.segments):
             return                        # no gradient: step() skips the block, as torch does
-        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=hyperparams(self.optimizer), rule=self.rule))
+        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=hyperparams(self.optimizer),
+                                                   rule=self.rule))
 
     def _keeps_staged(self, index: int) -> bool:
         """Whether block ``index``'s new parameters stay staged after their write-back (NVMe
@@ -403,20 +405,7 @@ class Engine:
             self._let_go()
 
     def __del__(self):
-        if not self.__dict__.get("_ready") or self.__dict__.get("_closed", True) or sys.is_finalizing():
-            return                   # (at interpreter exit the process lets everything go)
-        collective = self.comm.active and self.stage == 3
-        try:
-            self.close(restore=False if collective else None)
-            lost = self.__dict__.get("_lost") or []
-        except Exception as exc:     # nothing to raise to: say it
-            warnings.warn(f"offload: an engine dropped without close() failed to close: {exc!r}", RuntimeWarning)
-            return
-        if lost:
-            warnings.warn(f"offload: an engine was dropped without close() and its model's offloaded parameters "
-                          f"({', '.join(lost)}, ...) did not fit in host memory to be restored: they are empty "
-                          f"placeholders now. Keep the engine (or its Trainer) until its weights are saved, and "
-                          f"close() it", RuntimeWarning)
+        holders.dropped(self)
 
     def _shut_down(self, restore: Optional[bool]) -> None:
         """close()'s work; restores the offloaded parameters when wanted."""
@@ -441,7 +430,7 @@ class Engine:
             if self.hooks is not None:
                 self.hooks.remove()
             if self.param_offload is not None:
-                if restored is None:          # what close() leaves as placeholders (__del__ warns)
+                if restored is None:          # what close() leaves as placeholders (holders.dropped warns)
                     self._lost = ph.placeholders(self.param_offload)[:3]
                 self.param_offload.close()
             if self.activations is not None:
@@ -458,8 +447,8 @@ class Engine:
                          "state_dtype", "device", "dtype", "stage", "_lost")
 
     def _let_go(self) -> None:
-        """Drop all but ``_KEPT_AFTER_CLOSE`` and collect the reference cycles the parts
-        leave (hooks and callbacks point back at the engine), so their memory goes now, not at the
+        """Drop all but ``_KEPT_AFTER_CLOSE`` and collect the reference cycles the parts leave
+        (hooks and callbacks point back at the engine), so their memory goes now, not at the
         cyclic collector's next run."""
         counters = _StepCounters(self.control.global_step, self.control.micro_step)
         kept = {k: self.__dict__[k] for k in self._KEPT_AFTER_CLOSE if k in self.__dict__}

@@ -12,6 +12,8 @@ The table holds engines weakly: what keeps an engine alive is whoever holds it.
 """
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
 
 from torch import nn
@@ -49,3 +51,24 @@ def take_over(model: nn.Module) -> None:
                 f"trained (engine.save_checkpoint(dir), or offload.hf.Trainer.save_model(dir)), close it "
                 f"(engine.close(), trainer.close()), then build the new engine with weights=dir")
         other.close(restore=True)
+
+
+def dropped(engine) -> None:
+    """An engine nobody holds any more (its model's hooks hold it weakly), being collected:
+    closed with ``restore`` None (False with ZeRO-3 across ranks, where restoring is a
+    collective); a warning where it fails or leaves the model with placeholders."""
+    d = engine.__dict__
+    if not d.get("_ready") or d.get("_closed", True) or sys.is_finalizing():
+        return                   # (at interpreter exit the process lets everything go)
+    collective = engine.comm.active and engine.stage == 3
+    try:
+        engine.close(restore=False if collective else None)
+        lost = d.get("_lost") or []
+    except Exception as exc:     # nothing to raise to: say it
+        warnings.warn(f"offload: an engine dropped without close() failed to close: {exc!r}", RuntimeWarning)
+        return
+    if lost:
+        warnings.warn(f"offload: an engine was dropped without close() and its model's offloaded parameters "
+                      f"({', '.join(lost)}, ...) did not fit in host memory to be restored: they are empty "
+                      f"placeholders now. Keep the engine (or its Trainer) until its weights are saved, and "
+                      f"close() it", RuntimeWarning)
