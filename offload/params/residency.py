@@ -442,12 +442,17 @@ class BlockParams:
         if keep:
             self._copy_version = self.home_version    # the staged copy is the new home copy
 
-    def read_home(self) -> torch.Tensor:
-        """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
-        and state dicts, not the training path. A staged copy is used as it is; otherwise
-        the home is read through a staging buffer, which goes back at once."""
+    def read_home(self, raw: bool = False) -> torch.Tensor:
+        """A new host tensor holding the home copy (1-D, ``home_numel``; ``raw``: the bytes
+        as stored, a quantized part's blob, uint8 ``home_nbytes``): for checkpoints and state
+        dicts, not the training path. A staged copy is used as it is; otherwise the home is
+        read through a staging buffer, which goes back at once."""
         with self._lock:
-            copy = self.codec.values if self.codec is not None else torch.clone   # quantized: its values
+            if raw:
+                def copy(buf):
+                    return buf.view(torch.uint8)[:self.home_nbytes].clone()
+            else:           # quantized: its values
+                copy = self.codec.values if self.codec is not None else torch.clone
             if not self.on_nvme:
                 return copy(self.home_buf)
             self.finish_write()            # WRITING: read back once written
