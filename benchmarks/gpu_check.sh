@@ -79,7 +79,9 @@ for k, v in claims.items():
 sys.exit(1 if missed else 0)
 EOF
 }
-bench step 120 --rounds 2
+# exposed_step_fraction <= 0.15 is the GPU's claim (on a CPU compute device the forward waits for
+# the first block's update on the cores it computes with)
+REQUIRE=exposed_step_fraction bench step 120 --rounds 2
 # step_vs_bound <= 1.15 is the GPU's claim (on a CPU compute device bench_prefetch does not make it)
 REQUIRE=step_vs_bound bench prefetch 150 --rounds 2
 bench adam 90 --size 64M --rounds 8
