@@ -107,11 +107,15 @@ def test_tensor_bytes_are_the_issues_formulas():
 # ---- training over the quantized base ---------------------------------------------------------
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 @pytest.mark.parametrize("fmt,double_quant", [("nf4", False), ("nf4", True), ("int8", False)])
-def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, tmp_path):
+def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, tmp_path, monkeypatch):
     """LoRA over the quantized base trains as a plain PEFT loop over the same dequantized
     weights: losses and adapters within twice torch's own single-tensor-vs-fused AdamW
     distance (plus 1e-6), the frozen weights the engine hands back equal to the dequantized
-    reference bit for bit, and ``stats()`` reporting each quantized tensor's error and bytes."""
+    reference bit for bit, and ``stats()`` reporting each quantized tensor's error and bytes.
+    The CPU device dequantizes into flats released blocks gave back (reused in the run)."""
+    made = []
+    init = quantized.DequantFlats.__init__
+    monkeypatch.setattr(quantized.DequantFlats, "__init__", lambda self, n: (made.append(self), init(self, n))[1])
     base = lora_llama()
     data = batches(5, vocab=97)
     ref_model = dequantized_base(base, fmt, double_quant)
@@ -139,6 +143,7 @@ def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, t
         assert 0 < t["rel_rms_error"] < (0.02 if fmt == "int8" else 0.2), (name, t)
     moved = max_diff({k: got[-1][k] for k in trainable}, {k: v for k, v in base.state_dict().items() if k in trainable})
     assert moved > 10 * bounds[-1]            # the adapters really trained: the comparison means something
+    assert len(made) == 1 and made[0].reused > 0
 
 
 def test_checkpoint_streamed_into_a_quantized_nvme_home(tmp_path):

@@ -525,3 +525,5 @@ class ParamOffload:
         for bp in self.params:
             if bp is not None:
                 bp.release()
+        for flats in {id(f): f for bp in self.params if bp is not None for f in (p.flats for p in bp.frozen) if f is not None}.values():
+            flats.clear()                     # the dequantized flats kept for reuse go too

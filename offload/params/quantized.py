@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -254,12 +255,13 @@ class QuantizedPart:
         """A new host flat of the part's values (checkpoints, state dicts, hand-back)."""
         return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype))
 
-    def materialize(self, blob: torch.Tensor, device: torch.device, stream=None):
+    def materialize(self, blob: torch.Tensor, device: torch.device, stream=None, out=None):
         """``(flat, event)``: the part's values on ``device`` from its home's ``blob`` (host
-        uint8). CPU: dequantized there (event None). CUDA: the blob copied on ``stream`` and
-        dequantized there; ``event`` marks the flat ready (the caller waits on it)."""
+        uint8). CPU: dequantized there, into ``out`` when given (event None). CUDA: the blob
+        copied on ``stream`` and dequantized there; ``event`` marks the flat ready (the caller
+        waits on it)."""
         if device.type == "cpu":
-            return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype)), None
+            return self.dequantize(blob, out if out is not None else torch.empty(self.numel, dtype=self.dtype)), None
         from offload import device as dev
         blob = blob.view(torch.uint8)[:self.nbytes]
         with torch.cuda.stream(stream):
@@ -313,6 +315,43 @@ def _layout(code: dict) -> tuple:
     return (code["fmt"], code["double_quant"], code["dtype"], code["numel"], code["nbytes"],
             tuple((c["name"], c["offset"], c["numel"], tuple(c["shape"]), c["fmt"],
                    tuple(sorted((k, tuple(v)) for k, v in c["pieces"].items()))) for c in code["segments"]))
+
+
+class DequantFlats:
+    """The flats a CPU compute device dequantizes frozen parts into, kept when a block is
+    released for the next block of the same size, up to ``limit_bytes`` (the device budget:
+    no more are alive at once). Why: on a CPU device a new flat is a fresh mapping whose
+    pages fault in at every materialize, costing more than the dequantization; on CUDA the
+    caching allocator reuses device memory already. A flat given back must have no other
+    user: the engine's contract for a released block's device copy. Thread-safe."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._free: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
+        self._kept = 0
+        self.reused = 0                 # flats handed out again
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                self._kept -= numel * dtype.itemsize
+                self.reused += 1
+                return free.pop()
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, flat: torch.Tensor) -> None:
+        nbytes = flat.numel() * flat.element_size()
+        with self._lock:
+            if self._kept + nbytes <= self.limit_bytes:
+                self._free.setdefault((flat.numel(), flat.dtype), []).append(flat)
+                self._kept += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
 
 
 class _Error:

@@ -303,11 +303,12 @@ def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
 
 def measure_dequant(device: torch.device, numel: int = 32 << 20) -> Dict[str, float]:
     """Elements per second a quantized frozen base is dequantized into bf16 when its block is
-    materialized, per format, the way params/quantized.py does it: into a new flat on the
-    compute device (on a CPU device a fresh mapping whose pages fault in, as a block's does),
-    by the native kernels on a CPU device and ``offload.quantize``'s torch references on CUDA."""
+    materialized, per format, the way params/quantized.py does it: the native kernels into a
+    flat used before on a CPU device (``DequantFlats``), ``offload.quantize``'s torch
+    references into a flat from torch's caching allocator on CUDA."""
     from offload import quantize as qz
     x = torch.randn(numel // 4096, 4096)
+    flat = torch.empty(x.shape, dtype=torch.bfloat16)
     rates = {}
     for fmt, quant, native, ref in (("nf4", qz.quantize_nf4, qz.dequantize_nf4, qz.dequantize_nf4_reference),
                                     ("int8", qz.quantize_int8_rows, qz.dequantize_int8_rows,
@@ -322,7 +323,7 @@ def measure_dequant(device: torch.device, numel: int = 32 << 20) -> Dict[str, fl
                 _sync(device)
         else:
             def run(t=t, native=native):
-                native(t, torch.bfloat16, out=torch.empty(x.shape, dtype=torch.bfloat16))
+                native(t, torch.bfloat16, out=flat)
         rates[fmt] = _best_rate(run, numel)
     return rates
 
