@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -451,7 +451,8 @@ class ParamOffload:
 
     def write_frozen(self, values: Dict[int, torch.Tensor]) -> None:
         """Replace offloaded frozen parameters' home values (``id(param) -> tensor``); parts
-        with no entry keep theirs. Device copies become stale and are refetched on use."""
+        with no entry keep theirs (a part stored quantized is quantized again from its new
+        values). Device copies become stale and are refetched on use."""
         for i, bp in enumerate(self.params):
             for part in (bp.frozen if bp is not None else ()):
                 mine = [s for s in part.layout.segments if id(s.param) in values]
@@ -461,7 +462,39 @@ class ParamOffload:
                 flat = part.read_home()
                 for s in mine:
                     flat[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
+                if part.codec is not None:
+                    flat = part.codec.fill(torch.empty(part.home_nbytes, dtype=torch.uint8), values=flat)
                 part.write_home(flat)
+
+    def read_frozen_quantized(self, wanted=None) -> List[Tuple[List[int], torch.Tensor, dict]]:
+        """The offloaded frozen parts stored quantized (those with a parameter in ``wanted``,
+        ids, when given), as stored: ``(parameter ids in part order, blob, codec.code())``
+        each, so a checkpoint keeps a quantized base as it is, not its dequantized values."""
+        out = []
+        for bp in self.params:
+            for part in (bp.frozen if bp is not None else ()):
+                ids = [id(s.param) for s in part.layout.segments]
+                if part.codec is None or (wanted is not None and not any(i in wanted for i in ids)):
+                    continue
+                out.append((ids, part.read_home(raw=True), part.codec.code()))
+        return out
+
+    def write_frozen_quantized(self, ids: List[int], blob: torch.Tensor, code: dict) -> bool:
+        """Restore one part stored quantized from a blob ``read_frozen_quantized`` gave (the
+        part holding exactly the parameters ``ids``, in order): written as it is, not
+        quantized again. False (nothing written) where no part of this engine has those
+        parameters laid out and coded as ``code`` says (another ``frozen_dtype``, another
+        grouping): the caller restores the values instead."""
+        for i, bp in enumerate(self.params):
+            for part in (bp.frozen if bp is not None else ()):
+                if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
+                    continue
+                if not part.codec.adopt(code):
+                    return False
+                self._release(i)
+                part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
+                return True
+        return False
 
     def frozen_ids(self) -> set:
         return {id(s.param) for bp in self.params if bp is not None for part in bp.frozen
@@ -497,6 +530,8 @@ class ParamOffload:
         for bp in self.params:
             if bp is not None:
                 bp.release()
+        for flats in {id(f): f for bp in self.params if bp is not None for f in (p.flats for p in bp.frozen) if f is not None}.values():
+            flats.clear()                     # the dequantized flats kept for reuse go too
 
 
 class Prefetcher:

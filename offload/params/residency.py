@@ -82,11 +82,13 @@ WRITE_BACK = "parameter write-back"     # the stage named in the errors of a hom
 class BlockParams:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
                  store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None,
-                 wait_timeout_s: Optional[float] = None, on_failure=None, codec=None):
+                 wait_timeout_s: Optional[float] = None, on_failure=None, codec=None, flats=None):
         self.layout = layout
         # a frozen part stored quantized (params/quantized.py): the home holds its codec's
-        # blob, the device copy is the flat of ``dtype`` values it dequantizes to
+        # blob, the device copy is the flat of ``dtype`` values it dequantizes to (on a CPU
+        # device taken from and given back to ``flats``, a quantized.DequantFlats)
         self.codec = codec
+        self.flats = flats if device.type == "cpu" else None
         self.dtype = dtype
         self.device = device
         self.numel = layout.padded_numel  # the device copy: the full flat
@@ -238,7 +240,8 @@ class BlockParams:
             src = self._staged() if self.on_nvme else self.home_buf
             copied = 0 if self.device.type == "cpu" else self.home_nbytes
             if self.codec is not None:         # stored quantized: dequantized into a new device flat
-                self.device_buf, self._event = self.codec.materialize(src, self.device, h2d_stream)
+                out = self.flats.take(self.numel, self.dtype) if self.flats is not None else None
+                self.device_buf, self._event = self.codec.materialize(src, self.device, h2d_stream, out=out)
             elif self._gather is not None:     # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 self._work = self._gather(self.device_buf, src.to(self.device))
@@ -292,6 +295,8 @@ class BlockParams:
             self._wait_gather()                # a collective in flight completes on every rank
             for s in self.layout.segments:
                 s.param.data = self.placeholder
+            if self.flats is not None and self.device_buf is not None:
+                self.flats.give(self.device_buf)     # a dequantized flat: for the next block
             self.device_buf = None
             self._device_state = None
             self._drop_host()                  # a read in flight is waited for and discarded
@@ -445,12 +450,17 @@ class BlockParams:
         if keep:
             self._copy_version = self.home_version    # the staged copy is the new home copy
 
-    def read_home(self) -> torch.Tensor:
-        """A new host tensor holding the home copy (1-D, ``home_numel``): for checkpoints
-        and state dicts, not the training path. A staged copy is used as it is; otherwise
-        the home is read through a staging buffer, which goes back at once."""
+    def read_home(self, raw: bool = False) -> torch.Tensor:
+        """A new host tensor holding the home copy (1-D, ``home_numel``; ``raw``: the bytes
+        as stored, a quantized part's blob, uint8 ``home_nbytes``): for checkpoints and state
+        dicts, not the training path. A staged copy is used as it is; otherwise the home is
+        read through a staging buffer, which goes back at once."""
         with self._lock:
-            copy = self.codec.values if self.codec is not None else torch.clone   # quantized: its values
+            if raw:
+                def copy(buf):
+                    return buf.view(torch.uint8)[:self.home_nbytes].clone()
+            else:           # quantized: its values
+                copy = self.codec.values if self.codec is not None else torch.clone
             if not self.on_nvme:
                 return copy(self.home_buf)
             self.finish_write()            # WRITING: read back once written
