@@ -131,7 +131,6 @@ class Engine:
         # stages 1, 2 across ranks: the updated parameter shards all-gathered after each update
         self._gatherer = ParamGather(self.comm, self.telemetry, self.pipeline.record_failure) \
             if self.comm.active and self.stage in (1, 2) else None
-        self._d2h = dev.new_stream(self.device)
         self.control = StepControl(
             blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
             scaler=self.scaler, telemetry=self.telemetry,

@@ -368,6 +368,7 @@ class UpdateAndGrads:
 
     def __init__(self, engine):
         self.engine = engine
+        self.d2h = dev.new_stream(engine.device)    # the gradients' copies off the device
 
     def pre_forward(self, i: int) -> None:
         if i >= len(self.engine.blocks):
@@ -383,7 +384,7 @@ class UpdateAndGrads:
         # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
         with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
                               grad.numel() * grad.element_size()):
-            buf.land(k, seg.offset, grad, e._d2h)
+            buf.land(k, seg.offset, grad, self.d2h)
         param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream)
         if buf.complete:
             e.control.on_block_complete(block)
