@@ -20,7 +20,6 @@ parameters (3); dist/ issues the collectives. ``close()`` leaves the model usabl
 from __future__ import annotations
 
 import dataclasses
-import gc
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -379,7 +378,7 @@ class Engine:
         self.synchronize()
         if self.param_offload is None:
             return True
-        if not self._restore_wanted(restore):
+        if not holders.restore_wanted(self, restore):
             return False
         ph.hand_back_blocks(self.param_offload, self._made.origin)
         return True
@@ -399,68 +398,12 @@ class Engine:
         self._closed = True
         holders.forget(self)
         try:
-            self._shut_down(restore)
+            holders.shut_down(self, restore)
         finally:
-            self._let_go()
+            holders.let_go(self, _StepCounters(self.control.global_step, self.control.micro_step))
 
     def __del__(self):
         holders.dropped(self)
-
-    def _shut_down(self, restore: Optional[bool]) -> None:
-        """close()'s work; restores the offloaded parameters when wanted."""
-        restored = None
-        prior = self.pipeline.failure()
-        told = prior is not None and prior.reported      # an earlier call raised it already
-        try:
-            try:
-                self.pipeline.close()
-                if self.param_offload is not None:
-                    self.param_offload.wait_writes()
-                    self.pipeline.raise_failure()
-            except Exception as exc:
-                if not (told and exc is prior):
-                    raise
-            else:
-                if self.param_offload is not None and self._restore_wanted(restore):
-                    restored = ph.hand_back_blocks(self.param_offload, self._made.origin)
-        finally:
-            if self._gatherer is not None:
-                self._gatherer.close()
-            if self.hooks is not None:
-                self.hooks.remove()
-            if self.param_offload is not None:
-                if restored is None:          # what close() leaves as placeholders (holders.dropped warns)
-                    self._lost = ph.placeholders(self.param_offload)[:3]
-                self.param_offload.close()
-            if self.activations is not None:
-                self.activations.close()
-            build.own_master_params(self.blocks, self._master_params)
-            self._master_params = []
-            self.resources.release()
-            self.comm.close()
-        for seg, t in restored or ():
-            seg.param.data = t
-
-    # what a closed engine keeps: what the user reaches through it and what describes it
-    _KEPT_AFTER_CLOSE = ("_closed", "module", "optimizer", "config", "telemetry", "rule", "plan", "tier",
-                         "state_dtype", "device", "dtype", "stage", "_lost")
-
-    def _let_go(self) -> None:
-        """Drop all but ``_KEPT_AFTER_CLOSE`` and collect the reference cycles the parts leave
-        (hooks and callbacks point back at the engine), so their memory goes now, not at the
-        cyclic collector's next run."""
-        counters = _StepCounters(self.control.global_step, self.control.micro_step)
-        kept = {k: self.__dict__[k] for k in self._KEPT_AFTER_CLOSE if k in self.__dict__}
-        self.__dict__.clear()
-        self.__dict__.update(kept, control=counters)
-        gc.collect()
-
-    def _restore_wanted(self, restore: Optional[bool]) -> bool:
-        """``restore``, or (None) whether the offloaded parameters fit in half the available
-        host memory (params/homes.py ``restore_fits``; a collective with ZeRO-3 across ranks)."""
-        if restore is not None:
-            return bool(restore)
-        return ph.restore_fits(self.param_offload, self.comm, self.stage)
 
     def __enter__(self):
         return self
