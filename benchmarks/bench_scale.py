@@ -245,6 +245,7 @@ eng = offload.initialize(lm, cfg, weights=a["ckpt"]) if loader else offload.init
 load_s = time.perf_counter() - t0
 rss_load = _status()["VmHWM"]
 x = torch.randint(0, conf.vocab_size, (1, a["tokens"]), generator=torch.Generator().manual_seed(1))
+x = x.to(offload.device.compute_device())      # the batch on the compute device (CUDA when present)
 losses, times, step_reads, step_waits = [], [], [], []
 for step in range(a["steps"]):
     read0 = eng.stats()["bytes"].get("nvme_read", 0)
@@ -346,18 +347,22 @@ def _llama(hf: dict, layers: int, lora: bool, rank: int, device=None):
 
 
 def measure_compute(run: dict, rounds: int = 3) -> dict:
-    """Forward and backward seconds of one micro-step of the run's model on this CPU with no
-    offload, from a 1- and a 3-layer model of the same width (layers cost the same each): the
+    """Forward and backward seconds of one micro-step of the run's model on the compute device
+    (this CPU without CUDA) with no offload, from a 1- and a 3-layer model of the same width (layers cost the same each): the
     planner's compute term (``offload.planner.plan.Compute``). The two are measured in
     alternating rounds and each keeps its best round (other processes only slow a round
     down): a difference of two medians taken at different moments of a shared machine's
     load could come out at zero or below."""
     import torch
+    from offload import device as odev
+    dev = odev.compute_device()
     x = torch.randint(0, run["hf"]["vocab_size"], (1, run["tokens"]), generator=torch.Generator().manual_seed(1))
+    x = x.to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     depths = (1, 3)
     models = {}
     for layers in depths:
-        models[layers] = _llama(run["hf"], layers, run["lora"], run["rank"], device="cpu")
+        models[layers] = _llama(run["hf"], layers, run["lora"], run["rank"], device=dev)
         with torch.no_grad():
             for prm in models[layers].parameters():
                 prm.normal_(0, 0.02)
@@ -365,10 +370,13 @@ def measure_compute(run: dict, rounds: int = 3) -> dict:
     for i in range(rounds + 1):
         for layers in depths:
             model = models[layers]
+            sync()
             t0 = time.perf_counter()
             loss = model(input_ids=x, labels=x).loss
+            sync()
             t1 = time.perf_counter()
             loss.backward()
+            sync()
             t2 = time.perf_counter()
             model.zero_grad(set_to_none=True)
             if i:                                   # the first round warms up
@@ -407,20 +415,23 @@ def predict(run: dict, profile: dict, compute: dict, base_rss: int) -> dict:
     from offload.config import Config
     from offload.engine import memory_plan as mp
     from offload.planner import estimate as est
+    from offload import device as odev
     from offload.planner import plan, rss
+    od, pd, fd = run.get("optimizer_home", "nvme"), run.get("param_home", "nvme"), run.get("frozen_dtype", "compute")
+    in_place = run["lora"] and pd == "nvme"          # a LoRA base on NVMe is read in place from the checkpoint
     model = _llama(run["hf"], run["hf"]["num_hidden_layers"], run["lora"], run["rank"])
-    spec = est.spec_from_module(model, "bench_scale", "bf16", frozen_in_place=run["lora"])
+    spec = est.spec_from_module(model, "bench_scale", "bf16", frozen_in_place=in_place, frozen_dtype=fd)
     config = Config.from_dict(engine_config(run))
-    blocks = est.blocks_of_module(model, "bf16", frozen_in_place=run["lora"])
+    blocks = est.blocks_of_module(model, "bf16", frozen_in_place=in_place, frozen_dtype=fd)
     mplan = mp.plan(blocks, config, compute_bytes=2)
     x = torch.zeros(1, run["tokens"], dtype=torch.long, device="meta")
     saved = rss.saved_activation_bytes(model, lambda m: m(input_ids=x, labels=x).loss)
-    mem = rss.predict_rss(mplan, baseline=base_rss, activations=saved, device_is_host=True,
+    mem = rss.predict_rss(mplan, baseline=base_rss, activations=saved, device_is_host=not odev.compute_device().type == "cuda",
                           grad_in_flight=max(b.numel for b in blocks) * 2)
     prof = plan.Profile(**{k: v for k, v in profile.items() if k in plan.Profile.__dataclass_fields__})
     prof = dataclasses_replace(prof, matmul_tflops=profile.get("matmul_tflops_bf16", prof.matmul_tflops))
-    pred = plan.predict(spec, "nvme", "nvme", prof, plan.Compute(compute["forward_s"], compute["backward_s"], True,
-                                                                  True),
+    pred = plan.predict(spec, od, pd, prof, plan.Compute(compute["forward_s"], compute["backward_s"], True,
+                                                                  not prof.cuda),
                         "bf16", run["gas"], run["clip"] > 0, device_budget_bytes=run["budget"])
     return {"step_s": pred.step_s, "terms": pred.terms, "groups": pred.groups, "mode": pred.mode, "io": pred.io,
             "host_pools_bytes": mplan.host, "activation_bytes": saved, "base_rss_bytes": base_rss,
@@ -548,34 +559,60 @@ def disk_need(size: str, frozen_dtype: str = "compute") -> int:
     return max(a, b)
 
 
+# --frozen-dtype: the peak RSS (GiB) each size claims at its full depth
+FROZEN_TARGETS = {"7b": 6.0, "13b": 10.0}
+
+
 def frozen_compare(args, root: str, out: dict) -> dict:
     """--frozen-dtype: LoRA over the base quantized in host memory (offload_param cpu) against
     the bf16 base read from NVMe (in place from the checkpoint), the same shape, tokens,
     batch and steps, each in a fresh process; the adapters' optimizer state in host memory in
-    both, so every NVMe read of a step is the base's. Steady state: the steps after the first."""
+    both, so every NVMe read of a step is the base's. Steady state: the steps after the first.
+    Each run beside the planner's prediction of it (step time and peak RSS), from this
+    machine's profile, the compute measured here and disk probes around the run.
+    ``out["missed"]``: the claims that miss their targets."""
     shape, _ = shapes(args.size)
+    if args.layers:
+        shape = dict(shape, layers=args.layers)
     tokens = args.tokens or (128 if args.size in ("7b", "13b") else 64)
     steps = max(args.steps or 3, 2)
     ck = os.path.join(root, "lora-ckpt")
     t0 = time.perf_counter()
     nbytes = write_checkpoint(ck, shape, shape["layers"])
     print(f"wrote {nbytes / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t0:.1f} s", flush=True)
+    from dataclasses import asdict
+    from offload.planner.plan import measure_profile
+    profile = asdict(measure_profile(root, io_bytes=512 << 20))
+    profile["matmul_tflops_bf16"] = bf16_matmul_tflops(shape, tokens)
+    out["profile"] = profile
     budget = args.budget_layers * layer_bytes(shape) + (1 << 20)   # the same device budget for both runs
-    runs = {}
-    for name, home, fmt in (("bf16_nvme", "nvme", "compute"), (f"{args.frozen_dtype}_host", "cpu", args.frozen_dtype)):
+    names = [(f"{args.frozen_dtype}_host", "cpu", args.frozen_dtype)]
+    if not args.frozen_only:
+        names.insert(0, ("bf16_nvme", "nvme", "compute"))
+    compute = None
+    for name, home, fmt in names:
         nv = os.path.join(root, f"nvme-{name}")
         os.makedirs(nv)
         run = {"hf": hf_config(shape, shape["layers"]), "lora": True, "rank": 8, "lr": 1e-3, "clip": 0.0, "gas": 1,
                "tokens": tokens, "steps": steps, "budget": budget, "ckpt": ck, "nvme": nv,
                "optimizer_home": "cpu", "param_home": home, "frozen_dtype": fmt}
+        compute = compute or measure_compute(run)
+        probes = [disk_probe(root)]
         r = child(run, timeout=7200)
-        r["run"] = run
+        probes.append(disk_probe(root))
+        r["run"], r["compute"], r["profile"] = run, compute, run_profile(profile, probes)
         steady = slice(1, None)
         r["steady"] = {"step_s": statistics.median(r["step_times"][steady]),
                        "nvme_read_bytes_per_step": max(r["step_nvme_read_bytes"][steady]),
                        "param_wait_s": statistics.median(r["step_param_wait_s"][steady])}
-        print(f"{name}: peak RSS {r['peak_rss_bytes'] / GIB:.2f} GiB, steady step {r['steady']['step_s']:.2f} s, "
-              f"param wait {r['steady']['param_wait_s']:.2f} s/step, NVMe read "
+        r["step_s"] = r["steady"]["step_s"]
+        r["predicted"] = predict(run, r["profile"], compute, run_baseline(run))
+        r["vs_predicted"] = compare(r)
+        print_rss(name, r)
+        print(f"{name}: peak RSS {measured_peak(r) / GIB:.2f} GiB (predicted {r['predicted']['peak_rss_bytes'] / GIB:.2f}), "
+              f"steady step {r['steady']['step_s']:.2f} s (predicted {r['predicted']['step_s']:.2f}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"]["terms"].items())
+              + f"), param wait {r['steady']['param_wait_s']:.2f} s/step, NVMe read "
               f"{r['steady']['nvme_read_bytes_per_step'] / 1e9:.3f} GB/step, losses "
               f"{', '.join(f'{x:.4f}' for x in r['losses'])}, load {r['load_s']:.1f} s"
               + (f", quantized base {r['frozen_quant'].get('home_bytes', 0) / GIB:.2f} GiB" if fmt != "compute" else ""),
@@ -584,18 +621,33 @@ def frozen_compare(args, root: str, out: dict) -> dict:
         shutil.rmtree(nv, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(ck, ignore_errors=True)
-    a, b = out["bf16_nvme"], out[f"{args.frozen_dtype}_host"]
+    b = out[f"{args.frozen_dtype}_host"]
     tag = f"{args.size}_{args.frozen_dtype}"
-    return {f"rss_{tag}_gib": b["peak_rss_bytes"] / GIB,
-            f"nvme_read_bytes_steady_{tag}": b["steady"]["nvme_read_bytes_per_step"],
-            f"no_steady_nvme_reads_{tag}": b["steady"]["nvme_read_bytes_per_step"] == 0,
-            f"param_wait_ratio_{tag}": (b["steady"]["param_wait_s"] / a["steady"]["param_wait_s"]
-                                        if a["steady"]["param_wait_s"] > 0 else None),
-            f"step_speedup_{tag}": a["steady"]["step_s"] / b["steady"]["step_s"],
-            f"loss_falling_{tag}": b["losses"][-1] < b["losses"][0],
-            "tokens": tokens, "budget_layers": args.budget_layers,
-            "bf16_nvme_read_bytes_per_step": a["steady"]["nvme_read_bytes_per_step"],
-            "bf16_param_wait_s": a["steady"]["param_wait_s"], "bf16_step_s": a["steady"]["step_s"]}
+    claims = {f"rss_{tag}_gib": measured_peak(b) / GIB,
+              f"nvme_read_bytes_steady_{tag}": b["steady"]["nvme_read_bytes_per_step"],
+              f"no_steady_nvme_reads_{tag}": b["steady"]["nvme_read_bytes_per_step"] == 0,
+              f"loss_falling_{tag}": b["losses"][-1] < b["losses"][0],
+              f"rss_error_{tag}": b["vs_predicted"]["rss_error"],
+              f"step_error_{tag}": b["vs_predicted"]["step_error"]}
+    targets = {f"no_steady_nvme_reads_{tag}": (True, "eq"), f"loss_falling_{tag}": (True, "eq"),
+               f"rss_error_{tag}": (0.15, "max"), f"step_error_{tag}": (0.25, "max")}
+    if args.size in FROZEN_TARGETS and not args.layers:
+        targets[f"rss_{tag}_gib"] = (FROZEN_TARGETS[args.size], "max")
+    if "bf16_nvme" in out:
+        a = out["bf16_nvme"]
+        claims.update({f"param_wait_ratio_{tag}": (b["steady"]["param_wait_s"] / a["steady"]["param_wait_s"]
+                                                   if a["steady"]["param_wait_s"] > 0 else None),
+                       f"step_speedup_{tag}": a["steady"]["step_s"] / b["steady"]["step_s"],
+                       "bf16_nvme_read_bytes_per_step": a["steady"]["nvme_read_bytes_per_step"],
+                       "bf16_param_wait_s": a["steady"]["param_wait_s"], "bf16_step_s": a["steady"]["step_s"],
+                       "bf16_step_error": a["vs_predicted"]["step_error"]})
+        targets.update({f"param_wait_ratio_{tag}": (0.35, "max"), f"step_speedup_{tag}": (2.5, "min")})
+    out["missed"] = [k for k, (t, how) in targets.items()
+                     if claims.get(k) is None or (claims[k] != t if how == "eq" else
+                                                  claims[k] > t if how == "max" else claims[k] < t)]
+    out["targets"] = {k: t for k, (t, _) in targets.items()}
+    claims.update({"tokens": tokens, "budget_layers": args.budget_layers, "layers": shape["layers"]})
+    return claims
 
 
 def main(argv=None) -> int:
@@ -608,6 +660,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="tokens per step of the LoRA runs (default 64, 128 at 7b+)")
     p.add_argument("--budget-layers", type=int, default=4,
                    help="--frozen-dtype: the device budget of both runs, in layers (on a CPU device it is in the RSS)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="--frozen-dtype: the shape's width with this many layers (a shorter run; no RSS target)")
+    p.add_argument("--frozen-only", action="store_true",
+                   help="--frozen-dtype: the quantized run alone (no bf16 run from NVMe to compare with)")
     p.add_argument("--path", default=None, help="directory on the disk under test (default: a temp dir)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")

@@ -20,7 +20,7 @@
  */
 #include "kernel.h"
 
-/* Per-call scalars, each rounded to fp32 from the double that torch computes (offload/optim/adam.py). */
+/* Per-call scalars, each rounded to fp32 from the double that torch computes (offload/optim/rule.py). */
 typedef struct offload_adam_hparams {
     float grad_scale;   /* g = float(grad) * grad_scale, the first operation */
     float l2;           /* Adam (L2): g = g + l2 * p (fused); 0 for AdamW */

@@ -206,9 +206,9 @@ class _LentCount:
     peak of the bytes out at once."""
 
     def __init__(self, monkeypatch):
-        from offload.storage import pinned_pool
+        from offload.storage import tier
         self.out = self.peak = self.loans = 0
-        init, release = pinned_pool.HostBuffer.__init__, pinned_pool.HostBuffer.release
+        init, release = tier.HostBuffer.__init__, tier.HostBuffer.release
         mine = lambda buf: buf._pool.name == "offload-activations"   # noqa: E731
 
         def counted_init(buf, pool, index, data):
@@ -222,8 +222,8 @@ class _LentCount:
             if mine(buf):
                 self.out -= buf.nbytes
             release(buf)
-        monkeypatch.setattr(pinned_pool.HostBuffer, "__init__", counted_init)
-        monkeypatch.setattr(pinned_pool.HostBuffer, "release", counted_release)
+        monkeypatch.setattr(tier.HostBuffer, "__init__", counted_init)
+        monkeypatch.setattr(tier.HostBuffer, "release", counted_release)
 
 
 def _largest_saved(model, x):

@@ -128,8 +128,7 @@ def test_formulas_by_hand():
 def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, ahead, tmp_path, monkeypatch):
     """The estimate's host and NVMe bytes are the engine's own: a real engine on a small
     model allocates exactly the pools and swap space the estimate of that model lists
-    (update_ahead's second state and staged parameters included, for every block but the one
-    step() updates inline on a CPU device)."""
+    (update_ahead's second state and staged parameters included, for every block)."""
     import tempfile
     from _models import make_model
     import offload
@@ -149,7 +148,8 @@ def test_estimate_equals_the_engines_pools(opt, param, clip, gas, precision, ahe
         plain = est.placement_bytes(spec, opt, param, precision, buffer_count=2, gradient_clipping=clip,
                                     gradient_accumulation_steps=gas)
         page = lambda n: -(-n // 4096) * 4096   # noqa: E731 - pool slots are whole pages
-        ahead_blocks = [b for b in eng.blocks if b.ahead is not None]   # not the one step() updates inline
+        ahead_blocks = eng.blocks                                        # every block has its slot
+        assert all(b.ahead is not None for b in ahead_blocks)
         staged = 0 if (param, precision) == ("none", "fp32") else sum(
             page(b.ahead.out.numel() * b.ahead.out.element_size()) for b in ahead_blocks)
         assert r.pinned - plain.pinned == sum(page(b.state.nbytes) for b in ahead_blocks) + staged > 0

@@ -107,11 +107,15 @@ def test_tensor_bytes_are_the_issues_formulas():
 # ---- training over the quantized base ---------------------------------------------------------
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 @pytest.mark.parametrize("fmt,double_quant", [("nf4", False), ("nf4", True), ("int8", False)])
-def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, tmp_path):
+def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, tmp_path, monkeypatch):
     """LoRA over the quantized base trains as a plain PEFT loop over the same dequantized
     weights: losses and adapters within twice torch's own single-tensor-vs-fused AdamW
     distance (plus 1e-6), the frozen weights the engine hands back equal to the dequantized
-    reference bit for bit, and ``stats()`` reporting each quantized tensor's error and bytes."""
+    reference bit for bit, and ``stats()`` reporting each quantized tensor's error and bytes.
+    The CPU device dequantizes into flats released blocks gave back (reused in the run)."""
+    made = []
+    init = quantized.DequantFlats.__init__
+    monkeypatch.setattr(quantized.DequantFlats, "__init__", lambda self, n: (made.append(self), init(self, n))[1])
     base = lora_llama()
     data = batches(5, vocab=97)
     ref_model = dequantized_base(base, fmt, double_quant)
@@ -139,6 +143,7 @@ def test_lora_over_quantized_base_matches_plain_peft(param, fmt, double_quant, t
         assert 0 < t["rel_rms_error"] < (0.02 if fmt == "int8" else 0.2), (name, t)
     moved = max_diff({k: got[-1][k] for k in trainable}, {k: v for k, v in base.state_dict().items() if k in trainable})
     assert moved > 10 * bounds[-1]            # the adapters really trained: the comparison means something
+    assert len(made) == 1 and made[0].reused > 0
 
 
 def test_checkpoint_streamed_into_a_quantized_nvme_home(tmp_path):
@@ -318,3 +323,108 @@ def test_merged_export_goes_into_the_dequantized_base(tmp_path):
     assert torch.allclose(sd[k].float(), want[k].float(), atol=1e-2, rtol=0)
     mlp = "model.layers.0.mlp.up_proj.weight"                       # no adapter: the dequantized base itself
     assert torch.equal(sd[mlp], want[mlp])
+
+
+# ---- checkpoints of a quantized base ------------------------------------------------------------
+def _steps(eng, data):
+    out = []
+    for x, y in data:
+        eng.backward(eng(x, y))
+        eng.step()
+        out.append({k: v.clone() for k, v in eng.full_state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("param,fmt,double_quant", [("cpu", "nf4", True), ("nvme", "int8", False)])
+def test_resume_reads_the_quantized_base_as_stored(param, fmt, double_quant, tmp_path):
+    """A base taken from the model's own weights (no weights=) is kept in the checkpoint as
+    its blobs, not its dequantized values: a resumed engine (its model's weights zeroed)
+    trains on exactly as the first one did, bit for bit, and nothing is quantized twice;
+    export_fp32 and a merged export read the base as the engine held it."""
+    from offload.io import checkpoint
+    base = lora_llama(layers=2)
+    data = batches(4, vocab=97)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg = lambda d: qcfg(tmp_path / d, param, fmt, double_quant)   # noqa: E731
+    eng = offload.initialize(clone(base), cfg("a"))
+    _steps(eng, data[:2])
+    ck = eng.save_checkpoint(str(tmp_path / "ck"))
+    held = eng.full_state_dict()
+    home_bytes = eng.stats()["frozen_quant"]["home_bytes"]
+    want = _steps(eng, data[2:])
+    eng.close()
+
+    extra = torch.load(f"{ck}/extra.pt", weights_only=False)
+    stored = {k for q in extra["quantized"] for k in q["keys"]}
+    assert stored and not stored & set(extra["tensors"])          # the blobs, not the values
+    assert sum(q["blob"].numel() for q in extra["quantized"]) == home_bytes   # each part's home as it is
+    model = clone(base)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    eng = offload.initialize(model, cfg("b"))
+    eng.load_checkpoint(ck)
+    got = _steps(eng, data[2:])
+    eng.close()
+    for w, g in zip(want, got):
+        for k in w:
+            assert torch.equal(w[k], g[k]), k
+
+    fp32 = checkpoint.export_fp32(ck)
+    for k in stored:
+        assert torch.equal(fp32[k], held[k].float()), k
+    from safetensors.torch import load_file
+    out = offload.export_hf(ck, str(tmp_path / "merged"), peft="merged")
+    sd = load_file(f"{out}/model.safetensors")
+    mlp = "layers.0.mlp.up_proj.weight"                           # no adapter: the base as it trained
+    (a,), (b,) = [k for k in sd if k.endswith(mlp)], [k for k in held if k.endswith(mlp)]
+    assert torch.equal(sd[a].float(), held[b].float())
+
+
+def test_resume_into_another_frozen_dtype_quantizes_the_stored_values(tmp_path):
+    """A checkpoint of an nf4 base resumed by an engine storing int8: the stored blobs are
+    dequantized and the engine quantizes those values its own way (said by the result: the
+    base equals int8's round trip of the nf4 values)."""
+    base = lora_llama(layers=2)
+    eng = offload.initialize(clone(base), qcfg(tmp_path / "a", "cpu", "nf4"))
+    ck = eng.save_checkpoint(str(tmp_path / "ck"))
+    held = eng.full_state_dict()
+    eng.close()
+    eng = offload.initialize(clone(base), qcfg(tmp_path / "b", "cpu", "int8"))
+    eng.load_checkpoint(ck)
+    got = eng.full_state_dict()
+    eng.close()
+    k = "m.base_model.model.model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(got[k], held[k])
+    assert torch.equal(got[k], quantized.round_trip(held[k].to(torch.bfloat16), "int8").float())   # a bf16 base
+
+
+def test_plan_prices_the_quantized_base():
+    """``plan.predict`` with a base stored quantized: the links and the disk carry its
+    quantized bytes, and the dequantization of every fetched element is a term of the
+    compute device at the measured rate (none without a measured rate)."""
+    import dataclasses
+    from offload.planner import estimate as est
+    from offload.planner import plan
+    from offload.planner.predict import quantized_bytes
+    from test_plan import GPU, profile
+    with torch.device("meta"):
+        model = wide_lora_llama()
+    spec = {fmt: est.spec_from_module(model, "m", "bf16", frozen_dtype=fmt) for fmt in ("compute", "nf4")}
+    prof = profile(dequant_params_per_s={"nf4": 1e9})
+    qc, qh = quantized_bytes(spec["nf4"], "bf16")
+    assert qc > 2 * qh > 0
+    for param, link in (("cpu", "h2d"), ("nvme", "nvme")):
+        p = {fmt: plan.predict(spec[fmt], "cpu", param, prof, GPU, "bf16", device_budget_bytes=1 << 40)
+             for fmt in spec}
+        assert "dequant" not in p["compute"].terms
+        assert p["nf4"].terms["dequant"] == pytest.approx(qc / 2 / 1e9)   # the budget holds it all: once
+        assert p["nf4"].groups["device"] == pytest.approx(p["compute"].groups["device"] + p["nf4"].terms["dequant"])
+        if param == "nvme":
+            assert p["compute"].io["param_read"] - p["nf4"].io["param_read"] == qc - qh
+        else:
+            assert p["compute"].terms["h2d"] - p["nf4"].terms["h2d"] == pytest.approx(2 * (qc - qh) / 20e9)
+    unmeasured = plan.predict(spec["nf4"], "cpu", "cpu", dataclasses.replace(prof, dequant_params_per_s={}),
+                              GPU, "bf16")
+    assert "dequant" not in unmeasured.terms

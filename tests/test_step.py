@@ -135,10 +135,10 @@ def check_windows(windows, got_losses, got_sd, *, clip=0.0, loss_div=1, before_s
 
 
 def ahead_blocks(eng) -> int:
-    """The blocks whose updates update_ahead computes during backward: every one but, on a CPU
-    device, the first, which step() updates inline (its gradients land last)."""
+    """The blocks whose updates update_ahead computes during backward: every one, the first
+    (whose gradients land last) included, on every device."""
     slots = [b.ahead is not None for b in eng.blocks]
-    assert slots == [eng.device.type != "cpu"] + [True] * (len(slots) - 1), slots
+    assert slots == [True] * len(slots), slots
     return sum(slots)
 
 

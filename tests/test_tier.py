@@ -250,8 +250,7 @@ def test_layout_geometry():
 def test_try_fill_and_lend_a_buffer_from_elsewhere(tmp_path):
     """try_fill() does not wait for the pool; lend() takes a buffer the caller supplies (an
     OwnedBuffer outside the pool) and the loan moves it like the pool's own."""
-    from offload.storage.pinned_pool import OwnedBuffer
-    from offload.storage.tier import LoanState, NvmeTier
+    from offload.storage.tier import LoanState, NvmeTier, OwnedBuffer
     store = NvmeStore(str(tmp_path), name="lend-other")
     pool = HostPool([8192], pin=False, name="one")
     tier = NvmeTier(store, pool, wait_timeout_s=5.0)

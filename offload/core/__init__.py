@@ -1,4 +1,4 @@
-"""The engine's low core: blocks and their shards, the hook owner, telemetry, errors.
+"""The engine's low core: blocks and their sharding, the hook owner, the lookahead, telemetry, errors.
 
 Every other layer may import from here; nothing here imports from the layers above
 (engine/, params/, optim/, storage/, io/, dist/, hf/, planner/, cli/), only the two

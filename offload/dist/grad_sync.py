@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Sequence
 
-from offload.core.block_shard import BlockShard
+from offload.optim.state import BlockShard
 from offload.dist.comm import Comm, _Work
 from offload.core.telemetry import Telemetry
 

@@ -1,6 +1,6 @@
-"""The training engine: the facade users call (engine.py) and the per-block pieces of one step:
-blocks.py (grouping parameters into flat blocks), block_shard.py (one block shard's runtime
-owner), grads.py (gradient landing and the accumulation window), telemetry.py."""
+"""The training engine: the facade users call (engine.py) and what it sequences: build.py
+(blocks and buffers from the config), step_control.py (gradient landing, the accumulation
+window and its commit), activations/ (saved-activation offload)."""
 from offload.engine.engine import Engine, initialize
 
 __all__ = ["Engine", "initialize"]

@@ -22,14 +22,36 @@ from offload import device as dev
 from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
-from offload.core.block_shard import BlockShard
-from offload.engine.grads import GradBuffer
+from offload.engine.step_control import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
-from offload.optim.state import OptimState, Tier, chunk_key
+from offload.optim.pipeline import StepPipeline
+from offload.optim.state import BlockShard, OptimState, Tier, chunk_key
 from offload.params import homes as ph
+from offload.params.residency import ParamWriteBack
 
 TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+def update_rule(config):
+    """The config's update rule (offload/optim), or the ConfigError ``placement_refusal`` gives."""
+    from offload.config import ConfigError
+    from offload.optim import get_rule
+    rule = get_rule(config.optimizer.type)
+    refused = placement_refusal(config)
+    if refused:
+        raise ConfigError(refused)
+    return rule
+
+
+def placement_refusal(config) -> Optional[str]:
+    """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
+    ``offload estimate`` marks a placement with."""
+    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.device == "none":
+        return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
+                "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
+                "state_dtype bf16 with offload_optimizer.device none")
+    return None
 
 
 def shard_range(lay: blk.BlockLayout, stage: int, comm) -> tuple:
@@ -131,8 +153,7 @@ class Builder:
         if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
             import psutil
             avail = psutil.virtual_memory().available
-        inline_first = self.device.type == "cpu" and not self.comm.active   # pipeline.submitting
-        kw = {"host_available": avail, "inline_first": inline_first}
+        kw = {"host_available": avail}
         esize = self.dtype.itemsize
         plan = memory_plan(sizes, config, self.comm.world, self.comm.rank, esize, **kw)
         self._working_set = None
@@ -227,6 +248,49 @@ class Builder:
         self._units(built)
         self._move_rest()
         return built
+
+    def pipeline(self, built: Built, resources, grad_sync, keep_staged) -> StepPipeline:
+        """The optimizer's block jobs, writing each update's parameters back through a
+        ``ParamWriteBack`` (``keep_staged(index)``: params/offload.py ``plan_write_through``)."""
+        cfg = self.config
+        return StepPipeline(built.blocks, workers=cfg.optimizer_workers, slots=built.swap_slots,
+                            telemetry=self.telemetry, compute_device=self.device, grad_sync=grad_sync,
+                            wait_timeout_s=cfg.wait_timeout_s,
+                            params=ParamWriteBack(compute_device=self.device, copy_param=self.dtype == torch.float32,
+                                                  state_on_device=self.tier is Tier.DEVICE,
+                                                  write_pool=resources.pool("offload-param-write"),
+                                                  telemetry=self.telemetry, wait_timeout_s=cfg.wait_timeout_s,
+                                                  keep_staged=keep_staged))
+
+    def param_offload(self, owner, built: Built):
+        """Parameter offload, the hook participant over the built units (None when no
+        parameter is offloaded); ``owner`` is the engine."""
+        from offload.params.offload import ParamOffload
+        if built.homes is None:
+            return None
+        offload = ParamOffload(owner, built.units, budget=built.param_budget,
+                               device_lookahead=built.device_lookahead, host_lookahead=built.host_lookahead,
+                               prefetch=self.config.prefetch.enabled)
+        offloaded = {id(s.param) for u in built.units for _, s in u.segments}
+        offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                     if id(p) not in offloaded)
+        return offload
+
+    def activation_offload(self, resources):
+        """Activation offload, the hook participant (None with ``offload_activations.device``
+        none); its pool and store come from ``resources``."""
+        from offload.engine.activations import ActivationOffload
+        ac = self.config.offload_activations
+        if ac.device == "none":
+            return None
+        store = resources.make_store("activations", ac.nvme_path) if ac.device == "nvme" else None
+        # unpinned, it is trimmed every step (activations.py)
+        pool = resources.make_pool("offload-activations", pin=ac.pin_memory and dev.can_pin(),
+                                   huge_pages=True, arena=True)
+        return ActivationOffload(model=self.module, device=self.device, tier=ac.device,
+                                 min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
+                                 pool=pool, store=store, telemetry=self.telemetry,
+                                 wait_timeout_s=self.config.wait_timeout_s)
 
     def _storage(self) -> None:
         """The optimizer's host pools and NVMe store, and the gradients' NVMe tier."""
@@ -340,7 +404,7 @@ class Builder:
             if self.stage >= 2:            # full-size, lives only until reduce-scattered
                 landing = GradBuffer(None, len(lay.segments), numel=lay.padded_numel, dtype=grad_dtype,
                                      device=self.device)
-            ahead = self._ahead_slot(nbytes, s1 - s0, params, first=not built.blocks)
+            ahead = self._ahead_slot(nbytes, s1 - s0, params)
             built.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
                                            landing=landing, ahead=ahead))
             del full, master
@@ -349,14 +413,10 @@ class Builder:
             # model's construction would otherwise keep them resident after free)
             dev.trim_host_heap(dev.step_trim_bytes())
 
-    def _ahead_slot(self, nbytes: int, numel: int, params, first: bool) -> Optional[AheadSlot]:
+    def _ahead_slot(self, nbytes: int, numel: int, params) -> Optional[AheadSlot]:
         """``offload_optimizer.update_ahead``: the block's second state buffer and, unless
-        its parameters are resident fp32 (copied from the master), its staged parameters.
-        None for the first block where step() updates it inline (pipeline.submitting), as
-        soon as its gradients, the last of backward, are in."""
+        its parameters are resident fp32 (copied from the master), its staged parameters."""
         if not self.config.offload_optimizer.update_ahead:
-            return None
-        if self.plan.inline_first and first:
             return None
         spare = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
         out = out_buf = None

@@ -13,7 +13,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from offload.core.block_shard import BlockShard
+from offload.optim.state import BlockShard
 
 
 class CheckpointView:

@@ -1,4 +1,6 @@
-"""Which open engine holds which model: one engine per model's parameters at a time.
+"""Which open engine holds which model, and how an engine lets its model go.
+
+One engine per model's parameters at a time.
 
 An engine installs hooks on its model's modules and parameters and keeps their values in its
 own buffers (offloaded parameters are placeholders between uses), so two open engines on the
@@ -8,14 +10,22 @@ them over: the old engine hands the trained weights back to the model and closes
 buffers and threads go) before the new one reads the model. An engine whose offloaded
 parameters do not fit in host memory cannot hand them back: that is an error naming the fix.
 
-The table holds engines weakly: what keeps an engine alive is whoever holds it.
+The table holds engines weakly: what keeps an engine alive is whoever holds it. Letting go
+(``shut_down``, ``let_go``: ``Engine.close()``'s work) hands the trained weights back where
+wanted and releases everything the engine made.
 """
 from __future__ import annotations
 
+import gc
+import sys
+import warnings
 import weakref
+from typing import Optional
 
 from torch import nn
 
+from offload.engine import build
+from offload.params import homes as ph
 from offload.params.homes import offloaded_bytes
 
 
@@ -41,7 +51,7 @@ def take_over(model: nn.Module) -> None:
     for other in list(_OPEN):
         if other.closed or not any(id(p) in mine for p in other.module.parameters()):
             continue
-        if other.param_offload is not None and not other._restore_wanted(None):
+        if other.param_offload is not None and not restore_wanted(other, None):
             nbytes = offloaded_bytes(other.param_offload)
             raise EngineInUseError(
                 f"the model's parameters are held by another open engine, whose offloaded parameters "
@@ -49,3 +59,88 @@ def take_over(model: nn.Module) -> None:
                 f"trained (engine.save_checkpoint(dir), or offload.hf.Trainer.save_model(dir)), close it "
                 f"(engine.close(), trainer.close()), then build the new engine with weights=dir")
         other.close(restore=True)
+
+
+def dropped(engine) -> None:
+    """An engine nobody holds any more (its model's hooks hold it weakly), being collected:
+    closed with ``restore`` None (False with ZeRO-3 across ranks, where restoring is a
+    collective); a warning where it fails or leaves the model with placeholders."""
+    d = engine.__dict__
+    if not d.get("_ready") or d.get("_closed", True) or sys.is_finalizing():
+        return                   # (at interpreter exit the process lets everything go)
+    collective = engine.comm.active and engine.stage == 3
+    try:
+        engine.close(restore=False if collective else None)
+        lost = d.get("_lost") or []
+    except Exception as exc:     # nothing to raise to: say it
+        warnings.warn(f"offload: an engine dropped without close() failed to close: {exc!r}", RuntimeWarning)
+        return
+    if lost:
+        warnings.warn(f"offload: an engine was dropped without close() and its model's offloaded parameters "
+                      f"({', '.join(lost)}, ...) did not fit in host memory to be restored: they are empty "
+                      f"placeholders now. Keep the engine (or its Trainer) until its weights are saved, and "
+                      f"close() it", RuntimeWarning)
+
+
+def restore_wanted(engine, restore: Optional[bool]) -> bool:
+    """``restore``, or (None) whether the engine's offloaded parameters fit in half the
+    available host memory (params/homes.py ``restore_fits``; a collective with ZeRO-3 across
+    ranks)."""
+    if restore is not None:
+        return bool(restore)
+    return ph.restore_fits(engine.param_offload, engine.comm, engine.stage)
+
+
+def shut_down(engine, restore: Optional[bool]) -> None:
+    """``Engine.close()``'s work: the updates and writes in flight finish (a failure already
+    reported is not raised again), the offloaded parameters are handed back when wanted, and
+    every hook, thread, buffer, swap file and process group the engine made goes."""
+    e = engine
+    restored = None
+    prior = e.pipeline.failure()
+    told = prior is not None and prior.reported      # an earlier call raised it already
+    try:
+        try:
+            e.pipeline.close()
+            if e.param_offload is not None:
+                e.param_offload.wait_writes()
+                e.pipeline.raise_failure()
+        except Exception as exc:
+            if not (told and exc is prior):
+                raise
+        else:
+            if e.param_offload is not None and restore_wanted(e, restore):
+                restored = ph.hand_back_blocks(e.param_offload, e._made.origin)
+    finally:
+        if e._gatherer is not None:
+            e._gatherer.close()
+        if e.hooks is not None:
+            e.hooks.remove()
+        if e.param_offload is not None:
+            if restored is None:          # what close() leaves as placeholders (dropped warns)
+                e._lost = ph.placeholders(e.param_offload)[:3]
+            e.param_offload.close()
+        if e.activations is not None:
+            e.activations.close()
+        build.own_master_params(e.blocks, e._master_params)
+        e._master_params = []
+        e.resources.release()
+        e.comm.close()
+    for seg, t in restored or ():
+        seg.param.data = t
+
+
+# what a closed engine keeps: what the user reaches through it and what describes it
+KEPT_AFTER_CLOSE = ("_closed", "module", "optimizer", "config", "telemetry", "rule", "plan", "tier",
+                    "state_dtype", "device", "dtype", "stage", "_lost")
+
+
+def let_go(engine, counters) -> None:
+    """Drop all of the engine but ``KEPT_AFTER_CLOSE`` (``counters``: what its step counters
+    read from now on) and collect the reference cycles its parts leave (hooks and callbacks
+    point back at the engine), so their memory goes now, not at the cyclic collector's next run."""
+    d = engine.__dict__
+    kept = {k: d[k] for k in KEPT_AFTER_CLOSE if k in d}
+    d.clear()
+    d.update(kept, control=counters)
+    gc.collect()

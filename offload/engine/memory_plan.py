@@ -8,8 +8,7 @@ What each host pool holds (names as in ``stats()`` and ``offload estimate``):
 
   offload-host         gradient buffers of every block (when they all stay in host memory)
                        and, with ``offload_optimizer.device: cpu``, the optimizer state
-                       (with ``update_ahead``, twice, and the trainable parameters staged,
-                       except the first block's on a CPU device: step() updates it inline)
+                       (with ``update_ahead``, twice, and the trainable parameters staged)
   offload-grads        gradient buffers lent per block while it collects gradients and
                        while its update reads them: ``offload_optimizer.grad_host_bytes``
                        (or max(buffer_count, workers + 2) buffers). Between uses (the window
@@ -187,7 +186,6 @@ class MemoryPlan:
     nvme: Dict[str, int]                # bytes reserved per store: optimizer, params, grads
     device: int                         # device bytes of model states (budget for parameters)
     param_budget: Optional[int]         # offload_param.device_budget_bytes in force
-    inline_first: bool = False          # step() updates the first block inline: no update ahead
 
     def pool(self, name: str) -> Optional[Pool]:
         return next((p for p in self.pools if p.name == name), None)
@@ -252,15 +250,12 @@ def grad_pool_slots(config, n_blocks: int, grad_largest: int) -> int:
 
 def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0,
          compute_bytes: Optional[int] = None, working_set: int = 0, *, rule: Optional[str] = None,
-         state_dtype: Optional[str] = None, host_available: Optional[int] = None,
-         inline_first: bool = False) -> MemoryPlan:
+         state_dtype: Optional[str] = None, host_available: Optional[int] = None) -> MemoryPlan:
     """The memory plan of ``blocks`` under ``config`` for one rank. Trained blocks come first
     (in block order), frozen-only blocks (numel 0) after them. ``working_set``: device bytes
     one forward needs at once (the default parameter budget: the larger of it and two
     largest blocks). ``host_available``: host bytes available, which size the activation
-    pool of ``offload_activations.device: cpu`` when ``host_bytes`` is not set.
-    ``inline_first`` (a CPU compute device, one rank): step() updates the first trained block
-    inline, so with ``update_ahead`` it has no second state buffer nor staged parameters."""
+    pool of ``offload_activations.device: cpu`` when ``host_bytes`` is not set."""
     stage = config.zero_optimization.stage
     p = compute_bytes or DTYPE_BYTES[config.precision]
     gb = grad_bytes_per_param(config)
@@ -308,10 +303,9 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         # each block's update computed during backward (optim/ahead.py): a second state
         # buffer, and the new parameters staged until step() writes them back (none where
         # the parameters are resident fp32: they are copied from the master)
-        ahead = trained[1:] if inline_first else trained
-        host_slots += [b.state_bytes for b in ahead]
+        host_slots += [b.state_bytes for b in trained]
         if param_home_device(config) != "none" or config.precision != "fp32":
-            host_slots += [(b.shard[1] - b.shard[0]) * p for b in ahead]
+            host_slots += [(b.shard[1] - b.shard[0]) * p for b in trained]
     if host_slots:
         pools.append(Pool("offload-host", tuple(host_slots), "gradients of every block; cpu optimizer state"))
     swap_slots = max(oc.buffer_count, config.optimizer_workers + 1)
@@ -356,8 +350,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     act = activation_host_bytes(config, host_available)
     if act:
         pools.append(Pool("offload-activations", (act,), "host copies of saved activations"))
-    return MemoryPlan(tuple(bps), tuple(pools), gh, gb, nvme, device, budget,
-                      inline_first and bool(getattr(oc, "update_ahead", False)))
+    return MemoryPlan(tuple(bps), tuple(pools), gh, gb, nvme, device, budget)
 
 
 def host_lookahead(config, budget: int) -> int:

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.pinned_pool import HostArena, PoolBudgetError
+from offload.storage.tier import HostArena, PoolBudgetError
 
 
 class ReadWindow:

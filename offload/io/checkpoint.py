@@ -10,7 +10,8 @@ Layout of a checkpoint directory::
     block_00000.rank0.bin   rank 0's shard of block 0 as the optimizer state buffer holds it
     block_00000.rank1.bin   (optim/state.py: the fp32 master, the rule's rows at the
     ...                     state dtype, int8 codes and their scales), byte for byte
-    extra.pt                frozen parameters, buffers, rank 0's RNG states
+    extra.pt                frozen parameters (those stored quantized as their blobs), buffers,
+                            rank 0's RNG states
     rng.rank1.pt ...        the other ranks' RNG states
 
 Format 3 (this one). Every rank writes the shards it owns, in parallel (stage 0: rank 0
@@ -269,8 +270,8 @@ def _write_shards(subject: Subject, tmp: str) -> list:
         rows.append({"block": b.index, "rank": rank, "start": s0, "end": s1, "file": fname, "crc32": crc,
                      "layout": subject.state_layout(i).describe()})
     if rank == 0:
-        keys, extra = _key_map(subject)
-        _save_pt(os.path.join(tmp, "extra.pt"), {"tensors": extra, "rng": _rng_state()})
+        keys, extra, quantized = _key_map(subject)
+        _save_pt(os.path.join(tmp, "extra.pt"), {"tensors": extra, "quantized": quantized, "rng": _rng_state()})
     else:
         _save_pt(os.path.join(tmp, f"rng.rank{rank}.pt"), {"rng": _rng_state()})
     return rows
@@ -303,7 +304,7 @@ def _meta(subject: Subject, tmp: str, shards: list) -> dict:
                        "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
                        "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
                                      "shape": list(s.shape)} for s in lay.segments]})
-    keys, _ = _key_map(subject, tensors=False)
+    keys = _key_map(subject, tensors=False)[0]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in subject.optimizer.param_groups]
     global_step, micro_step = subject.counters()
     return {"format": FORMAT, "version": VERSION, "global_step": global_step,
@@ -328,13 +329,22 @@ def _write_block(fname: str, subject: Subject, i: int) -> int:
 
 
 def _key_map(subject: Subject, tensors: bool = True):
-    """state_dict key -> where its fp32 value lives: a block range, or the extra tensors."""
+    """(state_dict key -> where its value lives: a block range, the base files or the extra
+    tensors; the extra tensors; the frozen parts stored quantized, as stored). A frozen part
+    the engine stores quantized (offload_param.frozen_dtype) is kept as its blob and code
+    (``extra.pt``'s "quantized": ``{"keys": [state_dict key per segment], "blob", "code"}``), so
+    a resume reads it back as it was, not quantized a second time."""
     where = {id(s.param): (b.index, s) for b in subject.blocks for s in b.layout.segments}
     base = origin.base_keys(subject)
     sd = subject.module.state_dict(keep_vars=True)
-    frozen = _frozen_values(subject, {id(v) for k, v in sd.items() if k not in base}) if tensors else {}
+    wanted = {id(v) for k, v in sd.items() if k not in base}
+    po = subject.param_offload
+    quantized = po.read_frozen_quantized(wanted) if tensors and po is not None else []
+    as_blob = {i for ids, _, _ in quantized for i in ids}
+    frozen = _frozen_values(subject, wanted - as_blob) if tensors else {}
+    name = {}
     keys, extra = {}, {}
-    for k, v in subject.module.state_dict(keep_vars=True).items():
+    for k, v in sd.items():
         if id(v) in where:
             bi, seg = where[id(v)]   # the segment's shape: an offloaded parameter may be a placeholder
             keys[k] = {"block": bi, "offset": seg.offset, "shape": list(seg.shape)}
@@ -342,9 +352,31 @@ def _key_map(subject: Subject, tensors: bool = True):
             keys[k] = {"base": True}
         else:
             keys[k] = {"extra": True}
-            if tensors:
+            if id(v) in as_blob:
+                name.setdefault(id(v), k)
+            elif tensors:
                 extra[k] = frozen[id(v)] if id(v) in frozen else v.detach().to("cpu", copy=True)
-    return keys, extra
+    stored = [{"keys": [name[i] for i in ids], "blob": blob, "code": code} for ids, blob, code in quantized]
+    tied = {k: name[id(v)] for k, v in sd.items() if id(v) in as_blob and name[id(v)] != k}
+    if tied:                         # a second key of one stored parameter: its value by the first key's
+        for q in stored:
+            q["tied"] = {k: first for k, first in tied.items() if first in q["keys"]}
+    return keys, extra, stored
+
+
+def extra_tensors(extra: dict) -> Dict[str, torch.Tensor]:
+    """``extra.pt``'s tensors by state_dict key, the frozen parts stored quantized among them
+    as their dequantized values (what the engine trained against)."""
+    from offload.params.quantized import QuantizedPart
+    out = dict(extra["tensors"])
+    for q in extra.get("quantized", ()):
+        codec = QuantizedPart.from_code(q["code"])
+        flat = codec.values(q["blob"])
+        for k, sc in zip(q["keys"], codec.segments):
+            out[k] = flat[sc.offset:sc.offset + sc.numel].view(sc.shape)
+        for k, first in q.get("tied", {}).items():
+            out[k] = out[first]
+    return out
 
 
 def _frozen_values(subject: Subject, wanted=None) -> dict:
@@ -567,11 +599,16 @@ def load(subject: Subject, path: str, rng: bool = True) -> None:
         # buffers and the frozen parameters the model keeps go through the model's own
         # load_state_dict, as torch loads them: a module that resizes or converts what it
         # loads (its _load_from_state_dict / load_state_dict) does it here too
-        rest = {k: _like(v, sd.get(k)) for k, v in extra["tensors"].items() if k not in sd or id(sd[k]) not in offloaded}
+        tensors = dict(extra["tensors"])
+        for q in extra.get("quantized", ()):      # as stored where this engine stores them alike
+            ids = [id(sd[k]) for k in q["keys"] if k in sd]
+            if not (po is not None and len(ids) == len(q["keys"]) and po.write_frozen_quantized(ids, q["blob"], q["code"])):
+                tensors.update({k: v for k, v in extra_tensors({"tensors": {}, "quantized": [q]}).items()})
+        rest = {k: _like(v, sd.get(k)) for k, v in tensors.items() if k not in sd or id(sd[k]) not in offloaded}
         if rest:
             subject.module.load_state_dict(rest, strict=False)
         if offloaded:
-            po.write_frozen({id(sd[k]): v for k, v in extra["tensors"].items() if k in sd and id(sd[k]) in offloaded})
+            po.write_frozen({id(sd[k]): v for k, v in tensors.items() if k in sd and id(sd[k]) in offloaded})
         origin.restore_base(subject, meta, path)
         for g, saved in zip(subject.optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -609,7 +646,7 @@ def export_fp32(path: str) -> Dict[str, torch.Tensor]:
     """The fp32 weights of a checkpoint on disk as a state_dict the original model loads."""
     path = resolve(path)
     meta = read_meta(path)
-    extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)["tensors"]
+    extra = extra_tensors(torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False))
     masters = {}
     out = {}
     origin.check_files(meta, path)

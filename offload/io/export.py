@@ -54,7 +54,7 @@ class _Source:
     def extra(self) -> Dict[str, torch.Tensor]:
         if self._extra is None:
             f = os.path.join(self.path, "extra.pt")
-            self._extra = torch.load(f, map_location="cpu", weights_only=False, mmap=True)["tensors"]
+            self._extra = checkpoint.extra_tensors(torch.load(f, map_location="cpu", weights_only=False, mmap=True))
         return self._extra
 
     def spec(self, key: str) -> Tuple[torch.dtype, Tuple[int, ...]]:
@@ -176,9 +176,11 @@ def _export_model(src: _Source, out_dir: str, max_shard_bytes: int, dtype, merge
     def produce(spec: TensorSpec) -> torch.Tensor:
         k = names[spec.key]
         t = src.value(k)
-        if base is not None and ".modules_to_save." not in k \
+        # a base tensor read from the original files: as it trained (the checkpoint's own
+        # copies of a quantized base are its dequantized values already)
+        if base is not None and meta["keys"][k].get("base") and ".modules_to_save." not in k \
                 and quantized.quantizes(t.shape, t.dtype, base.frozen_dtype, base.frozen_quant_min_numel):
-            t = quantized.round_trip(t, base.frozen_dtype, base.frozen_double_quant)   # as it trained
+            t = quantized.round_trip(t, base.frozen_dtype, base.frozen_double_quant)
         if k in lora:
             t = _merge(t, src, lora[k], cfg)
         return _cast(t, spec.dtype if t.is_floating_point() else None)

@@ -1,7 +1,7 @@
-"""CPU optimizers for offloaded training: update rules (rule.py), their standalone
-torch.optim.Optimizer forms (optimizer.py) and ``adam_step``, the Adam rule as a function."""
-from offload.optim.rule import RULES, Row, UpdateRule, get_num_threads, get_rule, register, set_num_threads
-from offload.optim.adam import Adam, AdamW, adam_step
+"""CPU optimizers for offloaded training: update rules (rule.py, with AdamW / Adam), their
+standalone torch.optim.Optimizer forms (optimizer.py) and ``adam_step``, the Adam rule as a function."""
+from offload.optim.rule import (RULES, Adam, AdamW, Row, UpdateRule, adam_step, get_num_threads, get_rule,
+                                register, set_num_threads)
 from offload.optim.lion import Lion
 from offload.optim.sgd import SGD
 from offload.optim.adagrad import Adagrad

@@ -19,6 +19,7 @@ from offload import device as dev
 from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
+from offload.params import quantized
 
 
 def home_device(config, stage: int) -> str:
@@ -84,6 +85,8 @@ class ParamHomes:
         self._dtype, self._device, self._telemetry = dtype, device, telemetry
         self._weights, self._in_place, self.codecs = weights, in_place, codecs
         self._on_write_failure = on_write_failure
+        # a CPU device's dequantized flats, reused block to block (quantized.DequantFlats)
+        self.flats = quantized.DequantFlats(plan.param_budget or 0) if codecs and device.type == "cpu" else None
         self._store = self._stage_pool = self._write_pool = self._home_pool = self._source = None
         pc = config.offload_param
         pin = pc.pin_memory and dev.can_pin()
@@ -167,10 +170,10 @@ class ParamHomes:
             return flat
         if self.device_kind == "cpu":
             home = fill(self._home_pool.acquire(nbytes))
-            bp = BlockParams(part, dtype, self._device, home_buf=home, codec=codec)
+            bp = BlockParams(part, dtype, self._device, home_buf=home, codec=codec, flats=self.flats)
         else:
             bp = BlockParams(part, dtype, self._device, store=self._store, pool=self._stage_pool, key=key,
-                             codec=codec)
+                             codec=codec, flats=self.flats)
             with self._stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
                 bp.write_home(fill(loan))
         bp.release_initial()

@@ -30,12 +30,15 @@ exceed it (parameters of a third block read outside any module of theirs) raises
 ``DeviceBudgetError`` with the bytes needed; it never runs over silently. The blocks one torch
 op reads outside their modules are held until the op returns (``param_read`` /
 ``param_read_done``), so fetching the second cannot evict the first.
+
+What is read ahead of use is the ``Prefetcher`` (at the end of this file): the recorded order
+of block uses, over core/lookahead.py, kept in flight within the lookahead bytes.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -43,8 +46,10 @@ from torch import nn
 from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.errors import BlockError
+from offload.core.lookahead import Lookahead
+from offload.core.telemetry import Telemetry
 from offload.params.residency import BlockParts, ParamState
-from offload.params.prefetch import Prefetcher
+
 
 class DeviceBudgetError(RuntimeError):
     """offload_param.device_budget_bytes cannot hold the parameters needed at once."""
@@ -446,7 +451,8 @@ class ParamOffload:
 
     def write_frozen(self, values: Dict[int, torch.Tensor]) -> None:
         """Replace offloaded frozen parameters' home values (``id(param) -> tensor``); parts
-        with no entry keep theirs. Device copies become stale and are refetched on use."""
+        with no entry keep theirs (a part stored quantized is quantized again from its new
+        values). Device copies become stale and are refetched on use."""
         for i, bp in enumerate(self.params):
             for part in (bp.frozen if bp is not None else ()):
                 mine = [s for s in part.layout.segments if id(s.param) in values]
@@ -456,7 +462,39 @@ class ParamOffload:
                 flat = part.read_home()
                 for s in mine:
                     flat[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
+                if part.codec is not None:
+                    flat = part.codec.fill(torch.empty(part.home_nbytes, dtype=torch.uint8), values=flat)
                 part.write_home(flat)
+
+    def read_frozen_quantized(self, wanted=None) -> List[Tuple[List[int], torch.Tensor, dict]]:
+        """The offloaded frozen parts stored quantized (those with a parameter in ``wanted``,
+        ids, when given), as stored: ``(parameter ids in part order, blob, codec.code())``
+        each, so a checkpoint keeps a quantized base as it is, not its dequantized values."""
+        out = []
+        for bp in self.params:
+            for part in (bp.frozen if bp is not None else ()):
+                ids = [id(s.param) for s in part.layout.segments]
+                if part.codec is None or (wanted is not None and not any(i in wanted for i in ids)):
+                    continue
+                out.append((ids, part.read_home(raw=True), part.codec.code()))
+        return out
+
+    def write_frozen_quantized(self, ids: List[int], blob: torch.Tensor, code: dict) -> bool:
+        """Restore one part stored quantized from a blob ``read_frozen_quantized`` gave (the
+        part holding exactly the parameters ``ids``, in order): written as it is, not
+        quantized again. False (nothing written) where no part of this engine has those
+        parameters laid out and coded as ``code`` says (another ``frozen_dtype``, another
+        grouping): the caller restores the values instead."""
+        for i, bp in enumerate(self.params):
+            for part in (bp.frozen if bp is not None else ()):
+                if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
+                    continue
+                if not part.codec.adopt(code):
+                    return False
+                self._release(i)
+                part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
+                return True
+        return False
 
     def frozen_ids(self) -> set:
         return {id(s.param) for bp in self.params if bp is not None for part in bp.frozen
@@ -492,3 +530,155 @@ class ParamOffload:
         for bp in self.params:
             if bp is not None:
                 bp.release()
+        for flats in {id(f): f for bp in self.params if bp is not None for f in (p.flats for p in bp.frozen) if f is not None}.values():
+            flats.clear()                     # the dequantized flats kept for reuse go too
+
+
+class Prefetcher:
+    """Trace-based prefetch of offloaded parameter blocks, on the engine's one ``Lookahead``.
+
+    The order of block uses (forward pre-hooks, saved parameters unpacked by backward, reads
+    caught outside a module's forward) is recorded by a ``core.lookahead.Lookahead`` named
+    ``prefetch``: the first step's order becomes the trace, a use off the trace diverges (served
+    on demand, the new order replaces the trace at the next ``rewind``), and hits, misses,
+    divergences and retraces are counted as ``prefetch_*``. What is parameter-specific lives
+    here: the blocks ahead of the cursor are kept in flight on each link,
+
+    * NVMe -> host: blocks within ``host_lookahead_bytes`` ahead are staged into host buffers;
+    * host -> device: blocks within ``device_lookahead_bytes`` ahead are copied to the device,
+      never beyond the device budget (bytes on the device, in flight included);
+
+    and which passes see the next pass's start: inference passes repeat with no update between
+    them (the whole trace, cyclically); training sees only the next forward's first blocks
+    without a trainable part (an embedding no update changes), so their reads overlap this
+    pass's end while a block with a trainable part is read only once its update is queued.
+
+    The blocks a training forward uses first are not read back at all after an update: the
+    commit marks those within ``host_lookahead_bytes`` at the start of the trace (parameter
+    offload's ``plan_write_through``), and their updates assemble the new parameters in a
+    staging buffer, write it through to NVMe and leave it staged, current, for that forward.
+
+    A block is never read ahead while its optimizer update is in flight (``blocked``), so a
+    prefetch never serves stale data, and nothing here waits on anything but I/O already
+    issued: it cannot hang. Once the update has returned its write-back may still be in flight:
+    a block kept staged (STAGED_WRITING) is served from its held buffer at once; one written
+    through a write buffer (WRITING) is read back once the write has completed (polled here;
+    never waited for, except when ``deterministic``).
+
+    ``deterministic`` (ZeRO-3 across ranks, where a fetch is an all-gather that every rank must
+    issue in the same order): decisions depend only on the trace, the budgets and state changed
+    by the main thread, never on I/O or worker timing. A staged NVMe read is waited for rather
+    than polled, and ``blocked`` must itself be timing-free (an update queued, not "in flight")."""
+
+    def __init__(self, params: Sequence[Optional[BlockParts]], *, budget: int, device_lookahead: int,
+                 host_lookahead: int, enabled: bool, telemetry: Telemetry, h2d_stream,
+                 blocked: Callable[[int], bool], deterministic: bool = False):
+        self.params = list(params)          # by block index; None: the block is not offloaded
+        self.budget = budget
+        self.device_lookahead = device_lookahead
+        self.host_lookahead = host_lookahead
+        self.enabled = enabled
+        self.telemetry = telemetry
+        self.h2d = h2d_stream
+        self.blocked = blocked
+        self.deterministic = deterministic
+        self.lookahead = Lookahead("prefetch", telemetry)
+        self._backward = False              # whether the last request came from backward
+        self._head_of: Optional[list] = None   # the trace ``_frozen_head`` was counted on
+        self._frozen_head = 0               # the trace's first blocks without a trainable part
+
+    @property
+    def trace(self) -> Optional[List[int]]:
+        return self.lookahead.order
+
+    def next_order(self) -> Optional[List[int]]:
+        """The order the next forward is expected to follow (``Lookahead.next_order``)."""
+        return self.lookahead.next_order()
+
+    def rewind(self) -> None:
+        """A new step (or forward) starts: install what was recorded, restart the cursor."""
+        self.lookahead.rewind()
+
+    def request(self, index: int) -> bool:
+        """Block ``index`` is about to be used: account hit/miss, follow or leave the trace.
+        False when it is the same block as the last request of the same pass (one use,
+        nothing recorded). The first use in backward is a use of its own even where the
+        forward ended with the same block (a tied lm_head's weight, read again by its
+        backward at once): recorded, so the forward's end keeps the block for it."""
+        la = self.lookahead
+        backward = in_backward()
+        again = backward != self._backward
+        if la.last == index and not again:
+            return False                        # the same block again: one use
+        self._backward = backward
+        la.hit() if self.params[index].state is not ParamState.HOME else la.miss()
+        la.record(index, again=True)
+        return True
+
+    def _cyclic(self) -> bool:
+        # inference passes repeat (grad mode off outside backward; backward runs with grad
+        # mode off too, and is not an inference pass)
+        return not torch.is_grad_enabled() and not in_backward()
+
+    def _head(self) -> int:
+        """How many of the trace's first blocks have no trainable part."""
+        order = self.lookahead.order
+        if order is not self._head_of:
+            self._head_of, self._frozen_head = order, 0
+            for i in order or ():
+                if getattr(self.params[i], "trainable", None) is not None:
+                    break
+                self._frozen_head += 1
+        return self._frozen_head
+
+    def upcoming(self) -> List[int]:
+        if not self.enabled:
+            return []
+        cyclic = self._cyclic()
+        return self.lookahead.upcoming(cyclic, 0 if cyclic else self._head())
+
+    def _size(self, i: int) -> int:
+        return self.params[i].nbytes
+
+    def next_use_within(self, index: int, nbytes: int) -> bool:
+        """Whether ``index`` is used again within the next ``nbytes`` of trace."""
+        if not self.enabled:
+            return False
+        cyclic = self._cyclic()
+        return self.lookahead.used_within(index, self._size, nbytes, cyclic, 0 if cyclic else self._head())
+
+    # ---- keeping blocks in flight ------------------------------------------------------------
+    def device_bytes(self) -> int:
+        return sum(bp.device_bytes for bp in self.params if bp is not None)
+
+    def issue(self) -> None:
+        """Start the copies the lookahead windows allow (called on every request)."""
+        if not self.enabled:
+            return
+        on_device = self.device_bytes()
+        ahead = 0
+        cyclic = self._cyclic()
+        for i in self.lookahead.window(self._size, max(self.host_lookahead, self.device_lookahead),
+                                       cyclic=cyclic, head=0 if cyclic else self._head()):
+            bp = self.params[i]
+            ahead += bp.nbytes
+            if self.blocked(i):
+                continue                        # its update is in flight: read it later
+            if self.deterministic:
+                if bp.state is ParamState.WRITING:
+                    bp.finish_write()           # bounded; read back after the write, as every rank does
+            else:
+                bp.poll()                       # a completed write-back: WRITING -> HOME
+            if bp.state is ParamState.HOME and bp.on_nvme and ahead <= self.host_lookahead:
+                with self.telemetry.span("offload::prefetch_nvme"):
+                    bp.stage()
+            if not self.deterministic:
+                bp.poll()
+            ready = (ParamState.STAGED, ParamState.STAGED_WRITING) + \
+                ((ParamState.STAGING,) if self.deterministic else ())
+            if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
+                if ahead <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
+                    self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
+                    with self.telemetry.span("offload::prefetch_h2d", "h2d") as span:
+                        span.moved(bp.to_device(self.h2d))
+                    on_device += bp.nbytes

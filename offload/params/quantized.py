@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -161,15 +162,16 @@ class QuantizedPart:
         return qz.Int8RowTensor(codes, self._piece(blob, sc, "absmax", torch.float32), self.dtype)
 
     # ---- quantize into a home -----------------------------------------------------------
-    def fill(self, blob: torch.Tensor) -> torch.Tensor:
-        """Write the part's current parameter values into ``blob`` (uint8 host tensor of at
-        least ``nbytes``), quantizing the quantized tensors chunk by chunk, and record each
-        one's error. Returns the blob's first ``nbytes``."""
+    def fill(self, blob: torch.Tensor, values: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write the part's values into ``blob`` (uint8 host tensor of at least ``nbytes``),
+        quantizing the quantized tensors chunk by chunk, and record each one's error: the
+        parameters' current values, or ``values`` (the part's flat, as ``values`` returns
+        it). Returns the blob's first ``nbytes``."""
         blob = blob.view(torch.uint8)[:self.nbytes]
         with torch.no_grad():
             blob.zero_()
             for sc in self.segments:
-                src = sc.param.detach()
+                src = sc.param.detach() if values is None else values[sc.offset:sc.offset + sc.numel]
                 if src.device.type != "cpu":
                     src = src.cpu()
                 if sc.fmt == "raw":
@@ -253,12 +255,13 @@ class QuantizedPart:
         """A new host flat of the part's values (checkpoints, state dicts, hand-back)."""
         return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype))
 
-    def materialize(self, blob: torch.Tensor, device: torch.device, stream=None):
+    def materialize(self, blob: torch.Tensor, device: torch.device, stream=None, out=None):
         """``(flat, event)``: the part's values on ``device`` from its home's ``blob`` (host
-        uint8). CPU: dequantized there (event None). CUDA: the blob copied on ``stream`` and
-        dequantized there; ``event`` marks the flat ready (the caller waits on it)."""
+        uint8). CPU: dequantized there, into ``out`` when given (event None). CUDA: the blob
+        copied on ``stream`` and dequantized there; ``event`` marks the flat ready (the caller
+        waits on it)."""
         if device.type == "cpu":
-            return self.dequantize(blob, torch.empty(self.numel, dtype=self.dtype)), None
+            return self.dequantize(blob, out if out is not None else torch.empty(self.numel, dtype=self.dtype)), None
         from offload import device as dev
         blob = blob.view(torch.uint8)[:self.nbytes]
         with torch.cuda.stream(stream):
@@ -268,12 +271,87 @@ class QuantizedPart:
             self.dequantize(qb, out, reference=True)
             return out, dev.record_event(stream)
 
+    # ---- the blob as a checkpoint keeps it ----------------------------------------------
+    def code(self) -> dict:
+        """What a blob of this part means without the part (picklable): the format, the
+        values' dtype, each segment's place, pieces and double-quant offset, and its error.
+        A checkpoint keeps it beside the blob (``from_code`` reads it back)."""
+        return {"fmt": self.fmt, "double_quant": self.double_quant, "dtype": str(self.dtype).split(".")[-1],
+                "numel": self.numel, "nbytes": self.nbytes,
+                "segments": [{k: v for k, v in dataclasses.asdict(sc).items() if k != "param"}
+                             for sc in self.segments]}
+
+    @classmethod
+    def from_code(cls, code: dict) -> "QuantizedPart":
+        """A codec that dequantizes blobs described by ``code`` (no parameters behind it:
+        ``dequantize`` / ``values`` only)."""
+        self = cls.__new__(cls)
+        self.layout, self.fmt, self.double_quant = None, code["fmt"], code["double_quant"]
+        self.dtype, self.numel, self.nbytes = getattr(torch, code["dtype"]), code["numel"], code["nbytes"]
+        self.segments = [SegmentCode(param=None, **{**sc, "shape": tuple(sc["shape"]),
+                                                    "pieces": {k: tuple(v) for k, v in sc["pieces"].items()}})
+                         for sc in code["segments"]]
+        return self
+
+    def adopt(self, code: dict) -> bool:
+        """Take a stored blob's per-tensor values (double-quant offsets, errors) when its
+        ``code`` lays the blob out as this part does; False (nothing taken) otherwise."""
+        if _layout(code) != _layout(self.code()):
+            return False
+        for sc, c in zip(self.segments, code["segments"]):
+            sc.absmax_offset, sc.max_abs_error, sc.rel_rms_error = c["absmax_offset"], c["max_abs_error"], c["rel_rms_error"]
+        return True
+
     # ---- what it stores -----------------------------------------------------------------
     def tensor_stats(self) -> Dict[str, dict]:
         """Per quantized tensor: its format, elements, bytes stored and its error."""
         return {sc.name: {"format": sc.fmt, "numel": sc.numel, "bytes": sc.nbytes,
                           "max_abs_error": sc.max_abs_error, "rel_rms_error": sc.rel_rms_error}
                 for sc in self.segments if sc.fmt != "raw"}
+
+
+def _layout(code: dict) -> tuple:
+    """What of a ``code`` fixes the blob's layout (not the values' offsets and errors)."""
+    return (code["fmt"], code["double_quant"], code["dtype"], code["numel"], code["nbytes"],
+            tuple((c["name"], c["offset"], c["numel"], tuple(c["shape"]), c["fmt"],
+                   tuple(sorted((k, tuple(v)) for k, v in c["pieces"].items()))) for c in code["segments"]))
+
+
+class DequantFlats:
+    """The flats a CPU compute device dequantizes frozen parts into, kept when a block is
+    released for the next block of the same size, up to ``limit_bytes`` (the device budget:
+    no more are alive at once). Why: on a CPU device a new flat is a fresh mapping whose
+    pages fault in at every materialize, costing more than the dequantization; on CUDA the
+    caching allocator reuses device memory already. A flat given back must have no other
+    user: the engine's contract for a released block's device copy. Thread-safe."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._free: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
+        self._kept = 0
+        self.reused = 0                 # flats handed out again
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                self._kept -= numel * dtype.itemsize
+                self.reused += 1
+                return free.pop()
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, flat: torch.Tensor) -> None:
+        nbytes = flat.numel() * flat.element_size()
+        with self._lock:
+            if self._kept + nbytes <= self.limit_bytes:
+                self._free.setdefault((flat.numel(), flat.dtype), []).append(flat)
+                self._kept += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
 
 
 class _Error:

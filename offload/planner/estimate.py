@@ -424,12 +424,9 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
                       grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
                       activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
                       rule=rule, state_dtype=state_dtype, update_ahead=update_ahead, frozen_dtype=spec.frozen_dtype)
-    from offload.engine.engine import placement_refusal
-    from offload import device as dev
-    # the engine on this machine's compute device: on a CPU, one rank, step() updates the
-    # first block inline (no second state buffer for it with update_ahead)
+    from offload.engine.build import placement_refusal
     plan = mp.plan(spec_blocks(spec, precision), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
-                   host_available=host_available, inline_first=dev.compute_device().type == "cpu" and W == 1)
+                   host_available=host_available)
     shard = -(-Pt // W)                     # P' = ceil(P / W), of the trainable parameters
     sbp = mp.state_bytes_per_param(cfg, rule, state_dtype)
     state = sbp if p < 4 else sbp - 4       # on-device optimizer: in fp32 the parameter is the master

@@ -12,6 +12,8 @@ and the device's matmul rate in fp32 with the ratio per dtype from ``planner/pre
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import statistics
@@ -47,6 +49,9 @@ class Profile:
     # the quick per-dtype matmul probe (precision.rates: fp32, bf16, fp16); only the ratios are
     # used, on matmul_tflops ({}: a profile saved before, every dtype at the fp32 rate)
     matmul_tflops_by_dtype: Dict[str, float] = field(default_factory=dict)
+    # elements per second dequantized into bf16 on the compute device, per frozen_dtype
+    # (offload_param.frozen_dtype: "nf4", "int8"; {}: not measured, the term is not counted)
+    dequant_params_per_s: Dict[str, float] = field(default_factory=dict)
 
     def slowdown(self, precision: str) -> float:
         """How many times longer a matmul takes in ``precision`` than in fp32 here (< 1: faster)."""
@@ -72,7 +77,7 @@ class Profile:
         d = read_json(path, "profile", f": measure one with --save-profile {path}", error=ValueError,
                       missing_error=FileNotFoundError)
         names = set(cls.__dataclass_fields__)
-        missing = names - set(d) - {"created", "crc32c_gbps", "matmul_tflops_by_dtype"}
+        missing = names - set(d) - {"created", "crc32c_gbps", "matmul_tflops_by_dtype", "dequant_params_per_s"}
         if missing:
             raise ValueError(f"profile {path!r} lacks {sorted(missing)}: measure it again with --save-profile")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -92,10 +97,10 @@ def _best_rate(fn: Callable[[], None], work: float, repeat: int = 3) -> float:
 
 def adam_probe(numel: int = 4 << 20) -> Tuple[Callable[[], None], str]:
     """(one CPU Adam step over ``numel`` fp32 parameters, its backend's name): the engine's own
-    update, the AdamW rule's ``cpu_step`` (optim/rule.py, optim/adam.py), so the plan prices the
+    update, the AdamW rule's ``cpu_step`` (optim/rule.py), so the plan prices the
     kernel that runs."""
     from offload import _native
-    from offload.optim.adam import AdamW
+    from offload.optim.rule import AdamW
     rule = AdamW()
     group = dict(rule.defaults, weight_decay=0.0)
     p = torch.randn(numel)
@@ -293,7 +298,34 @@ def measure_profile(nvme_path: Optional[str] = None, io_bytes: int = 64 << 20,
                    nvme_duplex=io.duplex, io_backend=io.backend,
                    nvme_path=os.path.abspath(nvme_path or tempfile.gettempdir()),
                    matmul_tflops=measure_matmul(device), crc32c_gbps=measure_crc32c(),
-                   matmul_tflops_by_dtype=precision.rates(device))
+                   matmul_tflops_by_dtype=precision.rates(device), dequant_params_per_s=measure_dequant(device))
+
+
+def measure_dequant(device: torch.device, numel: int = 32 << 20) -> Dict[str, float]:
+    """Elements per second a quantized frozen base is dequantized into bf16 when its block is
+    materialized, per format, the way params/quantized.py does it: the native kernels into a
+    flat used before on a CPU device (``DequantFlats``), ``offload.quantize``'s torch
+    references into a flat from torch's caching allocator on CUDA."""
+    from offload import quantize as qz
+    x = torch.randn(numel // 4096, 4096)
+    flat = torch.empty(x.shape, dtype=torch.bfloat16)
+    rates = {}
+    for fmt, quant, native, ref in (("nf4", qz.quantize_nf4, qz.dequantize_nf4, qz.dequantize_nf4_reference),
+                                    ("int8", qz.quantize_int8_rows, qz.dequantize_int8_rows,
+                                     qz.dequantize_int8_rows_reference)):
+        t = quant(x)
+        if device.type == "cuda":
+            t = dataclasses.replace(t, **{f.name: getattr(t, f.name).to(device) for f in dataclasses.fields(t)
+                                          if isinstance(getattr(t, f.name), torch.Tensor)})
+
+            def run(t=t, ref=ref):
+                torch.empty(numel, dtype=torch.bfloat16, device=device).copy_(ref(t, torch.bfloat16).reshape(-1))
+                _sync(device)
+        else:
+            def run(t=t, native=native):
+                native(t, torch.bfloat16, out=flat)
+        rates[fmt] = _best_rate(run, numel)
+    return rates
 
 
 def measure_crc32c(nbytes: int = 64 << 20) -> float:

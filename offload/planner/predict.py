@@ -20,6 +20,10 @@ Prediction (one optimizer step = ``gradient_accumulation_steps`` micro-steps). T
               requests x latency + bytes / bandwidth, per direction; the directions overlap by the
               measured duplex share d: nvme = max(read, write) + (1 - d) * min(read, write)
     crc       every NVMe byte is checksummed (CRC32C) on the CPU: (read + write) / crc rate
+    dequant   a frozen base stored quantized (offload_param.frozen_dtype): its elements are
+              dequantized on the compute device each time their block is materialized (forward,
+              and backward but for the budget's worth), at the measured rate; the links and the
+              disk carry its quantized bytes instead of the compute dtype's
 
 Terms are grouped by the resource that executes them: the device (compute, device Adam),
 the CPU (CPU Adam), each link, the disk. On a CPU-only machine the device IS the CPU: compute,
@@ -51,7 +55,7 @@ says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from offload import budgets, dtypes
 from offload.dtypes import BYTES_PER_PARAM
@@ -97,6 +101,8 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     ``device_budget_bytes``: offload_param's device budget (default the engine's)."""
     p = BYTES_PER_PARAM[precision]
     P, gas, n = spec.params, gradient_accumulation_steps, max(spec.n_blocks, 1)
+    qc, qh = quantized_bytes(spec, precision) if param != "none" else (0, 0)
+    home = P * p - qc + qh                          # bytes of one pass over the parameters as stored
     Pt = spec.trained if trainable is None else trainable
     grad_bytes = dtypes.grad_bytes(precision, gas)
     gb = 1e9
@@ -106,7 +112,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     d2h = Pt * grad_bytes * gas if offload_opt else 0
     h2d = Pt * p if offload_opt else 0
     if param != "none" and profile.cuda:     # on a CPU device the staged host copy is used in place
-        h2d += 2 * P * p * gas
+        h2d += 2 * home * gas
     t["d2h"] = d2h / (profile.d2h_gbps * gb)
     t["h2d"] = h2d / (profile.h2d_gbps * gb)
     # One request per block and direction: optimizer state read + written once per step;
@@ -124,7 +130,11 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
     g_park = Pt * mp.grad_bytes_per_param(cfg) * gas if park else 0
     budget = budgets.device_budget(device_budget_bytes, spec.largest_block * p)
-    fetch = P * p + max(0, P * p - budget)          # bytes read per micro-step: forward + backward
+    again = max(0, P * p - budget) / max(P * p, 1)  # share of the blocks the backward fetches again
+    fetch = home * (1 + again)                      # bytes read per micro-step: forward + backward
+    rate = profile.dequant_params_per_s.get(spec.frozen_dtype, 0.0) if qc else 0.0
+    if rate > 0:
+        t["dequant"] = qc / p * (1 + again) * gas / rate
     back_blocks = max(0, n - budget // max(spec.largest_block * p, 1))
     nvme_read = (S * Pt if opt_nvme else 0) + (fetch * gas if prm_nvme else 0) + g_park
     nvme_write = (S * Pt if opt_nvme else 0) + (Pt * p if prm_nvme else 0) + g_park
@@ -140,7 +150,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     # Where the Adam runs: the CPU when offloaded, and also with no offload on a CPU-only
     # machine (the engine's "device" optimizer is then the same CPU kernel, on its workers).
     adam_on_cpu = offload_opt or not profile.cuda
-    device_work = t["forward"] + t["backward"] + (0.0 if adam_on_cpu else t["adam"])
+    device_work = t["forward"] + t["backward"] + t.get("dequant", 0.0) + (0.0 if adam_on_cpu else t["adam"])
     crc = t.get("crc", 0.0)
     if compute.shares_cpu:           # CPU-only: compute, Adam and copies share the cores
         groups = {"cpu": device_work + (t["adam"] if adam_on_cpu else 0.0) + t["d2h"] + t["h2d"] + crc,
@@ -182,6 +192,20 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     io = {"nvme_read": nvme_read, "nvme_write": nvme_write, "param_read": fetch * gas if prm_nvme else 0,
           "reads": reads, "writes": writes}
     return Prediction(optimizer, param, step, t, groups, top, mode, io)
+
+
+def quantized_bytes(spec: ModelSpec, precision: str) -> Tuple[int, int]:
+    """(bytes in the compute dtype, bytes at home) of the frozen parts stored quantized
+    (``spec.frozen_dtype`` int8 / nf4; (0, 0) otherwise)."""
+    if spec.frozen_dtype == "compute":
+        return 0, 0
+    from offload.planner.estimate import spec_blocks
+    c = h = 0
+    for b in spec_blocks(spec, precision):
+        for f, at_home in zip(b.frozen, b.frozen_home):
+            if at_home != f:
+                c, h = c + f, h + at_home
+    return c, h
 
 
 def error(predicted: float, measured: float) -> float:

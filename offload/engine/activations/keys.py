@@ -13,7 +13,7 @@ import collections
 import threading
 from typing import Dict, List
 
-from offload.storage.pinned_pool import PAGE
+from offload.storage.tier import PAGE
 
 
 class SwapKeys:

@@ -62,8 +62,7 @@ from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.pinned_pool import PAGE, HostBuffer, PoolBudgetError
-from offload.storage.tier import CallerBuffer, LoanState, NvmeTier
+from offload.storage.tier import PAGE, CallerBuffer, HostBuffer, LoanState, NvmeTier, PoolBudgetError
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.pinned_pool import PAGE
+from offload.storage.tier import PAGE
 
 
 class SavedState(enum.Enum):
