@@ -430,7 +430,7 @@ def predict(run: dict, profile: dict, compute: dict, base_rss: int) -> dict:
     mplan = mp.plan(blocks, config, compute_bytes=2)
     x = torch.zeros(1, run["tokens"], dtype=torch.long, device="meta")
     saved = rss.saved_activation_bytes(model, lambda m: m(input_ids=x, labels=x).loss)
-    mem = rss.predict_rss(mplan, baseline=base_rss, activations=saved, device_is_host=not odev.compute_device().type == "cuda",
+    mem = rss.predict_rss(mplan, baseline=base_rss, activations=saved, device_is_host=odev.compute_device().type != "cuda",
                           grad_in_flight=max(b.numel for b in blocks) * 2)
     prof = plan.Profile(**{k: v for k, v in profile.items() if k in plan.Profile.__dataclass_fields__})
     prof = dataclasses_replace(prof, matmul_tflops=profile.get("matmul_tflops_bf16", prof.matmul_tflops))

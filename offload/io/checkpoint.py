@@ -603,7 +603,7 @@ def load(subject: Subject, path: str, rng: bool = True) -> None:
         for q in extra.get("quantized", ()):      # as stored where this engine stores them alike
             ids = [id(sd[k]) for k in q["keys"] if k in sd]
             if not (po is not None and len(ids) == len(q["keys"]) and po.write_frozen_quantized(ids, q["blob"], q["code"])):
-                tensors.update({k: v for k, v in extra_tensors({"tensors": {}, "quantized": [q]}).items()})
+                tensors.update(extra_tensors({"tensors": {}, "quantized": [q]}))
         rest = {k: _like(v, sd.get(k)) for k, v in tensors.items() if k not in sd or id(sd[k]) not in offloaded}
         if rest:
             subject.module.load_state_dict(rest, strict=False)

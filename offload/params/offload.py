@@ -435,47 +435,51 @@ class ParamOffload:
         """The most device parameter bytes at any point since initialize."""
         return max(self.peak_all, self.peak_step)
 
+    def _frozen_parts(self):
+        """``(block index, part)`` of every offloaded frozen part."""
+        for i, bp in enumerate(self.params):
+            for part in (bp.frozen if bp is not None else ()):
+                yield i, part
+
     def read_frozen(self, wanted=None) -> Dict[int, torch.Tensor]:
         """``id(param) -> host tensor`` of every offloaded frozen parameter (those in
         ``wanted``, ids, when given), read from its home (one read per part; for checkpoints
         and state dicts)."""
         out = {}
-        for bp in self.params:
-            for part in (bp.frozen if bp is not None else ()):
-                if wanted is not None and not any(id(s.param) in wanted for s in part.layout.segments):
-                    continue
-                flat = part.read_home()
-                for s in part.layout.segments:
-                    out[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
+        for _, part in self._frozen_parts():
+            if wanted is not None and not any(id(s.param) in wanted for s in part.layout.segments):
+                continue
+            flat = part.read_home()
+            for s in part.layout.segments:
+                out[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
         return out
 
     def write_frozen(self, values: Dict[int, torch.Tensor]) -> None:
         """Replace offloaded frozen parameters' home values (``id(param) -> tensor``); parts
-        with no entry keep theirs (a part stored quantized is quantized again from its new
-        values). Device copies become stale and are refetched on use."""
-        for i, bp in enumerate(self.params):
-            for part in (bp.frozen if bp is not None else ()):
-                mine = [s for s in part.layout.segments if id(s.param) in values]
-                if not mine:
-                    continue
-                self._release(i)
-                flat = part.read_home()
+        with no entry keep theirs (in a part stored quantized, only the tensors given are
+        quantized, the others keep their stored bytes). Device copies become stale and are
+        refetched on use."""
+        for i, part in self._frozen_parts():
+            mine = [s for s in part.layout.segments if id(s.param) in values]
+            if not mine:
+                continue
+            self._release(i)
+            if part.codec is not None:
+                home = part.codec.fill(part.read_home(raw=True), {id(s.param): values[id(s.param)] for s in mine})
+            else:
+                home = part.read_home()
                 for s in mine:
-                    flat[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
-                if part.codec is not None:
-                    flat = part.codec.fill(torch.empty(part.home_nbytes, dtype=torch.uint8), values=flat)
-                part.write_home(flat)
+                    home[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
+            part.write_home(home)
 
     def read_frozen_quantized(self, wanted=None) -> List[Tuple[List[int], torch.Tensor, dict]]:
         """The offloaded frozen parts stored quantized (those with a parameter in ``wanted``,
         ids, when given), as stored: ``(parameter ids in part order, blob, codec.code())``
         each, so a checkpoint keeps a quantized base as it is, not its dequantized values."""
         out = []
-        for bp in self.params:
-            for part in (bp.frozen if bp is not None else ()):
-                ids = [id(s.param) for s in part.layout.segments]
-                if part.codec is None or (wanted is not None and not any(i in wanted for i in ids)):
-                    continue
+        for _, part in self._frozen_parts():
+            ids = [id(s.param) for s in part.layout.segments]
+            if part.codec is not None and (wanted is None or any(i in wanted for i in ids)):
                 out.append((ids, part.read_home(raw=True), part.codec.code()))
         return out
 
@@ -485,15 +489,14 @@ class ParamOffload:
         quantized again. False (nothing written) where no part of this engine has those
         parameters laid out and coded as ``code`` says (another ``frozen_dtype``, another
         grouping): the caller restores the values instead."""
-        for i, bp in enumerate(self.params):
-            for part in (bp.frozen if bp is not None else ()):
-                if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
-                    continue
-                if not part.codec.adopt(code):
-                    return False
-                self._release(i)
-                part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
-                return True
+        for i, part in self._frozen_parts():
+            if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
+                continue
+            if not part.codec.adopt(code):
+                return False
+            self._release(i)
+            part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
+            return True
         return False
 
     def frozen_ids(self) -> set:
@@ -530,8 +533,9 @@ class ParamOffload:
         for bp in self.params:
             if bp is not None:
                 bp.release()
-        for flats in {id(f): f for bp in self.params if bp is not None for f in (p.flats for p in bp.frozen) if f is not None}.values():
-            flats.clear()                     # the dequantized flats kept for reuse go too
+        for _, part in self._frozen_parts():
+            if part.flats is not None:
+                part.flats.clear()            # the dequantized flats kept for reuse go too
 
 
 class Prefetcher:

@@ -162,16 +162,20 @@ class QuantizedPart:
         return qz.Int8RowTensor(codes, self._piece(blob, sc, "absmax", torch.float32), self.dtype)
 
     # ---- quantize into a home -----------------------------------------------------------
-    def fill(self, blob: torch.Tensor, values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def fill(self, blob: torch.Tensor, values: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """Write the part's values into ``blob`` (uint8 host tensor of at least ``nbytes``),
         quantizing the quantized tensors chunk by chunk, and record each one's error: the
-        parameters' current values, or ``values`` (the part's flat, as ``values`` returns
-        it). Returns the blob's first ``nbytes``."""
+        parameters' current values, or ``values`` (``id(param) -> tensor``), whose tensors
+        alone are written: the others keep the bytes ``blob`` holds, so a tensor not given is
+        never quantized a second time. Returns the blob's first ``nbytes``."""
         blob = blob.view(torch.uint8)[:self.nbytes]
         with torch.no_grad():
-            blob.zero_()
+            if values is None:
+                blob.zero_()
             for sc in self.segments:
-                src = sc.param.detach() if values is None else values[sc.offset:sc.offset + sc.numel]
+                if values is not None and id(sc.param) not in values:
+                    continue
+                src = sc.param.detach() if values is None else values[id(sc.param)]
                 if src.device.type != "cpu":
                     src = src.cpu()
                 if sc.fmt == "raw":
@@ -278,8 +282,8 @@ class QuantizedPart:
         A checkpoint keeps it beside the blob (``from_code`` reads it back)."""
         return {"fmt": self.fmt, "double_quant": self.double_quant, "dtype": str(self.dtype).split(".")[-1],
                 "numel": self.numel, "nbytes": self.nbytes,
-                "segments": [{k: v for k, v in dataclasses.asdict(sc).items() if k != "param"}
-                             for sc in self.segments]}
+                "segments": [{**{f.name: getattr(sc, f.name) for f in dataclasses.fields(sc) if f.name != "param"},
+                              "pieces": dict(sc.pieces)} for sc in self.segments]}
 
     @classmethod
     def from_code(cls, code: dict) -> "QuantizedPart":

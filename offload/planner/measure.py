@@ -12,14 +12,12 @@ and the device's matmul rate in fp32 with the ratio per dtype from ``planner/pre
 """
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -315,8 +313,8 @@ def measure_dequant(device: torch.device, numel: int = 32 << 20) -> Dict[str, fl
                                      qz.dequantize_int8_rows_reference)):
         t = quant(x)
         if device.type == "cuda":
-            t = dataclasses.replace(t, **{f.name: getattr(t, f.name).to(device) for f in dataclasses.fields(t)
-                                          if isinstance(getattr(t, f.name), torch.Tensor)})
+            t = replace(t, **{f.name: getattr(t, f.name).to(device) for f in fields(t)
+                              if isinstance(getattr(t, f.name), torch.Tensor)})
 
             def run(t=t, ref=ref):
                 torch.empty(numel, dtype=torch.bfloat16, device=device).copy_(ref(t, torch.bfloat16).reshape(-1))

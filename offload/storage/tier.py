@@ -128,6 +128,14 @@ class _HostMemory:
         self._map = None
 
 
+def _check_request(kind: str, name: str, closed: bool, nbytes) -> None:
+    """A request to a host pool or arena: the pool open, ``nbytes`` an int >= 0."""
+    if closed:
+        raise RuntimeError(f"{kind} {name!r} is closed")
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+
+
 class HostBuffer:
     """A slot on loan from a HostPool. ``nbytes`` is its capacity.
 
@@ -290,10 +298,7 @@ class HostPool:
     # -- internals ---------------------------------------------------------------------------
 
     def _check_size(self, nbytes: int) -> None:
-        if self._closed:
-            raise RuntimeError(f"HostPool {self.name!r} is closed")
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        _check_request("HostPool", self.name, self._closed, nbytes)
         if nbytes > max(self._caps):
             raise PoolBudgetError(f"HostPool {self.name!r}: no slot can hold {nbytes} bytes (the largest "
                                   f"holds {max(self._caps)}); size the pool's slots for the largest block")
@@ -408,10 +413,7 @@ class HostArena:
 
     # -- internals ---------------------------------------------------------------------------
     def _check_size(self, nbytes: int) -> None:
-        if self._closed:
-            raise RuntimeError(f"HostArena {self.name!r} is closed")
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        _check_request("HostArena", self.name, self._closed, nbytes)
         if _round_up(max(nbytes, 1)) > self._cap:
             raise PoolBudgetError(f"HostArena {self.name!r}: {nbytes} bytes do not fit in its "
                                   f"{_fmt(self._cap)}")
