@@ -29,13 +29,17 @@ def make_model(kind: str):
     return lora(tiny_llama()) if kind == "lora" else tiny_llama()
 
 
-def _start(make_acc, kind, opt_kwargs, n=N):
+def adamw(params, **kw):
+    """AdamW and a decaying LambdaLR: the loop's default optimizer and scheduler."""
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, **kw)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _start(make_acc, kind, make_opt, n=N):
     fresh_state()
     acc = make_acc()
     model = make_model(kind)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01,
-                            **opt_kwargs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    opt, sched = make_opt([p for p in model.parameters() if p.requires_grad])
     loader = torch.utils.data.DataLoader(dataset(n), batch_size=BATCH, shuffle=False)
     return (acc, *acc.prepare(model, opt, loader, sched))
 
@@ -56,17 +60,19 @@ def _train(acc, model, opt, loader, sched, logs, clip, stop=None):
         logs["lr"].append(sched.get_last_lr()[0])
 
 
-def run(make_acc, kind="full", opt_kwargs=None, save_at=None, ckpt=None, n=N):
+def run(make_acc, kind="full", opt_kwargs=None, save_at=None, ckpt=None, n=N, make_opt=None):
     """(logs, final weights): the whole loop, or ``save_at`` micro-batches, ``save_state(ckpt)``,
-    then a new Accelerator / model / optimizer that ``load_state(ckpt)`` and train on."""
+    then a new Accelerator / model / optimizer that ``load_state(ckpt)`` and train on.
+    ``make_opt(params) -> (optimizer, scheduler)``: default ``adamw(params, **opt_kwargs)``."""
     opt_kwargs = opt_kwargs or {}
+    make_opt = make_opt or (lambda params: adamw(params, **opt_kwargs))
     logs = {"loss": [], "norm": [], "lr": []}
-    acc, model, opt, loader, sched = _start(make_acc, kind, opt_kwargs, n)
+    acc, model, opt, loader, sched = _start(make_acc, kind, make_opt, n)
     _train(acc, model, opt, loader, sched, logs, CLIP[kind], stop=save_at)
     if save_at is not None:
         acc.save_state(ckpt)
         _close(acc)
-        acc, model, opt, loader, sched = _start(make_acc, kind, opt_kwargs, n)
+        acc, model, opt, loader, sched = _start(make_acc, kind, make_opt, n)
         acc.load_state(ckpt)
         _train(acc, model, opt, acc.skip_first_batches(loader, save_at), sched, logs, CLIP[kind])
     weights = {k: v.detach().clone().float() for k, v in acc.get_state_dict(model).items()}

@@ -20,8 +20,8 @@ def main(out: str) -> None:
     def plain(each):
         plugin = GradientAccumulationPlugin(num_steps=GAS, sync_each_batch=each)
         return lambda: accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
-    single = run(plain(True), opt_kwargs={"foreach": False}, n=32)
-    fused = run(plain(False), opt_kwargs={"fused": True}, n=32)
+    single = run(plain(True), opt_kwargs={"foreach": False}, n=16)
+    fused = run(plain(False), opt_kwargs={"fused": True}, n=16)
     cfg = {"zero_optimization": {"stage": 2}, "offload_optimizer": {"device": "cpu"}}
     engine_acc = []
 
@@ -29,7 +29,7 @@ def main(out: str) -> None:
         acc = Accelerator(cpu=True, gradient_accumulation_steps=GAS, offload_config=cfg)
         engine_acc.append(acc)
         return acc
-    engine = run(make, n=32)
+    engine = run(make, n=16)
     if torch.distributed.get_rank() == 0:
         torch.save({"single": single, "fused": fused, "engine": engine, "world": engine_acc[-1].num_processes},
                    os.path.join(out, "result.pt"))

@@ -6,7 +6,7 @@ optimizer), fp32, full fine-tuning and LoRA, over a covering set of placements.
 Tolerance: twice the distance between two plain runs that differ only in torch's AdamW
 implementation (single-tensor vs fused), measured here on the same loop, plus 1e-6; the
 learning rates logged are equal."""
-import json
+import functools
 import os
 import subprocess
 import sys
@@ -23,7 +23,7 @@ from _hf import max_diff  # noqa: E402
 from offload.accelerate import Accelerator  # noqa: E402
 from offload.config import ConfigError  # noqa: E402
 
-SAVE_AT = 6          # micro-batches before save_state: inside the 4th window's accumulation (GAS 2)
+SAVE_AT = 6          # micro-batches before save_state: 3 of the 4 windows (GAS 2) committed
 
 
 def plain():
@@ -42,17 +42,15 @@ def placement(opt, params, tmp_path):
     return cfg
 
 
-@pytest.fixture(scope="module")
-def refs():
-    out = {}
-    for kind in ("full", "lora"):
-        out[kind] = (run(plain, kind, {"foreach": False}), run(plain, kind, {"fused": True}))
-    return out
+@functools.lru_cache(maxsize=None)
+def refs(kind):
+    """Plain Accelerate's loop with single-tensor and with fused AdamW (once per kind)."""
+    return run(plain, kind, {"foreach": False}), run(plain, kind, {"fused": True})
 
 
 def check_same(ref, fused, got, kind="full"):
     (rl, rw), (fl, fw), (gl, gw) = ref, fused, got
-    assert len(gl["loss"]) == len(rl["loss"]) and len(gl["norm"]) == len(rl["norm"]) == 4
+    assert len(gl["loss"]) == len(rl["loss"]) and len(gl["norm"]) == len(rl["norm"]) >= 2
     assert max(rl["norm"]) > CLIP[kind]                # clipping bites
     assert gl["lr"] == rl["lr"] and rl["lr"][-1] < rl["lr"][0]   # the scheduler drove the engine
     for k in ("loss", "norm"):
@@ -63,13 +61,31 @@ def check_same(ref, fused, got, kind="full"):
 
 
 @pytest.mark.parametrize("kind, opt, params", [
-    ("full", "cpu", "none"), ("full", "nvme", "nvme"), ("lora", "nvme", "none"), ("lora", "cpu", "nvme"),
+    pytest.param("full", "cpu", "none", marks=pytest.mark.hf_versions),
+    ("full", "nvme", "nvme"), ("lora", "nvme", "none"), ("lora", "cpu", "nvme"),
 ])
-def test_loop_matches_plain_accelerate_with_resume(refs, kind, opt, params, tmp_path):
+def test_loop_matches_plain_accelerate_with_resume(kind, opt, params, tmp_path):
     got = run(on_engine(placement(opt, params, tmp_path)), kind, save_at=SAVE_AT,
               ckpt=str(tmp_path / "state"))
     assert os.path.isdir(tmp_path / "state" / "offload")          # the engine's checkpoint inside
-    check_same(*refs[kind], got, kind)
+    check_same(*refs(kind), got, kind)
+
+
+def test_transformers_adafactor_with_relative_step(tmp_path):
+    """transformers' Adafactor with ``lr=None`` prepared as the loop's optimizer: bitwise equal
+    to plain Accelerate (the rule runs transformers' operations in order), resumed mid-window.
+    Its proxy schedule reads transformers' own state, which the engine does not fill: the
+    learning rates are not compared."""
+    from transformers.optimization import Adafactor, AdafactorSchedule
+
+    def make_opt(params):
+        opt = Adafactor(params, lr=None, relative_step=True, scale_parameter=True, warmup_init=False)
+        return opt, AdafactorSchedule(opt)
+    (rl, rw) = run(plain, make_opt=make_opt)
+    (gl, gw) = run(on_engine(placement("nvme", "none", tmp_path)), make_opt=make_opt, save_at=SAVE_AT,
+                   ckpt=str(tmp_path / "state"))
+    assert (gl["loss"], gl["norm"]) == (rl["loss"], rl["norm"]) and max(rl["norm"]) > CLIP["full"]
+    assert all(torch.equal(gw[k], rw[k]) for k in rw)
 
 
 # ---- what the engine cannot honour fails at prepare ---------------------------------------------
@@ -88,8 +104,9 @@ def test_a_second_model_is_refused():
     acc, a, b = _acc(), make_model("full"), make_model("full")
     with pytest.raises(ConfigError, match="a second model to prepare"):
         acc.prepare(a, torch.optim.AdamW(a.parameters()), b)
-    acc.prepare(a, torch.optim.AdamW(a.parameters()))
+    a, opt = acc.prepare(a, torch.optim.AdamW(a.parameters()))
     try:
+        assert acc.prepare(a, opt) == (a, opt)            # prepared again: passed through
         with pytest.raises(ConfigError, match="a second model to prepare"):
             acc.prepare(b, torch.optim.AdamW(b.parameters()))
     finally:
@@ -118,6 +135,10 @@ def test_config_disagreeing_with_the_loop_is_refused():
     acc = Accelerator(cpu=True, offload_config={"optimizer": {"lr": 0.5}})
     with pytest.raises(ConfigError, match=r"optimizer.lr=0.5 disagrees with the prepared optimizer's lr"):
         acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    fresh_state()
+    acc = Accelerator(cpu=True, mixed_precision="bf16", offload_config={"precision": "fp16"})
+    with pytest.raises(ConfigError, match=r"precision='fp16' disagrees with Accelerator mixed_precision \('bf16'\)"):
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))
 
 
 def test_clip_outside_the_boundary_is_refused():

@@ -121,10 +121,14 @@ class Accelerator(accelerate.Accelerator):
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
-        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        """``prepare`` as Accelerate's, the model and its optimizer on the engine (the model
+        and optimizer it returned before pass through unchanged)."""
+        done = [a for a in args if isinstance(a, EngineOptimizer)
+                or (self.engine is not None and a is self.engine.module)]
+        models = [a for a in args if isinstance(a, torch.nn.Module) and not any(a is d for d in done)]
         optims = [a for a in args if isinstance(a, torch.optim.Optimizer) and not isinstance(a, EngineOptimizer)]
         if not models and not optims:
-            return super().prepare(*args, device_placement=device_placement)
+            return self._prepare_rest(args, done, device_placement)
         if self.engine is not None or len(models) > 1:
             raise ConfigError("offload.accelerate.Accelerator: a second model to prepare: the engine trains one "
                               "model per Accelerator; prepare the other with its own Accelerator, or combine them "
@@ -144,9 +148,13 @@ class Accelerator(accelerate.Accelerator):
         self.engine = offload.initialize(model, config, param_groups=optimizer)
         self._engine_optimizer = EngineOptimizer(optimizer, self)
         self._optimizers.append(self._engine_optimizer)
-        rest = [(i, a) for i, a in enumerate(args) if a is not model and a is not optimizer]
+        args = tuple(self._engine_optimizer if a is optimizer else a for a in args)
+        return self._prepare_rest(args, [model, self._engine_optimizer], device_placement)
+
+    def _prepare_rest(self, args: tuple, engine_owned: list, device_placement):
+        """Accelerate's ``prepare`` of everything in ``args`` but ``engine_owned``, in place."""
         out = list(args)
-        out[args.index(optimizer)] = self._engine_optimizer
+        rest = [(i, a) for i, a in enumerate(args) if not any(a is o for o in engine_owned)]
         if rest:
             places = None if device_placement is None else [device_placement[i] for i, _ in rest]
             done = super().prepare(*[a for _, a in rest], device_placement=places)

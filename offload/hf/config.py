@@ -117,7 +117,8 @@ _WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer
           "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
           "optimizer.momentum": "optim_args momentum", "optimizer.dampening": "optim_args dampening",
           "optimizer.nesterov": "optim_args nesterov", "optimizer.lr_decay": "optim_args lr_decay",
-          "optimizer.scale_parameter": "optim (adafactor: False)", "optimizer.relative_step": "optim (adafactor: False)",
+          "optimizer.scale_parameter": "optim (adafactor: False)",
+          "optimizer.relative_step": "optim (adafactor: False)",
           "gradient_accumulation_steps": "gradient_accumulation_steps",
           "gradient_clipping": "max_grad_norm", "precision": "bf16/fp16"}
 
