@@ -129,14 +129,14 @@ class Accelerator(accelerate.Accelerator):
         optims = [a for a in args if isinstance(a, torch.optim.Optimizer) and not isinstance(a, EngineOptimizer)]
         if not models and not optims:
             return self._prepare_rest(args, done, device_placement)
-        if self.engine is not None or len(models) > 1:
+        if len(models) > 1 or (models and self.engine is not None):
             raise ConfigError("offload.accelerate.Accelerator: a second model to prepare: the engine trains one "
                               "model per Accelerator; prepare the other with its own Accelerator, or combine them "
                               "in one nn.Module")
-        if len(models) != 1 or len(optims) != 1:
-            raise ConfigError(f"offload.accelerate.Accelerator.prepare got {len(models)} model(s) and {len(optims)} "
-                              f"optimizer(s): the engine is built on the model and its optimizer together: "
-                              f"accelerator.prepare(model, optimizer, ...) with one of each")
+        if len(models) != 1 or len(optims) != 1 or self.engine is not None:
+            raise ConfigError(f"offload.accelerate.Accelerator.prepare got {len(models)} new model(s) and "
+                              f"{len(optims)} new optimizer(s): the engine is built on the model and its optimizer "
+                              f"together: accelerator.prepare(model, optimizer, ...) with one of each, once")
         model, optimizer = models[0], optims[0]
         _check_owned(model, optimizer)
         import offload
