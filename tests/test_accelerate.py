@@ -135,6 +135,13 @@ def test_config_disagreeing_with_the_loop_is_refused():
     acc = Accelerator(cpu=True, offload_config={"optimizer": {"lr": 0.5}})
     with pytest.raises(ConfigError, match=r"optimizer.lr=0.5 disagrees with the prepared optimizer's lr"):
         acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    from offload.accelerate.config import engine_config
+    fresh_state()
+    acc = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=3)
+    c = engine_config({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, acc,
+                      torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert (c.precision, c.gradient_accumulation_steps, c.optimizer.type, c.optimizer.momentum,
+            c.offload_optimizer.device) == ("bf16", 3, "SGD", 0.9, "nvme")
     fresh_state()
     acc = Accelerator(cpu=True, mixed_precision="bf16", offload_config={"precision": "fp16"})
     with pytest.raises(ConfigError, match=r"precision='fp16' disagrees with Accelerator mixed_precision \('bf16'\)"):
