@@ -31,7 +31,9 @@ def main(out: str) -> None:
         return acc
     engine = run(make, n=16)
     if torch.distributed.get_rank() == 0:
-        torch.save({"single": single, "fused": fused, "engine": engine, "world": engine_acc[-1].num_processes},
+        stage = engine_acc[-1].engine.config.zero_optimization.stage      # (a closed engine keeps its config)
+        torch.save({"single": single, "fused": fused, "engine": engine, "world": torch.distributed.get_world_size(),
+                    "stage": stage},
                    os.path.join(out, "result.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

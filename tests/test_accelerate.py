@@ -179,7 +179,7 @@ def test_torchrun_two_ranks_match_plain_ddp(tmp_path):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
     got = torch.load(tmp_path / "result.pt", weights_only=False)
-    assert got["world"] == 2
+    assert (got["world"], got["stage"]) == (2, 2)
     check_same(got["single"], got["fused"], got["engine"])
 
 
