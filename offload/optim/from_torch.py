@@ -3,9 +3,9 @@
 The engine computes the update itself, so it takes from a ``torch.optim.Optimizer`` what
 decides the update: the rule (the class: ``torch.optim.SGD``, ``Adam``, ``AdamW``,
 ``Adagrad``, ``Adafactor`` and offload.optim's own ``CPU*`` classes, each the rule whose
-``torch_optimizer`` names it; ``Adam(decoupled_weight_decay=True)`` is AdamW; classes of other
-libraries a rule names by ``optimizer_class``, ``transformers.optimization.Adafactor``) and, per param
-group, the rule's hyper-parameters under torch's names. What only chooses torch's
+``torch_optimizer`` names it; ``Adam(decoupled_weight_decay=True)`` is AdamW; another
+library's class a rule names by ``optimizer_class``: ``transformers.optimization.Adafactor``)
+and, per param group, the rule's hyper-parameters under torch's names. What only chooses torch's
 implementation (``foreach``, ``fused``, ``capturable``, ``differentiable``) is ignored; an
 option that changes the update the rule does not have (``maximize``, ``amsgrad``) is refused,
 as is another class (a subclass may override ``step``) and state from steps taken before
