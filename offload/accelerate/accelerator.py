@@ -205,6 +205,10 @@ class Accelerator(accelerate.Accelerator):
             raise RuntimeError("accelerator.clip_grad_norm_ outside an accumulation boundary: the engine clips "
                                "the window's summed gradients when it commits them; call it after "
                                "accelerator.backward(loss) when accelerator.sync_gradients is True")
+        if self.engine.config.offload_optimizer.update_ahead:
+            raise ConfigError("accelerator.clip_grad_norm_ with offload_optimizer.update_ahead: the engine steps each "
+                              "block as its gradients come in, before the global norm is known; set update_ahead "
+                              "to false to clip, or do not clip")
         _check_all_trainable(self.engine.module, parameters)
         self.engine.control.clip = float(max_norm)
         self._commit()
