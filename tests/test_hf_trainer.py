@@ -349,7 +349,7 @@ def plain_run_cls(make, cls, **opt_kwargs):
 def test_optim_selects_the_engines_rule(optim, optim_args, cls, kwargs, tmp_path):
     """optim (and its optim_args) run the same rule as plain Trainer; the tolerance is the
     distance between torch's single-tensor and foreach implementations on the same run."""
-    ref = plain_run(tiny_llama, optim, optim_args=optim_args)     # adafactor: tests/test_adafactor_hf.py
+    ref = plain_run(tiny_llama, optim, optim_args=optim_args)     # adafactor: tests/test_hf_adafactor.py
     other = plain_run_cls(tiny_llama, cls, foreach=True, **kwargs)
     logs, weights, ev, t = engine_run(tiny_llama, _placement("host", tmp_path), optim=optim, optim_args=optim_args)
     assert t.offload_config.optimizer.type == {"sgd": "SGD", "adagrad": "Adagrad"}[optim]
