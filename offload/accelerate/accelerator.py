@@ -38,6 +38,7 @@ optimizer without its model, another optimizer class, fp8, DeepSpeed / FSDP / Me
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any, Optional
@@ -283,18 +284,15 @@ class Accelerator(accelerate.Accelerator):
                          key=lambda f: [int(n) for n in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)][0])
         return folders[-1]
 
+    @contextlib.contextmanager
     def _without_engine_objects(self):
         """Accelerate's save / load without the engine's optimizer (the engine checkpoints it)."""
-        acc = self
-
-        class _Hidden:
-            def __enter__(self):
-                self.saved = acc._optimizers
-                acc._optimizers = [o for o in acc._optimizers if not isinstance(o, EngineOptimizer)]
-
-            def __exit__(self, *exc):
-                acc._optimizers = self.saved
-        return _Hidden()
+        saved = self._optimizers
+        self._optimizers = [o for o in saved if not isinstance(o, EngineOptimizer)]
+        try:
+            yield
+        finally:
+            self._optimizers = saved
 
     # ---- the model ------------------------------------------------------------------------------
     def get_state_dict(self, model, unwrap=True):
