@@ -32,7 +32,8 @@ def parse_bytes(text: "str | int | float", where: str = "size") -> int:
 # (flag, dotted config key, type, help). Flags given on the command line override --config.
 _FLAGS = (
     ("--precision", "precision", str, "fp32 | bf16 | fp16"),
-    ("--optimizer", "optimizer.type", str, "AdamW | Adam | Lion | SGD | Adagrad | Adafactor"),
+    ("--optimizer", "optimizer.type", str,
+     "AdamW | Adam | Lion | SGD | Adagrad | Adafactor | TransformersAdafactor"),
     ("--state-dtype", "optimizer.state_dtype", str, "fp32 | bf16 | int8: the optimizer's state rows (master stays fp32)"),
     ("--momentum", "optimizer.momentum", float, "SGD momentum"),
     ("--lr", "optimizer.lr", float, "learning rate"),

@@ -80,8 +80,10 @@ def check_nvme_path(where: str, path: Optional[str]) -> None:
 # The hyper-parameter fields of OptimizerConfig: the union of every update rule's (torch's
 # names). A field left None takes the rule's default (offload/optim/<rule>.py ``defaults``).
 OPTIMIZER_HPARAMS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "lr_decay",
-                     "initial_accumulator_value", "beta2_decay", "d")
-OPTIMIZER_TYPES = ("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor")
+                     "initial_accumulator_value", "beta2_decay", "d", "clip_threshold", "decay_rate", "beta1",
+                     "scale_parameter", "relative_step", "warmup_init")
+OPTIMIZER_TYPES = ("AdamW", "Adam", "Lion", "SGD", "Adagrad", "Adafactor", "TransformersAdafactor")
+_FACTORED = ("Adafactor", "TransformersAdafactor")     # eps is a pair; the factored rows stay fp32
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,12 @@ class OptimizerConfig:
     initial_accumulator_value: Optional[float] = None   # Adagrad
     beta2_decay: Optional[float] = None  # Adafactor
     d: Optional[float] = None          # Adafactor (clipping threshold)
+    clip_threshold: Optional[float] = None   # TransformersAdafactor (transformers' Adafactor)
+    decay_rate: Optional[float] = None       # TransformersAdafactor
+    beta1: Optional[float] = None            # TransformersAdafactor (None: no first moment)
+    scale_parameter: Optional[bool] = None   # TransformersAdafactor
+    relative_step: Optional[bool] = None     # TransformersAdafactor (with lr None: its own step size)
+    warmup_init: Optional[bool] = None       # TransformersAdafactor
     state_dtype: str = "fp32"
 
     def __post_init__(self):
@@ -132,13 +140,13 @@ class OptimizerConfig:
                     or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
                 raise ConfigError(f"optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
             object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        if self.type == "Adafactor":
+        if self.type in _FACTORED:
             if not isinstance(self.eps, (list, tuple)) or len(self.eps) != 2:
-                raise ConfigError(f"optimizer.eps={self.eps!r}: Adafactor's eps is a pair (eps1 or null, eps2), "
+                raise ConfigError(f"optimizer.eps={self.eps!r}: {self.type}'s eps is a pair (eps1 or null, eps2), "
                                   f"e.g. [null, 0.001]")
             object.__setattr__(self, "eps", tuple(self.eps))
             if self.state_dtype != "fp32":
-                raise ConfigError(f"optimizer.state_dtype={self.state_dtype!r}: Adafactor keeps its factored "
+                raise ConfigError(f"optimizer.state_dtype={self.state_dtype!r}: {self.type} keeps its factored "
                                   f"second moment in fp32 (a few bytes per row and column): use state_dtype fp32")
         elif self.eps is not None:
             _check_positive("optimizer.eps", self.eps)

@@ -14,8 +14,9 @@ The update rule: ``TrainingArguments.optim`` names map to the engine's rules (``
 the 8-bit names to ``optimizer.state_dtype: int8``), and the config's ``optimizer.type`` may
 choose one too. An AdamW name (transformers' default) leaves the choice to the config; any
 other name and a config type that differs are an error naming both. ``adafactor`` runs
-torch's Adafactor (``torch.optim.Adafactor``: its own relative step and update clipping, the
-learning rate from ``learning_rate``), not transformers' own Adafactor class.
+transformers' own Adafactor as transformers' Trainer builds it (``TransformersAdafactor``:
+``scale_parameter=False, relative_step=False``, the learning rate from ``learning_rate``);
+torch's Adafactor is ``optimizer.type: Adafactor`` or ``torch.optim.Adafactor`` given.
 
 A torch optimizer given to Trainer (``optimizers=(optimizer, scheduler)``, or built from
 ``optimizer_cls_and_kwargs``) decides instead of ``optim`` and the optimizer arguments, as in
@@ -45,7 +46,8 @@ OPTIM_RULES = {
     "paged_adamw_8bit": ("AdamW", "int8"),
     "lion_32bit": ("Lion", None), "paged_lion_32bit": ("Lion", None),
     "lion_8bit": ("Lion", "int8"), "paged_lion_8bit": ("Lion", "int8"),
-    "sgd": ("SGD", None), "adagrad": ("Adagrad", None), "adafactor": ("Adafactor", None),
+    "sgd": ("SGD", None), "adagrad": ("Adagrad", None),
+    "adafactor": ("TransformersAdafactor", None),
 }
 _DEFAULT_NAMES = ("adamw_torch", "adamw_torch_fused")     # transformers' defaults: the config may choose
 
@@ -61,7 +63,7 @@ def rule_of(args, config_type=None, config_state_dtype=None) -> tuple:
     if name not in OPTIM_RULES:
         raise ConfigError(f"TrainingArguments optim={name!r} has no update rule in the engine: use one of "
                           f"{', '.join(sorted(OPTIM_RULES))}, or choose the rule with offload_config "
-                          "optimizer.type (AdamW, Adam, Lion, SGD, Adagrad, Adafactor)")
+                          "optimizer.type (AdamW, Adam, Lion, SGD, Adagrad, Adafactor, TransformersAdafactor)")
     rule, sd = OPTIM_RULES[name]
     if config_type is not None and config_type != rule:
         if name not in _DEFAULT_NAMES:
@@ -95,6 +97,8 @@ def _owned(args, rule: str = "AdamW") -> dict:
         owned["optimizer.betas"] = (float(args.adam_beta1), float(args.adam_beta2))
     if rule in ("AdamW", "Adam"):
         owned["optimizer.eps"] = float(args.adam_epsilon)
+    if rule == "TransformersAdafactor":     # transformers' Trainer: an absolute step size, unscaled
+        owned.update({"optimizer.scale_parameter": False, "optimizer.relative_step": False})
     extra = _optim_args(args)
     keys = {"SGD": {"momentum": float, "dampening": float, "nesterov": lambda v: v.lower() in ("true", "1", "yes")},
             "Adagrad": {"lr_decay": float, "eps": float}}.get(rule, {})
@@ -113,6 +117,8 @@ _WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer
           "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
           "optimizer.momentum": "optim_args momentum", "optimizer.dampening": "optim_args dampening",
           "optimizer.nesterov": "optim_args nesterov", "optimizer.lr_decay": "optim_args lr_decay",
+          "optimizer.scale_parameter": "optim (adafactor: False)",
+          "optimizer.relative_step": "optim (adafactor: False)",
           "gradient_accumulation_steps": "gradient_accumulation_steps",
           "gradient_clipping": "max_grad_norm", "precision": "bf16/fp16"}
 

@@ -6,6 +6,7 @@ from offload.optim.lion import Lion
 from offload.optim.sgd import SGD
 from offload.optim.adagrad import Adagrad
 from offload.optim.adafactor import Adafactor
+from offload.optim.adafactor_hf import TransformersAdafactor
 
 register(AdamW)
 register(Adam)
@@ -13,6 +14,7 @@ register(Lion)
 register(SGD)
 register(Adagrad)
 register(Adafactor)
+register(TransformersAdafactor)
 
 from offload.optim.optimizer import (CPUAdafactor, CPUAdagrad, CPUAdam, CPUAdamW, CPULion,  # noqa: E402
                                      CPURuleAdam, CPUSGD, RuleOptimizer)

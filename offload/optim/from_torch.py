@@ -3,8 +3,9 @@
 The engine computes the update itself, so it takes from a ``torch.optim.Optimizer`` what
 decides the update: the rule (the class: ``torch.optim.SGD``, ``Adam``, ``AdamW``,
 ``Adagrad``, ``Adafactor`` and offload.optim's own ``CPU*`` classes, each the rule whose
-``torch_optimizer`` names it; ``Adam(decoupled_weight_decay=True)`` is AdamW) and, per param
-group, the rule's hyper-parameters under torch's names. What only chooses torch's
+``torch_optimizer`` names it; ``Adam(decoupled_weight_decay=True)`` is AdamW; another
+library's class a rule names by ``optimizer_class``: ``transformers.optimization.Adafactor``)
+and, per param group, the rule's hyper-parameters under torch's names. What only chooses torch's
 implementation (``foreach``, ``fused``, ``capturable``, ``differentiable``) is ignored; an
 option that changes the update the rule does not have (``maximize``, ``amsgrad``) is refused,
 as is another class (a subclass may override ``step``) and state from steps taken before
@@ -12,6 +13,7 @@ as is another class (a subclass may override ``step``) and state from steps take
 """
 from __future__ import annotations
 
+import sys
 from typing import List
 
 import torch
@@ -25,13 +27,26 @@ def _rules() -> dict:
 
 
 def _torch_classes() -> dict:
-    """torch.optim class -> rule name, for the rules that name one."""
+    """optimizer class -> rule name, for the rules that name one: a torch.optim class
+    (``torch_optimizer``) or another library's (``optimizer_class``, "module.Name", looked up
+    only where that module is already imported: an instance of it means it is)."""
     out = {}
     for rule in _rules().values():
         cls = getattr(torch.optim, rule.torch_optimizer or "", None)
         if isinstance(cls, type):
             out[cls] = rule.name
+        module, _, name = (rule.optimizer_class or "").rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None) if module else None
+        if isinstance(cls, type):
+            out[cls] = rule.name
     return out
+
+
+def _public_name(cls: type) -> str:
+    """torch.optim.AdamW, transformers.optimization.Adafactor: where users import it from."""
+    if cls.__module__.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _error(msg: str):
@@ -48,7 +63,7 @@ def rule_name(optimizer: torch.optim.Optimizer) -> str:
     classes = _torch_classes()
     cls = type(optimizer)
     if cls not in classes:
-        have = ", ".join(f"torch.optim.{c.__name__} ({r})" for c, r in classes.items())
+        have = ", ".join(f"{_public_name(c)} ({r})" for c, r in classes.items())
         raise _error(f"the engine computes the update itself and has no rule for {cls.__module__}.{cls.__qualname__}: "
                      f"give one of {have} or offload.optim's CPU optimizers, or choose the engine's rule by name "
                      f"(TrainingArguments optim, offload_config optimizer.type)")

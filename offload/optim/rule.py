@@ -77,6 +77,7 @@ class UpdateRule:
     kernel: ClassVar[Optional[str]] = None       # native/<kernel>.c, or None: torch only
     hparams_type: ClassVar[Optional[type]] = None  # ctypes mirror of the kernel's hparams struct
     torch_optimizer: ClassVar[Optional[str]] = None  # torch.optim class with the same update
+    optimizer_class: ClassVar[Optional[str]] = None  # another library's class with it ("module.Name")
     defaults: ClassVar[dict] = {}                # torch's hyper-parameter names and defaults
     state_dtypes: ClassVar[tuple] = STATE_DTYPES
     per_tensor: ClassVar[bool] = False           # state depends on each parameter's shape (Adafactor):
