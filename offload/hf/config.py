@@ -120,17 +120,10 @@ _WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer
 def _owned_by_optimizer(optimizer, args) -> tuple:
     """(the engine keys a torch optimizer and TrainingArguments decide, where each comes
     from) when Trainer is given the optimizer."""
-    from offload.optim import get_rule
-    from offload.optim.from_torch import param_groups, rule_name
-    name = rule_name(optimizer)
-    param_groups(optimizer, get_rule(name))      # its groups checked now, before training
-    owned = {"optimizer.type": name}
-    where = {"optimizer.type": f"the optimizer's class ({type(optimizer).__name__})"}
-    for k in get_rule(name).defaults:
-        v = optimizer.defaults[k]
-        v = float(v) if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v
-        owned[f"optimizer.{k}"] = tuple(v) if isinstance(v, list) else v
-        where[f"optimizer.{k}"] = f"the optimizer's {k}"
+    from offload.config.decided import optimizer_keys
+    decided = optimizer_keys(optimizer)      # its groups checked now, before training
+    owned = {k: v for k, (v, _) in decided.items()}
+    where = {k: w for k, (_, w) in decided.items()}
     owned.update({"gradient_accumulation_steps": int(args.gradient_accumulation_steps),
                   "gradient_clipping": float(args.max_grad_norm or 0.0), "precision": precision_of(args)})
     return owned, dict(where, **{k: f"TrainingArguments {_WHERE[k]}"
