@@ -80,10 +80,9 @@ class OffloadStrategy(SingleDeviceStrategy):
     error naming both). ``weights``: a pretrained checkpoint streamed into the model block by
     block (``offload.initialize(weights=)``). ``engine``: the live engine once ``fit`` set it up.
 
-    Refused at setup, naming the fix: manual optimization, several optimizers or schedulers
-    on several optimizers, an optimizer class the engine has no rule for, clipping by value,
-    a ``configure_gradient_clipping`` override, a precision the engine does not run, several
-    devices."""
+    Refused at setup, naming the fix: manual optimization (so one optimizer), an optimizer
+    class the engine has no rule for, clipping by value, a ``configure_gradient_clipping``
+    override, a precision the engine does not run, several devices."""
 
     strategy_name = "offload"
 
@@ -159,11 +158,7 @@ class OffloadStrategy(SingleDeviceStrategy):
     def setup_optimizers(self, trainer) -> None:
         """``configure_optimizers``' one torch optimizer becomes the engine's: the engine is built
         here, with its rule, groups and hyper-parameters; the schedulers stay Lightning's."""
-        super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ConfigError(f"offload strategy: configure_optimizers returned {len(self.optimizers)} optimizers; "
-                              f"the engine runs one optimizer over the model: return one (param groups may set "
-                              f"different hyper-parameters)")
+        super().setup_optimizers(trainer)      # several optimizers: Lightning's own error (automatic optimization)
         user = self.optimizers[0]
         if type(user).__name__ == "_MockOptimizer":
             raise ConfigError("offload strategy: configure_optimizers returned None: the engine needs the torch "
@@ -225,8 +220,8 @@ class OffloadStrategy(SingleDeviceStrategy):
             raise TypeError("offload strategy: save_checkpoint(storage_options=...) is not supported: the engine "
                             "writes its checkpoint itself")
         self.engine.save_checkpoint(engine_dir(filepath))
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_rest(self.checkpoint_io, rest, filepath, self.is_global_zero)
+        # its state_dict and optimizer state are empty here (the engine's checkpoint holds them)
+        save_rest(self.checkpoint_io, checkpoint, filepath, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         """The engine's state (weights, master copy, optimizer state, counters; not the RNG
