@@ -171,6 +171,11 @@ class _RMSprop(Lit):
         return torch.optim.RMSprop(self.net.parameters())
 
 
+class _NoOptimizer(Lit):
+    def configure_optimizers(self):
+        return None
+
+
 class _OwnClipping(Lit):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         pass
@@ -179,6 +184,7 @@ class _OwnClipping(Lit):
 TRAINER_REFUSALS = {
     "manual": (_Manual, {"gradient_clip_val": None, "accumulate_grad_batches": 1}, "manual optimization .* use automatic optimization"),
     "another optimizer class": (_RMSprop, {}, "no rule for torch.optim.rmsprop.RMSprop: give one of"),
+    "no optimizer": (_NoOptimizer, {}, "configure_optimizers returned None: the engine needs the torch optimizer"),
     "clip by value": (Lit, {"gradient_clip_algorithm": "value"}, "use gradient_clip_algorithm='norm'"),
     "own clipping": (_OwnClipping, {}, "configure_gradient_clipping is overridden.*remove the override"),
     "config disagrees": (Lit, {"cfg": {"gradient_clipping": 1.0}},

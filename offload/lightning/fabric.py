@@ -35,6 +35,7 @@ What each call does here:
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -59,17 +60,13 @@ class _EngineWindow(_BackwardSyncControl):
     def __init__(self, strategy: "OffloadFabricStrategy"):
         self._strategy = strategy
 
+    @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool):
-        strategy = self._strategy
-
-        class _Inside:
-            def __enter__(self):
-                self.before = strategy._accumulating
-                strategy._accumulating = bool(enabled)
-
-            def __exit__(self, *exc):
-                strategy._accumulating = self.before
-        return _Inside()
+        before, self._strategy._accumulating = self._strategy._accumulating, bool(enabled)
+        try:
+            yield
+        finally:
+            self._strategy._accumulating = before
 
 
 class OffloadFabricStrategy(DDPStrategy):

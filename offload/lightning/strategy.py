@@ -29,7 +29,8 @@ One process: several devices or nodes under the Trainer are refused (use Fabric'
 """
 from __future__ import annotations
 
-import os
+import contextlib
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -94,6 +95,7 @@ class OffloadStrategy(SingleDeviceStrategy):
         self.offload_config = offload_config
         self.offload_weights = weights
         self.engine = None
+        self._told_not_handed_back = False
         self._closing = False          # inside the optimizer step's closure: its backward closes the window
 
     # ---- precision: Lightning's flag, the engine's work ------------------------------------------
@@ -181,17 +183,14 @@ class OffloadStrategy(SingleDeviceStrategy):
         return self.engine is not None and not self.engine.closed
 
     # ---- the step -------------------------------------------------------------------------------
+    @contextlib.contextmanager
     def closing_window(self):
         """Context of the optimizer step's closure: its backward closes the window."""
-        strategy = self
-
-        class _Closing:
-            def __enter__(self):
-                strategy._closing = True
-
-            def __exit__(self, *exc):
-                strategy._closing = False
-        return _Closing()
+        self._closing = True
+        try:
+            yield
+        finally:
+            self._closing = False
 
     def engine_backward(self, loss: torch.Tensor) -> None:
         """The engine's backward of a loss Lightning divided for accumulation; a backward
@@ -252,7 +251,12 @@ class OffloadStrategy(SingleDeviceStrategy):
         """The model gets its trained weights (``Engine.hand_back``) and stays where the engine
         placed it; the engine stays open (validation, testing, saving after ``fit``)."""
         if self._engine_open():
-            self.engine.hand_back()
+            if not self.engine.hand_back() and not self._told_not_handed_back:
+                self._told_not_handed_back = True
+                warnings.warn("offload strategy: the model's offloaded parameters do not fit in host memory, so the "
+                              "module holds empty placeholders for them; the trained weights are the engine's: save "
+                              "them with trainer.save_checkpoint(path) (offload.export_fp32(path + '/offload') reads "
+                              "them as a state dict)", UserWarning, stacklevel=2)
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
