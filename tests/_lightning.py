@@ -43,11 +43,29 @@ class Lit(L.LightningModule):
         self.net = net if net is not None else make_model()
         self.impl = impl
         self.losses = []
+        self.norms = []          # each step's gradient norm before clipping
+        self._steps = None
 
     def training_step(self, batch, i):
         loss = self.net(*batch)
         self.losses.append(loss.item())
         return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:                # plain Lightning (the engine keeps the gradients in its own buffers)
+            self.norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    def on_train_start(self):
+        engine = getattr(self.trainer.strategy, "engine", None)
+        self._steps = engine.global_step if engine is not None else None
+
+    def on_train_batch_end(self, outputs, batch, i):
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None:   # the engine's norm of the step this batch committed
+            if engine.global_step > self._steps:
+                self.norms.append(engine.grad_norm())
+            self._steps = engine.global_step
 
     def configure_optimizers(self):
         opt = optimizer(groups(self.net), self.impl)
@@ -74,7 +92,8 @@ def fabric_run(fabric, impl="single", *, data=None, accumulate=2, clip=0.05, sav
                resume_from=None, net=None):
     """A plain Fabric loop, the way Fabric's docs write one: accumulation with no_backward_sync,
     clipping, AdamW on two groups, a per-step schedule; ``save_at`` micro-batches it saves
-    (``fabric.save``), ``resume_from`` it loads and goes on from there. Returns (losses, model)."""
+    (``fabric.save``), ``resume_from`` it loads and goes on from there. Returns (losses,
+    gradient norms before clipping, model)."""
     net = net if net is not None else make_model()
     opt = optimizer(groups(net), impl)
     sched = scheduler(opt)
@@ -82,7 +101,7 @@ def fabric_run(fabric, impl="single", *, data=None, accumulate=2, clip=0.05, sav
     state = {"model": model, "optimizer": opt, "scheduler": sched, "seen": 0}
     if resume_from is not None:
         fabric.load(resume_from, state)
-    losses = []
+    losses, norms = [], []
     for i, (x, y) in enumerate(data if data is not None else loader()):
         if i < state["seen"]:
             continue
@@ -92,11 +111,13 @@ def fabric_run(fabric, impl="single", *, data=None, accumulate=2, clip=0.05, sav
             fabric.backward(loss / accumulate)
         losses.append(loss.item())
         if not micro:
-            fabric.clip_gradients(model, opt, max_norm=clip)
+            norm = fabric.clip_gradients(model, opt, max_norm=clip)
             opt.step()
+            # plain Fabric returns the norm; the engine computes it at the step
+            norms.append(norm.item() if norm is not None else fabric.strategy.engine.grad_norm())
             opt.zero_grad()
             sched.step()
         if save_at is not None and i + 1 == save_at:
             state["seen"] = i + 1
             fabric.save(save_to, state)
-    return losses, net
+    return losses, norms, net

@@ -6,7 +6,7 @@ import os
 
 
 def fabric_rank(rank: int, world: int, port: int, nvme: str) -> bytes:
-    """This rank's {"single" | "fused" | "engine": (losses, weights), "world": ranks}, saved
+    """This rank's {"single" | "fused" | "engine": (losses, gradient norms, weights), "world": ranks}, saved
     with torch.save (tensors sent through the pipe would be shared memory the child frees)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(world))
@@ -23,12 +23,12 @@ def fabric_rank(rank: int, world: int, port: int, nvme: str) -> bytes:
     mine = [b for i, b in enumerate(loader(n=16)) if i % world == rank]
     out = {}
     for name, impl in (("single", "single"), ("fused", "fused")):
-        losses, net = fabric_run(fabric("ddp"), impl, data=mine)
-        out[name] = (losses, weights(net))
+        losses, norms, net = fabric_run(fabric("ddp"), impl, data=mine)
+        out[name] = (losses, norms, weights(net))
     f = fabric(OffloadFabricStrategy({"zero_optimization": {"stage": 2},
                                       "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}))
-    losses, _ = fabric_run(f, data=mine)
-    out["engine"] = (losses, f.strategy.engine.full_state_dict())     # a collective: every rank
+    losses, norms, _ = fabric_run(f, data=mine)
+    out["engine"] = (losses, norms, f.strategy.engine.full_state_dict())     # a collective: every rank
     out["world"] = f.strategy.engine.comm.world
     f.strategy.engine.close()
     torch.distributed.destroy_process_group()

@@ -49,8 +49,9 @@ def bound(ref, fused):
     return 2 * max_diff(ref, fused) + 1e-6
 
 
-def check_losses(got, ref, fused):
-    """Each loss within twice torch's noise over the run (single-tensor vs fused AdamW)."""
+def check_logged(got, ref, fused):
+    """Each value of a series (the losses, the gradient norms) within twice torch's noise over
+    the run (single-tensor vs fused AdamW)."""
     assert len(got) == len(ref) == len(fused)
     noise = max(abs(r - f) for r, f in zip(ref, fused))
     worst = max(abs(g - r) for g, r in zip(got, ref))
@@ -59,15 +60,14 @@ def check_losses(got, ref, fused):
 
 @pytest.fixture(scope="module")
 def trainer_refs():
-    """Plain Lightning, two epochs: {net: {impl: (losses, weights)}}."""
+    """Plain Lightning, two epochs: {net: {impl: (losses, gradient norms, weights)}}."""
     out = {}
     for net in NETS:
         out[net] = {}
         for impl in ("single", "fused"):
             m = Lit(NETS[net](), impl)
             trainer(max_epochs=2).fit(m, loader(EPOCH))
-            out[net][impl] = (m.losses, weights(m))
-    # clipping bites: a window's loss not divided, or divided twice, would show
+            out[net][impl] = (m.losses, m.norms, weights(m))
     return out
 
 
@@ -81,7 +81,7 @@ def test_trainer_matches_plain_lightning_and_resumes_from_last(trainer_refs, net
     """Epoch 1 with ModelCheckpoint(save_last), then a new model and Trainer resume with
     ckpt_path="last" for epoch 2: every logged loss and the final weights as plain Lightning's
     uninterrupted run; the checkpoints rotate as Lightning's (directories)."""
-    (rl, rw), (fl, fw) = trainer_refs[net]["single"], trainer_refs[net]["fused"]
+    (rl, rn, rw), (fl, fn, fw) = trainer_refs[net]["single"], trainer_refs[net]["fused"]
     cfg = placement(opt, param, tmp_path)
     ck = str(tmp_path / "ck")
     first = Lit(NETS[net]())
@@ -95,7 +95,9 @@ def test_trainer_matches_plain_lightning_and_resumes_from_last(trainer_refs, net
                  callbacks=[ModelCheckpoint(dirpath=ck, save_last=True)])
     t2.fit(second, loader(EPOCH), ckpt_path="last")
     assert t2.strategy.engine.global_step == 8 and t2.global_step == 8
-    check_losses(first.losses + second.losses, rl, fl)
+    assert t2.strategy.engine.grad_norm() > 0.05          # the clip bites
+    check_logged(first.losses + second.losses, rl, fl)
+    check_logged(first.norms + second.norms, rn, fn)
     got = weights(second)                        # handed back after fit
     assert max_diff(got, rw) <= bound(rw, fw), (max_diff(got, rw), bound(rw, fw))
     assert sorted(os.listdir(ck)) == ["epoch=1-step=8.ckpt", "last.ckpt"]
@@ -105,12 +107,13 @@ def test_trainer_matches_plain_lightning_and_resumes_from_last(trainer_refs, net
 def test_trainer_strategy_by_name_with_defaults(trainer_refs):
     """Trainer(strategy="offload"): the engine with its default config (optimizer state on the
     host, parameters on the device), as plain Lightning."""
-    (rl, rw), (fl, fw) = trainer_refs["full"]["single"], trainer_refs["full"]["fused"]
+    (rl, rn, rw), (fl, fn, fw) = trainer_refs["full"]["single"], trainer_refs["full"]["fused"]
     got = Lit()
     t = trainer("offload", max_epochs=2)
     t.fit(got, loader(EPOCH))
     assert isinstance(t.strategy, ol.OffloadStrategy) and t.strategy.engine.global_step == 8
-    check_losses(got.losses, rl, fl)
+    check_logged(got.losses, rl, fl)
+    check_logged(got.norms, rn, fn)
     assert max_diff(weights(got), rw) <= bound(rw, fw)
 
 
@@ -122,21 +125,25 @@ def _fabric(strategy="auto"):
 
 def test_fabric_matches_plain_and_resumes(tmp_path):
     """A plain Fabric loop (no_backward_sync, clip_gradients, a scheduler), parameters and
-    optimizer state on NVMe; fabric.save half-way, a new Fabric and model fabric.load and go on:
-    the losses and final weights of plain Fabric's uninterrupted run."""
-    rl, rn = fabric_run(_fabric(), data=loader(2 * EPOCH))
-    fl, fn = fabric_run(_fabric(), "fused", data=loader(2 * EPOCH))
+    optimizer state on NVMe, fabric.save half-way; a new Fabric (by name, the default config)
+    and model fabric.load and go on: the losses, gradient norms and final weights of plain
+    Fabric's uninterrupted run."""
+    rl, rg, rn = fabric_run(_fabric(), data=loader(2 * EPOCH))
+    fl, fg, fn = fabric_run(_fabric(), "fused", data=loader(2 * EPOCH))
     cfg = placement("nvme", "nvme", tmp_path)
     f1 = _fabric(ol.OffloadFabricStrategy(cfg))
-    first, _ = fabric_run(f1, data=loader(2 * EPOCH), save_at=EPOCH, save_to=str(tmp_path / "ck"))
+    first, first_norms, _ = fabric_run(f1, data=loader(2 * EPOCH), save_at=EPOCH, save_to=str(tmp_path / "ck"))
     f1.strategy.engine.close()
     f2 = _fabric("offload")                     # by name: the default config (optimizer on the host)
-    second, _ = fabric_run(f2, data=loader(2 * EPOCH), resume_from=str(tmp_path / "ck"), net=make_model(seed=7))
-    check_losses(first, rl, fl)
-    check_losses(second, rl[EPOCH:], fl[EPOCH:])
+    second, second_norms, _ = fabric_run(f2, data=loader(2 * EPOCH), resume_from=str(tmp_path / "ck"), net=make_model(seed=7))
+    check_logged(first, rl, fl)                      # the whole run, saving half-way
+    check_logged(first_norms, rg, fg)
+    check_logged(second, rl[EPOCH:], fl[EPOCH:])     # resumed from the save
+    check_logged(second_norms, rg[EPOCH // 2:], fg[EPOCH // 2:])
     got = f2.strategy.engine.full_state_dict()
     assert max_diff(got, weights(rn)) <= bound(weights(rn), weights(fn))
     assert f2.strategy.engine.global_step == EPOCH
+    assert f2.strategy.engine.grad_norm() > 0.05          # clip_gradients' norm bites
 
 
 def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
@@ -153,10 +160,11 @@ def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
     got = [torch.load(io.BytesIO(k.result(timeout_s=300, what=f"Fabric rank {r}"))) for r, k in enumerate(kids)]
     for g in got:
         assert g["world"] == 2
-        (rl, rw), (fl, fw), (el, ew) = g["single"], g["fused"], g["engine"]
-        check_losses(el, rl, fl)
+        (rl, rg, rw), (fl, fg, fw), (el, eg, ew) = g["single"], g["fused"], g["engine"]
+        check_logged(el, rl, fl)
+        check_logged(eg, rg, fg)
         assert max_diff(ew, rw) <= bound(rw, fw)
-    assert max_diff(got[0]["engine"][1], got[1]["engine"][1]) == 0
+    assert max_diff(got[0]["engine"][2], got[1]["engine"][2]) == 0      # the ranks hold one model
 
 
 # ---- settings the engine cannot honour: refused at setup, naming the fix -----------------------
