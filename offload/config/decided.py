@@ -88,6 +88,12 @@ def config_with(offload_config: Any, decided: Decided, framework: str) -> Config
         left = list(leftover_auto(d))
         if left:
             raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
+    return build_config(merge(d, decided))
+
+
+def merge(d: dict, decided: Decided) -> dict:
+    """``d`` (a config dict, changed in place) with each decided key filled where it is left
+    out; a different value given is a ConfigError naming both places."""
     for key, (value, where) in decided.items():
         given = get(d, key)
         if given is None:
@@ -98,7 +104,7 @@ def config_with(offload_config: Any, decided: Decided, framework: str) -> Config
         if not same:
             raise ConfigError(f"offload_config {key}={given!r} disagrees with {where} ({value!r}): remove it "
                               f"from offload_config (that decides it) or make them equal")
-    return build_config(d)
+    return d
 
 
 def get(d: Mapping, dotted: str):
