@@ -200,9 +200,11 @@ TRAINER_REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", list(TRAINER_REFUSALS))
-def test_trainer_refuses_what_the_engine_cannot_honour(case):
-    cls, kw, msg = TRAINER_REFUSALS[case]
+@pytest.mark.parametrize("case", list(TRAINER_REFUSALS) + ["under torchrun"])
+def test_trainer_refuses_what_the_engine_cannot_honour(case, monkeypatch):
+    if case == "under torchrun":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    cls, kw, msg = TRAINER_REFUSALS.get(case) or (Lit, {}, "2 ranks .*run several ranks with Lightning Fabric")
     kw = dict(kw)
     t = trainer(ol.OffloadStrategy(kw.pop("cfg", None)), **kw)
     m = cls()

@@ -24,12 +24,13 @@ How it plugs in, the way Lightning's DeepSpeed strategy does:
 - After ``fit`` the model holds its trained weights (``Engine.hand_back``) where they fit in
   host memory; ``strategy.engine`` stays open for validation, testing and saving.
 
-One process: several devices or nodes under the Trainer are refused (use Fabric's
+One process: several ranks under the Trainer (torchrun, num_nodes) are refused (use Fabric's
 ``OffloadFabricStrategy`` under torchrun, or ``offload.hf.Trainer``).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
@@ -83,7 +84,7 @@ class OffloadStrategy(SingleDeviceStrategy):
 
     Refused at setup, naming the fix: manual optimization (so one optimizer), an optimizer
     class the engine has no rule for, clipping by value, a ``configure_gradient_clipping``
-    override, a precision the engine does not run, several devices."""
+    override, a precision the engine does not run, several ranks (torchrun, num_nodes)."""
 
     strategy_name = "offload"
 
@@ -127,10 +128,11 @@ class OffloadStrategy(SingleDeviceStrategy):
         super().setup_environment()
 
     def setup(self, trainer) -> None:
-        if trainer.num_devices > 1 or trainer.num_nodes > 1:
-            raise ConfigError(f"offload strategy: Trainer(devices={trainer.num_devices}, num_nodes="
-                              f"{trainer.num_nodes}): the Trainer strategy trains in one process; run several "
-                              f"ranks with Lightning Fabric (offload.lightning.OffloadFabricStrategy under torchrun)")
+        world = int(os.environ.get("WORLD_SIZE", "1"))    # torchrun's: every rank would train alone
+        if world > 1 or trainer.num_nodes > 1:
+            raise ConfigError(f"offload strategy: {world} ranks (WORLD_SIZE) / num_nodes={trainer.num_nodes}: the "
+                              f"Trainer strategy trains in one process; run several ranks with Lightning Fabric "
+                              f"(offload.lightning.OffloadFabricStrategy under torchrun)")
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_module(module, trainer)
