@@ -13,6 +13,7 @@ import torch
 
 from _lightning import L, Lit, fabric_run, loader, max_diff, optimizer, trainer, weights
 from _models import make_model
+from conftest import AVX2_RATES
 
 import offload.lightning as ol
 from offload.config import ConfigError
@@ -226,11 +227,13 @@ def test_unsupported_precision_is_refused_when_built(api):
             L.Fabric(accelerator="cpu", devices=1, strategy=ol.OffloadFabricStrategy(), precision="bf16-true")
 
 
-def test_fabric_refuses_what_the_engine_cannot_honour():
+def test_fabric_refuses_what_the_engine_cannot_honour(matmul_rates):
     f = _fabric("offload")
     net = make_model()
     with pytest.raises(ConfigError, match=r"fabric.setup\(model\) without its optimizer"):
         f.setup(net)
+    with pytest.raises(ConfigError, match="fabric.setup got 2 optimizers; .* pass one"):
+        f.setup(net, optimizer(net.parameters()), optimizer(net.parameters()))
     model, opt = f.setup(net, optimizer(net.parameters()))
     other = make_model(seed=3)
     with pytest.raises(ConfigError, match="a second model set up: one engine trains one model per Fabric"):
@@ -243,3 +246,10 @@ def test_fabric_refuses_what_the_engine_cannot_honour():
     with pytest.raises(ConfigError, match="after a backward inside no_backward_sync.*enabled=False"):
         opt.step()
     assert f.strategy.engine.global_step == 0
+    matmul_rates(AVX2_RATES)
+    low = L.Fabric(accelerator="cpu", devices=1, strategy="offload", precision="bf16-mixed")
+    low.launch()
+    model, opt = low.setup(other, optimizer(other.parameters()))
+    with low.no_backward_sync(model, enabled=True), \
+            pytest.raises(ConfigError, match="set offload_config gradient_accumulation_steps to the window's length"):
+        low.backward(model(x, y))

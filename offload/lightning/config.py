@@ -31,6 +31,16 @@ def engine_precision(flag: Any) -> str:
     return PRECISIONS[name]
 
 
+def plugin_flag(plugin) -> str:
+    """Lightning's ``precision`` flag of the plugin its connector built for it (the plain or the
+    mixed-precision one); another plugin, or a flag the engine has no precision for, is a
+    ConfigError naming the flags it runs."""
+    flag = getattr(plugin, "precision", None)
+    if type(plugin).__name__ not in ("Precision", "MixedPrecision") or flag not in PRECISIONS:
+        engine_precision(f"{flag} ({type(plugin).__name__})")
+    return flag
+
+
 def precision_asked(offload_config: Any, precision: str) -> bool:
     """Whether the run's precision was chosen (not fp32 by default): a low precision in
     Lightning's flag, or a ``precision`` in a native ``offload_config``."""

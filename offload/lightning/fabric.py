@@ -48,7 +48,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate
 
 from offload.config import ConfigError
 from offload.lightning.checkpoint import engine_dir, load_rest, save_rest
-from offload.lightning.config import engine_config, engine_precision, precision_asked
+from offload.lightning.config import engine_config, engine_precision, plugin_flag, precision_asked
 
 _ENGINE_STATE = "<offload engine checkpoint>"    # in lightning.pt, under the model's and optimizer's keys
 
@@ -111,11 +111,7 @@ class OffloadFabricStrategy(DDPStrategy):
         if plugin is None:
             self._precision = None
             return
-        flag = getattr(plugin, "precision", None)
-        if type(plugin).__name__ not in ("Precision", "MixedPrecision") or flag not in ("32-true", "bf16-mixed",
-                                                                                            "16-mixed"):
-            engine_precision(f"{flag} ({type(plugin).__name__})")     # raises, naming what it takes
-        self._engine_flag = flag
+        self._engine_flag = flag = plugin_flag(plugin)     # raises where the engine has no such precision
         self._precision = Precision()
         self._precision.precision = flag
 

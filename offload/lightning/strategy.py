@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from offload import device as dev
 from offload.config import ConfigError
 from offload.lightning.checkpoint import engine_dir, load_rest, save_rest
-from offload.lightning.config import engine_config, engine_precision, precision_asked
+from offload.lightning.config import engine_config, engine_precision, plugin_flag, precision_asked
 
 
 class EnginePrecision(Precision):
@@ -111,11 +111,7 @@ class OffloadStrategy(SingleDeviceStrategy):
         if plugin is None or isinstance(plugin, EnginePrecision):
             self._precision_plugin = plugin
             return
-        flag = getattr(plugin, "precision", None)
-        if type(plugin).__name__ not in ("Precision", "MixedPrecision") or flag not in ("32-true", "bf16-mixed",
-                                                                                            "16-mixed"):
-            engine_precision(f"{flag} ({type(plugin).__name__})")     # raises, naming what it takes
-        self._engine_flag = flag
+        self._engine_flag = flag = plugin_flag(plugin)     # raises where the engine has no such precision
         self._precision_plugin = EnginePrecision(self, flag)
 
     # ---- setup ----------------------------------------------------------------------------------
