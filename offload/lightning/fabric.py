@@ -32,6 +32,9 @@ What each call does here:
   the engine's checkpoint (the model's weights, master copy, optimizer state) and the rest
   of ``state`` (offload/lightning/checkpoint.py); the RNG states stay as they are on load,
   as with Fabric's own.
+- The loop is the user's, so the end of training is too: ``strategy.engine.hand_back()`` gives
+  the model its trained weights (offloaded parameters are placeholders until then), or
+  ``strategy.engine.close()`` does and frees the engine's buffers and swap files.
 """
 from __future__ import annotations
 
