@@ -18,7 +18,8 @@ How it plugs in, the way Lightning's DeepSpeed strategy does:
   micro-steps. The step is the engine's commit, after ``on_before_optimizer_step``; the engine
   clips at its commit (``gradient_clip_val`` by norm), so Lightning's own clipping is not run.
 - Checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``) are directories: the engine's
-  checkpoint in ``offload/`` (weights, fp32 master and optimizer state: resume is bit-exact)
+  checkpoint in ``offload/`` (weights, fp32 master and optimizer state, restored exactly; the
+  RNG states are not, as Lightning does not restore them)
   and the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, hyper-parameters)
   in ``lightning.pt``; ``fit(ckpt_path=...)``, ``"last"`` included, resumes from them.
 - After ``fit`` the model holds its trained weights (``Engine.hand_back``) where they fit in
