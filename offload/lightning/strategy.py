@@ -17,6 +17,7 @@ How it plugs in, the way Lightning's DeepSpeed strategy does:
   and the shorter last window of an epoch are Lightning's decision), the others are
   micro-steps. The step is the engine's commit, after ``on_before_optimizer_step``; the engine
   clips at its commit (``gradient_clip_val`` by norm), so Lightning's own clipping is not run.
+  The gradients stay in the engine's buffers: ``p.grad`` is None in Lightning's hooks.
 - Checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``) are directories: the engine's
   checkpoint in ``offload/`` (weights, fp32 master and optimizer state, restored exactly; the
   RNG states are not, as Lightning does not restore them)
