@@ -241,6 +241,10 @@ def test_fabric_refuses_what_the_engine_cannot_honour(matmul_rates):
     x, y = next(iter(loader(1)))
     with pytest.raises(ConfigError, match="use fabric.clip_gradients\\(model, optimizer, max_norm=...\\)"):
         f.clip_gradients(model, opt, clip_val=1.0)
+    with pytest.raises(ConfigError, match="clips the global 2-norm; use norm_type=2"):
+        f.clip_gradients(model, opt, max_norm=1.0, norm_type=1)
+    with pytest.raises(ValueError, match="max_norm=-1.0 must be a finite number >= 0"):
+        f.clip_gradients(model, opt, max_norm=-1.0)
     with f.no_backward_sync(model, enabled=True):
         f.backward(model(x, y))
     with pytest.raises(ConfigError, match="after a backward inside no_backward_sync.*enabled=False"):
