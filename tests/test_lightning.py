@@ -25,6 +25,16 @@ EPOCH = 7          # Trainer: micro-batches per epoch, 4 optimizer steps (the la
 HALF = 8           # Fabric: micro-batches before the save, 4 optimizer steps
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Fabric.launch() writes its launcher's variables (MASTER_PORT, LOCAL_RANK, WORLD_SIZE, ...)
+    into os.environ, where later tests would read them: put back as they were."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
 def placement(opt, param, tmp_path):
     """The engine's config: optimizer state on ``opt`` (cpu, nvme), parameters on ``param``
     (none, nvme)."""
@@ -146,6 +156,7 @@ def test_fabric_matches_plain_and_resumes(tmp_path):
     got = f2.strategy.engine.full_state_dict()
     assert max_diff(got, weights(rn)) <= bound(weights(rn), weights(fn))
     assert f2.strategy.engine.global_step == 2 * HALF // 2     # windows of 2 micro-batches
+    assert not torch.distributed.is_initialized()              # one process: no group left behind
     assert f2.strategy.engine.grad_norm() > 0.05          # clip_gradients' norm bites
 
 

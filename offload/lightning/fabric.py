@@ -119,6 +119,13 @@ class OffloadFabricStrategy(DDPStrategy):
         self._precision.precision = flag
 
     # ---- setup ----------------------------------------------------------------------------------
+    def _setup_distributed(self) -> None:
+        """A process group across the ranks; none for one process (nothing crosses ranks, and
+        the engine needs none: no group is left behind in the user's process)."""
+        if self.num_processes * self.num_nodes > 1:
+            return super()._setup_distributed()
+        self._set_world_ranks()
+
     def module_to_device(self, module: nn.Module) -> None:
         """The engine places the blocks of the model it trains."""
 
