@@ -16,7 +16,7 @@ import os
 import traceback
 
 PRELOAD = ["torch._dynamo", "offload", "_models", "_failure_worker", "_resume_worker", "_zero_worker",
-           "_checkpoint_worker", "_nvme_worker", "_job_worker"]
+           "_checkpoint_worker", "_nvme_worker", "_job_worker", "_lightning_worker"]
 _WATCHED = ("OFFLOAD_", "OMP_", "MALLOC_", "GOMP_", "KMP_")
 _server_env = None
 

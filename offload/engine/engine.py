@@ -217,6 +217,17 @@ class Engine:
         self._check_ok()
         self.control.set_boundary(is_boundary)
 
+    def set_gradient_clipping(self, max_norm: float) -> None:
+        """Clip the global gradient norm to ``max_norm`` (0: no clipping) from the next commit
+        on, as ``gradient_clipping`` does; for loops that name the norm where they clip
+        (Lightning Fabric's ``clip_gradients``). Set before the window's last backward(), the
+        norms are computed while backward runs; set later, step() computes them."""
+        self._check_open()
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0 \
+                or max_norm == float("inf"):
+            raise ValueError(f"max_norm={max_norm!r} must be a finite number >= 0 (0: no clipping)")
+        self.control.clip = float(max_norm)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the open window's gradients (every micro-step since the last commit);
         weights, optimizer state and counters stay at the last commit. (``set_to_none``: torch's

@@ -26,11 +26,10 @@ optimizer section's hyper-parameters; the config may repeat them, not contradict
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Mapping
 
 from offload.config import Config, ConfigError, build_config, is_deepspeed_config, translate_deepspeed
-from offload.config.schema import read_json
+from offload.config.decided import get as _get, leftover_auto as _leftover_auto, merge, put as _set, raw_mapping as _raw
 
 
 def precision_of(args) -> str:
@@ -126,17 +125,10 @@ _WHERE = {"optimizer.type": "optim", "optimizer.lr": "learning_rate", "optimizer
 def _owned_by_optimizer(optimizer, args) -> tuple:
     """(the engine keys a torch optimizer and TrainingArguments decide, where each comes
     from) when Trainer is given the optimizer."""
-    from offload.optim import get_rule
-    from offload.optim.from_torch import param_groups, rule_name
-    name = rule_name(optimizer)
-    param_groups(optimizer, get_rule(name))      # its groups checked now, before training
-    owned = {"optimizer.type": name}
-    where = {"optimizer.type": f"the optimizer's class ({type(optimizer).__name__})"}
-    for k in get_rule(name).defaults:
-        v = optimizer.defaults[k]
-        v = float(v) if hasattr(v, "item") and not isinstance(v, (list, tuple)) else v
-        owned[f"optimizer.{k}"] = tuple(v) if isinstance(v, list) else v
-        where[f"optimizer.{k}"] = f"the optimizer's {k}"
+    from offload.config.decided import optimizer_keys
+    decided = optimizer_keys(optimizer)      # its groups checked now, before training
+    owned = {k: v for k, (v, _) in decided.items()}
+    where = {k: w for k, (_, w) in decided.items()}
     owned.update({"gradient_accumulation_steps": int(args.gradient_accumulation_steps),
                   "gradient_clipping": float(args.max_grad_norm or 0.0), "precision": precision_of(args)})
     return owned, dict(where, **{k: f"TrainingArguments {_WHERE[k]}"
@@ -168,30 +160,6 @@ def fill_deepspeed_auto(ds: Mapping[str, Any], args) -> dict:
         if isinstance(sec, dict) and sec.get(path[-1]) == "auto":
             sec[path[-1]] = value
     return d
-
-
-def _leftover_auto(d, where=""):
-    if isinstance(d, Mapping):
-        for k, v in d.items():
-            yield from _leftover_auto(v, f"{where}{k}.")
-    elif d == "auto":
-        yield where.rstrip(".")
-
-
-def _raw(offload_config: Any) -> Mapping:
-    """The mapping of a dict / JSON path ``offload_config`` ({} for None)."""
-    if offload_config is None:
-        raw: Mapping = {}
-    elif isinstance(offload_config, (str, os.PathLike)):
-        raw = read_json(os.fspath(offload_config), "offload_config", ": give a JSON file, a dict or offload.Config")
-    elif isinstance(offload_config, Mapping):
-        raw = offload_config
-    else:
-        raise ConfigError(f"offload_config must be a dict, a JSON path or offload.Config, "
-                          f"not {type(offload_config).__name__}")
-    if not isinstance(raw, Mapping):
-        raise ConfigError("offload_config must hold a JSON object")
-    return raw
 
 
 def precision_asked(offload_config: Any, args) -> bool:
@@ -251,29 +219,4 @@ def engine_config(offload_config: Any, args, optimizer=None) -> Config:
         if _get(d, "optimizer.type") is not None:
             _set(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
         owned, where = _owned(args, rule), {k: f"TrainingArguments {v}" for k, v in _WHERE.items()}
-    for key, value in owned.items():
-        given = _get(d, key)
-        if given is None:
-            _set(d, key, value)
-            continue
-        same = tuple(given) == value if isinstance(value, tuple) and isinstance(given, (list, tuple)) \
-            else given == value
-        if not same:
-            raise ConfigError(f"offload_config {key}={given!r} disagrees with {where[key]} ({value!r}): remove it "
-                              f"from offload_config (that decides it) or make them equal")
-    return build_config(d)
-
-
-def _get(d: Mapping, dotted: str):
-    for p in dotted.split("."):
-        if not isinstance(d, Mapping) or p not in d:
-            return None
-        d = d[p]
-    return d
-
-
-def _set(d: dict, dotted: str, value) -> None:
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-    d[parts[-1]] = value
+    return build_config(merge(d, {k: (v, where[k]) for k, v in owned.items()}))
