@@ -118,12 +118,14 @@ def test_trainer_matches_plain_lightning_and_resumes_from_last(trainer_refs, net
 
 def test_trainer_strategy_by_name_with_defaults(trainer_refs):
     """Trainer(strategy="offload"): the engine with its default config (optimizer state on the
-    host, parameters on the device), as plain Lightning."""
+    host, parameters on the device), as plain Lightning on one device (the data in its order:
+    no distributed sampler, no process group)."""
     (rl, rn, rw), (fl, fn, fw) = trainer_refs["full"]["single"], trainer_refs["full"]["fused"]
     got = Lit()
     t = trainer("offload", max_epochs=2)
     t.fit(got, loader(EPOCH))
     assert isinstance(t.strategy, ol.OffloadStrategy) and t.strategy.engine.global_step == 8
+    assert not t.strategy.is_distributed and not torch.distributed.is_initialized()   # one process: no group
     check_logged(got.losses, rl, fl)
     check_logged(got.norms, rn, fn)
     assert max_diff(weights(got), rw) <= bound(rw, fw)
@@ -160,18 +162,18 @@ def test_fabric_matches_plain_and_resumes(tmp_path):
     assert f2.strategy.engine.grad_norm() > 0.05          # clip_gradients' norm bites
 
 
-def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
-    """Two ranks (gloo), each on its half of the batches: the engine with ZeRO-2, optimizer
-    state on NVMe, against Fabric's plain DDP: each rank's losses and the final weights."""
-    import _forked
-    from _lightning_worker import fabric_rank
+def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    os.makedirs(tmp_path / "nvme")
-    kids = [_forked.Child(fabric_rank, r, 2, port, str(tmp_path / "nvme")) for r in range(2)]
-    got = [torch.load(io.BytesIO(k.result(timeout_s=300, what=f"Fabric rank {r}"))) for r, k in enumerate(kids)]
+    return port
+
+
+def _check_ranks(kids, what: str) -> None:
+    """Each rank's losses, gradient norms and final weights within torch's noise of plain DDP's
+    on that rank; the ranks end with one model."""
+    got = [torch.load(io.BytesIO(k.result(timeout_s=300, what=f"{what} rank {r}"))) for r, k in enumerate(kids)]
     for g in got:
         assert g["world"] == 2
         (rl, rg, rw), (fl, fg, fw), (el, eg, ew) = g["single"], g["fused"], g["engine"]
@@ -179,6 +181,27 @@ def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
         check_logged(eg, rg, fg)
         assert max_diff(ew, rw) <= bound(rw, fw)
     assert max_diff(got[0]["engine"][2], got[1]["engine"][2]) == 0      # the ranks hold one model
+
+
+def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
+    """Two ranks (gloo), each on its half of the batches: the engine with ZeRO-2, optimizer
+    state on NVMe, against Fabric's plain DDP: each rank's losses and the final weights."""
+    import _forked
+    from _lightning_worker import fabric_rank
+    port = _free_port()
+    os.makedirs(tmp_path / "nvme")
+    _check_ranks([_forked.Child(fabric_rank, r, 2, port, str(tmp_path / "nvme")) for r in range(2)], "Fabric")
+
+
+def test_trainer_two_gloo_ranks_match_plain_ddp():
+    """Two ranks (gloo) started as torchrun does, Trainer(devices=2): OffloadStrategy with ZeRO-2
+    against Trainer(strategy="ddp"), each rank reading its share of the data through the
+    distributed sampler (7 micro-batches, a short last window): each rank's losses, gradient
+    norms and the final weights."""
+    import _forked
+    from _lightning_worker import trainer_rank
+    port = _free_port()
+    _check_ranks([_forked.Child(trainer_rank, r, 2, port, EPOCH) for r in range(2)], "Trainer")
 
 
 # ---- settings the engine cannot honour: refused at setup, naming the fix -----------------------
@@ -215,11 +238,9 @@ TRAINER_REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("case", list(TRAINER_REFUSALS) + ["under torchrun"])
-def test_trainer_refuses_what_the_engine_cannot_honour(case, monkeypatch):
-    if case == "under torchrun":
-        monkeypatch.setenv("WORLD_SIZE", "2")
-    cls, kw, msg = TRAINER_REFUSALS.get(case) or (Lit, {}, "2 ranks .*run several ranks with Lightning Fabric")
+@pytest.mark.parametrize("case", list(TRAINER_REFUSALS))
+def test_trainer_refuses_what_the_engine_cannot_honour(case):
+    cls, kw, msg = TRAINER_REFUSALS[case]
     kw = dict(kw)
     t = trainer(ol.OffloadStrategy(kw.pop("cfg", None)), **kw)
     m = cls()

@@ -326,10 +326,10 @@ class Accelerator(accelerate.Accelerator):
 
 def _precision_in(offload_config) -> bool:
     from offload.config import Config, is_deepspeed_config
-    from offload.hf.config import _raw
+    from offload.config.decided import raw_mapping
     if offload_config is None or isinstance(offload_config, Config):
         return False
-    raw = _raw(offload_config)
+    raw = raw_mapping(offload_config)
     return not is_deepspeed_config(raw) and raw.get("precision") is not None
 
 

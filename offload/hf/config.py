@@ -29,7 +29,7 @@ import json
 from typing import Any, Mapping
 
 from offload.config import Config, ConfigError, build_config, is_deepspeed_config, translate_deepspeed
-from offload.config.decided import get as _get, leftover_auto as _leftover_auto, merge, put as _set, raw_mapping as _raw
+from offload.config.decided import get, leftover_auto, merge, put, raw_mapping
 
 
 def precision_of(args) -> str:
@@ -171,7 +171,7 @@ def precision_asked(offload_config: Any, args) -> bool:
         return True
     if isinstance(offload_config, Config):
         return False
-    raw = _raw(offload_config)
+    raw = raw_mapping(offload_config)
     return not is_deepspeed_config(raw) and raw.get("precision") is not None
 
 
@@ -186,37 +186,37 @@ def engine_config(offload_config: Any, args, optimizer=None) -> Config:
         d = offload_config.to_dict()
         if optimizer is not None:
             owned, _ = _owned_by_optimizer(optimizer, args)
-            d["optimizer"] = {"state_dtype": _get(d, "optimizer.state_dtype")}
+            d["optimizer"] = {"state_dtype": get(d, "optimizer.state_dtype")}
             for key, value in owned.items():
-                _set(d, key, value)
+                put(d, key, value)
             return build_config(d)
-        t = _get(d, "optimizer.type")
+        t = get(d, "optimizer.type")
         rule, sd = rule_of(args, None if t == "AdamW" else t)
         for key, value in _owned(args, rule).items():
-            _set(d, key, value)
+            put(d, key, value)
         if sd is not None:
-            _set(d, "optimizer.state_dtype", sd)
+            put(d, "optimizer.state_dtype", sd)
         return build_config(d)
-    raw = _raw(offload_config)
+    raw = raw_mapping(offload_config)
     if is_deepspeed_config(raw):
         raw = fill_deepspeed_auto(raw, args)
-        left = [k for k in _leftover_auto(raw) if not k.startswith(("scheduler.", "zero_optimization."))]
+        left = [k for k in leftover_auto(raw) if not k.startswith(("scheduler.", "zero_optimization."))]
         if left:
             raise ConfigError(f"offload_config: {', '.join(left)} is 'auto' but TrainingArguments does not "
                               f"decide it: give a value")
         d = translate_deepspeed(raw)
     else:
         d = json.loads(json.dumps(raw))
-        left = list(_leftover_auto(d))
+        left = list(leftover_auto(d))
         if left:
             raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
     if optimizer is not None:
         owned, where = _owned_by_optimizer(optimizer, args)
     else:
-        rule, sd = rule_of(args, _get(d, "optimizer.type"), _get(d, "optimizer.state_dtype"))
+        rule, sd = rule_of(args, get(d, "optimizer.type"), get(d, "optimizer.state_dtype"))
         if sd is not None:
-            _set(d, "optimizer.state_dtype", sd)
-        if _get(d, "optimizer.type") is not None:
-            _set(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
+            put(d, "optimizer.state_dtype", sd)
+        if get(d, "optimizer.type") is not None:
+            put(d, "optimizer.type", rule)          # a default AdamW name left the choice to the config
         owned, where = _owned(args, rule), {k: f"TrainingArguments {v}" for k, v in _WHERE.items()}
     return build_config(merge(d, {k: (v, where[k]) for k, v in owned.items()}))

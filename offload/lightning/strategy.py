@@ -26,23 +26,34 @@ How it plugs in, the way Lightning's DeepSpeed strategy does:
 - After ``fit`` the model holds its trained weights (``Engine.hand_back``) where they fit in
   host memory; ``strategy.engine`` stays open for validation, testing and saving.
 
-One process: several ranks under the Trainer (torchrun, num_nodes) are refused (use Fabric's
-``OffloadFabricStrategy`` under torchrun, or ``offload.hf.Trainer``).
+- Several ranks (``torchrun``, ``Trainer(devices=N)``, ``num_nodes``): a process group as
+  Lightning's DDP starts one, and the engine partitions and reduces across it (ZeRO,
+  ``zero_optimization.stage``) in place of DDP; each rank reads its share of the data
+  through the distributed sampler plain DDP uses. One process starts no group and keeps its
+  data loader as it is (no distributed sampler), as Lightning's single-device strategy.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from offload import device as dev
 from offload.config import ConfigError
@@ -75,31 +86,115 @@ class EnginePrecision(Precision):
         """The engine clipped at its commit (``gradient_clipping`` = ``gradient_clip_val``)."""
 
 
-class OffloadStrategy(SingleDeviceStrategy):
-    """A Lightning ``Trainer`` strategy whose model the offload engine trains.
+class OffloadStrategy(ParallelStrategy):
+    """A Lightning ``Trainer`` strategy whose model the offload engine trains, in one process or
+    on several ranks.
 
     ``offload_config``: the engine's config (dict, JSON path, ``offload.Config``, or a DeepSpeed
-    config) for what Lightning does not decide: tiers, NVMe path, prefetch, ... (see
+    config) for what Lightning does not decide: tiers, NVMe path, prefetch, ZeRO stage, ... (see
     offload/lightning/config.py for what Lightning decides; a config that contradicts it is an
     error naming both). ``weights``: a pretrained checkpoint streamed into the model block by
     block (``offload.initialize(weights=)``). ``engine``: the live engine once ``fit`` set it up.
+    ``process_group_backend`` / ``timeout``: the process group's, with several ranks, as for
+    Lightning's DDP (the backend defaults to the device's: gloo on CPU, nccl on CUDA).
+
+    A parallel strategy that is distributed only with several ranks (``is_distributed``): one
+    process keeps the single-device behaviour (no group, no distributed sampler), so its data
+    order is plain Lightning's on one device.
 
     Refused at setup, naming the fix: manual optimization (so one optimizer), an optimizer
     class the engine has no rule for, clipping by value, a ``configure_gradient_clipping``
-    override, a precision the engine does not run, several ranks (torchrun, num_nodes)."""
+    override, a precision the engine does not run."""
 
     strategy_name = "offload"
 
     def __init__(self, offload_config: Any = None, *, weights: Optional[str] = None, accelerator=None,
-                 checkpoint_io=None, precision_plugin=None):
+                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout):
         self._engine_flag = "32-true"
-        super().__init__(device=dev.compute_device(), accelerator=accelerator, checkpoint_io=checkpoint_io,
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.offload_config = offload_config
         self.offload_weights = weights
         self.engine = None
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
         self._told_not_handed_back = False
         self._closing = False          # inside the optimizer step's closure: its backward closes the window
+
+    # ---- ranks: Lightning's DDP conventions, without its DDP wrapper ------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device among Lightning's ``devices``; the engine's device before the
+        Trainer set them."""
+        if self.parallel_devices:
+            return self.parallel_devices[self.local_rank]
+        return dev.compute_device()
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Several ranks: Lightning then gives each its share of the data (distributed sampler)
+        and reduces logged values across them; one process is not distributed."""
+        return self.world_size > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """The ranks of ``num_nodes`` x ``devices``, as Lightning's DDP numbers them."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        """Lightning starts the other ranks' processes (``python train.py`` with ``devices=N``)
+        unless a launcher (torchrun, SLURM) did; one process starts none."""
+        several = self.num_processes * self.num_nodes > 1
+        if several and self.cluster_environment is not None and \
+                not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
+        """A logged tensor reduced across the ranks (``self.log(..., sync_dist=True)``); itself
+        in one process."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     # ---- precision: Lightning's flag, the engine's work ------------------------------------------
     @property
@@ -118,19 +213,28 @@ class OffloadStrategy(SingleDeviceStrategy):
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        want = self.root_device.type
+        want = dev.compute_device().type
         acc = type(self.accelerator).__name__ if self.accelerator is not None else None
         if acc is not None and ("CUDA" in acc) != (want == "cuda"):
             raise ConfigError(f"offload strategy: Trainer(accelerator) chose {acc}, but the engine computes on "
                               f"{want}: use accelerator={'gpu' if want == 'cuda' else 'cpu'!r} (or leave it 'auto')")
         super().setup_environment()
+        if self.is_distributed:
+            self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        """The process group across the ranks, as Lightning's DDP starts it (the seed reset from
+        ``seed_everything``'s, the device's default backend); the engine builds its own groups
+        on it."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
 
     def setup(self, trainer) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))    # torchrun's: every rank would train alone
-        if world > 1 or trainer.num_nodes > 1:
-            raise ConfigError(f"offload strategy: {world} ranks (WORLD_SIZE) / num_nodes={trainer.num_nodes}: the "
-                              f"Trainer strategy trains in one process; run several ranks with Lightning Fabric "
-                              f"(offload.lightning.OffloadFabricStrategy under torchrun)")
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_module(module, trainer)
@@ -155,7 +259,7 @@ class OffloadStrategy(SingleDeviceStrategy):
         """The engine places the blocks of a model it trains; a model without one (evaluation
         before any fit) goes to the device whole, as Lightning's own strategy does."""
         if not self._engine_open():
-            super().model_to_device()
+            self.model.to(self.root_device)
 
     def setup_optimizers(self, trainer) -> None:
         """``configure_optimizers``' one torch optimizer becomes the engine's: the engine is built
@@ -257,11 +361,15 @@ class OffloadStrategy(SingleDeviceStrategy):
                               "module holds empty placeholders for them; the trained weights are the engine's: save "
                               "them with trainer.save_checkpoint(path) (offload.export_fp32(path + '/offload') reads "
                               "them as a state dict)", UserWarning, stacklevel=2)
+            if self.is_distributed:
+                self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
             return
-        super().teardown()
+        if self.is_distributed:
+            return super().teardown()          # ParallelStrategy's: the cluster environment's too
+        super(ParallelStrategy, self).teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
