@@ -406,7 +406,7 @@ class Builder:
                                      device=self.device)
             ahead = self._ahead_slot(nbytes, s1 - s0, params)
             built.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
-                                           landing=landing, ahead=ahead))
+                                           landing=landing, ahead=ahead, device=self.device))
             del full, master
             # this block's transient copies are freed: give their pages back now, so that the
             # load's peak RSS does not grow with depth (a heap left with free space by the
