@@ -663,7 +663,7 @@ class ParamWriteBack:
         from_master = self._copy_param and whole_master
         if from_master or self._state_on_device:
             return None   # copied (and cast) from the master by commit()
-        if not block.param_flat.is_cuda:
+        if not dev.is_cuda(block.param_flat.device):
             return block.param_flat[s0:s1]
         buf = getattr(self._staging, "buf", None)
         if buf is None or buf.numel() < s1 - s0 or buf.dtype != block.param_flat.dtype:
