@@ -38,7 +38,7 @@ bench() {
 STEPS=(
   "build|75|$PY setup.py -q build_ext --inplace"
   "engine_parity_cuda|110|$PY -m pytest -q -x -m cuda tests/test_cuda.py -k 'parity or cells or lora'"
-  "stream_races_precision_ranks|75|$PY -m pytest -q -m cuda tests/test_cuda.py -k 'slow or mixed or two_ranks or bf16 or budget or resume or synchron'"
+  "stream_races_precision_ranks|75|$PY -m pytest -q -m cuda tests/test_cuda.py -k 'slow or mixed or two_ranks or bf16 or budget or resume or synchron or bit_exact'"
   "bench_adam|40|$(bench adam --size 64M --rounds 6)"
   "bench_prefetch|60|$(bench prefetch --rounds 2 -- step_vs_bound)"
   "bench_scale_7b_nf4|75|$(bench scale --size 7b --frozen-dtype nf4 --layers 6 --tokens 512 --steps 3 -- step_speedup_7b_nf4 param_wait_ratio_7b_nf4)"
