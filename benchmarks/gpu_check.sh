@@ -36,13 +36,14 @@ bench() {
 # batches are on the CPU, its engine on the GPU (test_cuda.py runs those checks with both on
 # the GPU). No fake-NCCL step: it is a CPU test (gloo groups cannot carry CUDA tensors).
 STEPS=(
-  "build|75|$PY setup.py -q build_ext --inplace"
-  "engine_parity_cuda|110|$PY -m pytest -q -x -m cuda tests/test_cuda.py -k 'parity or cells or lora'"
-  "stream_races_precision_ranks|75|$PY -m pytest -q -m cuda tests/test_cuda.py -k 'slow or mixed or two_ranks or bf16 or budget or resume or synchron or bit_exact'"
-  "bench_adam|40|$(bench adam --size 64M --rounds 6)"
-  "bench_prefetch|60|$(bench prefetch --rounds 2 -- step_vs_bound)"
-  "bench_scale_7b_nf4|75|$(bench scale --size 7b --frozen-dtype nf4 --layers 6 --tokens 512 --steps 3 -- step_speedup_7b_nf4 param_wait_ratio_7b_nf4)"
-  "activation_offload|45|$PY -m pytest -q -x tests/test_activations.py -k 'bit_exact and gpt and not gpt2' && $(bench activations --device-check --rounds 3)"
+  "build|70|$PY setup.py -q build_ext --inplace"
+  "engine_parity_cuda|100|$PY -m pytest -q -x -m cuda tests/test_cuda.py -k '(parity or cells or lora) and not matrix'"
+  "matrix_cells_cuda|70|$PY -m pytest -q -m cuda tests/test_cuda.py -k matrix"
+  "stream_races_precision_ranks|70|$PY -m pytest -q -m cuda tests/test_cuda.py -k '(slow or mixed or two_ranks or bf16 or budget or resume or synchron or bit_exact) and not matrix'"
+  "bench_adam|30|$(bench adam --size 64M --rounds 4)"
+  "bench_prefetch|45|$(bench prefetch --rounds 2 -- step_vs_bound)"
+  "bench_scale_7b_nf4|55|$(bench scale --size 7b --frozen-dtype nf4 --layers 4 --tokens 512 --steps 3 -- step_speedup_7b_nf4 param_wait_ratio_7b_nf4)"
+  "activation_offload|40|$PY -m pytest -q -x tests/test_activations.py -k 'bit_exact and gpt and not gpt2' && $(bench activations --device-check --rounds 3)"
 )
 
 total=0

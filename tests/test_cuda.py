@@ -209,6 +209,20 @@ def test_cuda_cells_match_torch_on_the_gpu(cell, tmp_path):
         assert stats["activations"]["bytes_moved"]["d2h"] > 0
 
 
+# tests/test_matrix.py's covering array (placements x LoRA / partly frozen x checkpointing x
+# activation offload x fp32 / bf16 x accumulation, a 3-layer Llama) on the GPU
+try:
+    import test_matrix as _matrix
+    MATRIX = _matrix.CELLS
+except BaseException:          # noqa: BLE001 - peft / transformers missing: pytest's skip is a BaseException
+    _matrix, MATRIX = None, []
+
+
+@pytest.mark.parametrize("cell", MATRIX, ids=_matrix._cell_id if _matrix else None)
+def test_cuda_matrix_cell_matches_plain_torch_on_the_gpu(cell, tmp_path):
+    _matrix.check_cell(cell, tmp_path, device="cuda")
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_cuda_mixed_precision_with_accumulation_trains(precision, stage, tmp_path):
