@@ -214,8 +214,9 @@ def nf4_absmax(t: NF4Tensor) -> torch.Tensor:
     """Each block's scale, fp32 [nblocks] (the double quantization undone)."""
     if not t.double_quant:
         return t.absmax
+    offset = float(t.absmax_offset)
     return (q8.dequantize(t.absmax_q, t.absmax_scale, signed=True)
-            + torch.tensor(t.absmax_offset, device=t.absmax_q.device))
+            + q8.on_device(("absmax_offset", offset), t.absmax_q.device, lambda: torch.tensor(offset)))
 
 
 def dequantize_nf4_reference(t: NF4Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -223,7 +224,7 @@ def dequantize_nf4_reference(t: NF4Tensor, dtype: Optional[torch.dtype] = None) 
     the device ``t`` is on (the CUDA path of a quantized frozen base runs it)."""
     n = t.numel
     q = torch.stack([t.packed >> 4, t.packed & 15], dim=1).view(-1)[:n].long()
-    values = nf4_code().to(t.packed.device)[q] * nf4_absmax(t).repeat_interleave(t.blocksize)[:n]
+    values = q8.on_device("nf4_code", t.packed.device, nf4_code)[q] * nf4_absmax(t).repeat_interleave(t.blocksize)[:n]
     return values.to(dtype or t.dtype).view(t.shape)
 
 
@@ -306,7 +307,7 @@ def quantize_int8_rows_reference(x: torch.Tensor) -> Int8RowTensor:
 
 def dequantize_int8_rows_reference(t: Int8RowTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The torch reference: ``(q * absmax[r]) * fp32(1 / 127)`` in ``dtype``."""
-    inv127 = torch.tensor(1.0 / 127.0, dtype=torch.float32, device=t.codes.device)
+    inv127 = q8.on_device("inv127", t.codes.device, lambda: torch.tensor(1.0 / 127.0, dtype=torch.float32))
     return ((t.codes.float() * t.absmax[:, None]) * inv127).to(dtype or t.dtype)
 
 

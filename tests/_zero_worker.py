@@ -158,6 +158,11 @@ def main(argv):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        else:
+            # gloo jobs test the CPU paths: on a GPU machine the engine would compute on CUDA
+            # and hand gloo CUDA tensors for collectives it does not support there (read by
+            # CUDA at its first use in this process)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if spec.get("fake_nccl"):
             fake_nccl_only()
         dist.init_process_group(backend, rank=rank, world_size=world)

@@ -118,8 +118,8 @@ def _checkpoint_layers_by_hand(hf, reentrant: bool) -> None:
         layer.forward = forward
 
 
-def build(cell: dict) -> LM:
-    """The cell's model, fp32, from seed 0, its checkpointing switched on."""
+def build(cell: dict, device="cpu") -> LM:
+    """The cell's model, fp32, from seed 0, its checkpointing switched on, on ``device``."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2 * SEQ)
@@ -142,22 +142,23 @@ def build(cell: dict) -> LM:
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
         else:
             _checkpoint_layers_by_hand(hf, reentrant)
-    model = LM(m)
+    model = LM(m).to(device)
     model.train()
     return model
 
 
-def data(cell: dict):
+def data(cell: dict, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [(x, x) for x in torch.randint(0, VOCAB, (STEPS * cell["gas"], 2, SEQ), generator=g)]
+    return [(x.to(device), x.to(device)) for x in torch.randint(0, VOCAB, (STEPS * cell["gas"], 2, SEQ), generator=g)]
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def reference(cell: dict, *, fused: bool):
-    """Plain torch / PEFT: (losses per micro-step, trained fp32 weights per step by key)."""
-    model = build(cell)
+def reference(cell: dict, *, fused: bool, device="cpu"):
+    """Plain torch / PEFT on ``device``: (losses per micro-step, trained fp32 weights per step
+    by key, on the CPU)."""
+    model = build(cell, device)
     names = {id(p): n for n, p in model.named_parameters()}
     trained = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone() for p in trained]
@@ -165,7 +166,7 @@ def reference(cell: dict, *, fused: bool):
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, **({"fused": True} if fused else {"foreach": False}))
     gas, losses, snaps = cell["gas"], [], []
     sums = [torch.zeros_like(m) for m in masters]
-    for k, (x, y) in enumerate(data(cell)):
+    for k, (x, y) in enumerate(data(cell, device)):
         loss = model(x, y)
         losses.append(loss.item())
         (loss / gas if gas > 1 else loss).backward()
@@ -181,8 +182,8 @@ def reference(cell: dict, *, fused: bool):
             with torch.no_grad():
                 for p, m in zip(trained, masters):
                     p.copy_(m)
-            snaps.append({names[id(p)]: m.clone() for p, m in zip(trained, masters)})
-    frozen = {n: p.detach().float().clone() for n, p in model.named_parameters() if not p.requires_grad}
+            snaps.append({names[id(p)]: m.to("cpu", copy=True) for p, m in zip(trained, masters)})
+    frozen = {n: p.detach().float().to("cpu", copy=True) for n, p in model.named_parameters() if not p.requires_grad}
     return torch.tensor(losses, dtype=torch.float64), snaps, frozen
 
 
@@ -207,8 +208,8 @@ def engine_config(cell: dict, tmp_path, budget) -> dict:
     return cfg
 
 
-def engine_run(cell: dict, tmp_path):
-    model = build(cell)
+def engine_run(cell: dict, tmp_path, device="cpu"):
+    model = build(cell, device)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     budget = None
     if cell["param"] != "none":
@@ -218,7 +219,7 @@ def engine_run(cell: dict, tmp_path):
     eng = offload.initialize(model, engine_config(cell, tmp_path, budget))
     try:
         losses, snaps = [], []
-        for k, (x, y) in enumerate(data(cell)):
+        for k, (x, y) in enumerate(data(cell, device)):
             loss = eng(x, y)
             losses.append(loss.item())
             eng.backward(loss)
@@ -235,9 +236,14 @@ def engine_run(cell: dict, tmp_path):
 
 @pytest.mark.parametrize("cell", CELLS, ids=_cell_id)
 def test_cell_matches_plain_torch(cell, tmp_path):
-    ref_losses, ref, frozen = reference(cell, fused=False)
-    fus_losses, fus, _ = reference(cell, fused=True)
-    losses, got, sd, stats, budget = engine_run(cell, tmp_path)
+    check_cell(cell, tmp_path)
+
+
+def check_cell(cell: dict, tmp_path, device="cpu") -> None:
+    """The cell on ``device`` (tests/test_cuda.py runs it on the GPU) against plain torch there."""
+    ref_losses, ref, frozen = reference(cell, fused=False, device=device)
+    fus_losses, fus, _ = reference(cell, fused=True, device=device)
+    losses, got, sd, stats, budget = engine_run(cell, tmp_path, device)
 
     loss_bound = 2 * (ref_losses - fus_losses).abs() + 1e-6
     assert ((losses - ref_losses).abs() <= loss_bound).all(), (losses, ref_losses, loss_bound)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from offload import device as dev
 from offload.core.telemetry import Telemetry
 from offload.dist.comm import Comm
 from offload.optim.state import BlockShard
@@ -27,10 +28,13 @@ class ParamGather:
 
     def _gather_params(self, block: BlockShard, job) -> None:
         """On the gather thread, in submission order (the same on every rank): wait for the
-        block's update, then all-gather the updated shards into the full parameter buffer."""
+        block's update (the job, then, on this thread's stream, its device work: the optimizer's
+        stream or the write-back's may still be writing this rank's shard), then all-gather the
+        updated shards into the full parameter buffer."""
         job.result()
         s0, s1 = block.shard
         try:
+            block.order_after_update(dev.current_stream(block.device))
             with self.telemetry.span("offload::param_allgather"):
                 shard = block.param_flat[s0:s1].clone()   # the input must not alias the output
                 self.comm.all_gather(block.param_flat, shard,

@@ -97,7 +97,8 @@ class Built:
     """What ``Builder.build`` made, handed to the engine."""
     blocks: List[BlockShard]                # per trained block, in forward order
     units: list                             # BlockParts per block that visits the device (param offload)
-    origin: List[torch.device]              # per trained block: its parameters' device at initialize
+    origin: List[torch.device]              # per unit (trained blocks, then frozen-only ones): its
+                                            # parameters' device at initialize
     master_params: List[int]                # blocks whose parameters are views of the fp32 master
     swap_slots: int                         # NVMe state buffers the pipeline cycles through
     homes: Optional[ph.ParamHomes] = None   # parameter offload: the homes, device budget, lookaheads
@@ -406,7 +407,7 @@ class Builder:
                                      device=self.device)
             ahead = self._ahead_slot(nbytes, s1 - s0, params)
             built.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
-                                           landing=landing, ahead=ahead))
+                                           landing=landing, ahead=ahead, device=self.device))
             del full, master
             # this block's transient copies are freed: give their pages back now, so that the
             # load's peak RSS does not grow with depth (a heap left with free space by the
@@ -444,6 +445,9 @@ class Builder:
         if self._homes is None:
             return
         for i, (name, module, lay, parts) in enumerate(self.units):
+            if lay is None:                # a block of frozen parameters only: where close() brings it back
+                first = parts[0].segments[0].param.device
+                built.origin.append(torch.device("cpu") if first.type == "meta" else first)
             frozen = [self._homes.frozen_home(i, k, part) for k, part in enumerate(parts)]
             trainable = built.blocks[i].params if lay is not None else None
             built.units.append(BlockParts(i, name, module, trainable, frozen))

@@ -240,6 +240,13 @@ class Engine:
             block.grad.reset_window()     # no gradient at all: torch skips such parameters
             return                        # (nor was an update computed ahead: _submit_ahead)
         groups, done = self._commit_inputs
+        if done is None:
+            # recorded at the commit's first submit, after StepControl waited for every
+            # gradient collective: their finishing kernels (the division by the world size, the
+            # shard added into its buffer) run on the compute stream after backward, and the
+            # update's stream waits on this event alone
+            done = dev.record_event(dev.current_stream(self.device))
+            self._commit_inputs = (groups, done)
         args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
                         compute_done=done)
         if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:
@@ -281,8 +288,9 @@ class Engine:
             if self.param_offload is not None:
                 self.param_offload.plan_write_through()   # before the updates are queued
             # what every block's update of this commit shares (_submit): the hyper-parameters
-            # as the groups hold them now, and the point of the compute stream after backward
-            self._commit_inputs = (hyperparams(self.optimizer), dev.record_event(dev.current_stream(self.device)))
+            # as the groups hold them now, and the point of the compute stream after the
+            # gradients are final (recorded by the first _submit)
+            self._commit_inputs = (hyperparams(self.optimizer), None)
         committed = self.control.step()
         if committed:
             self.optimizer.step()

@@ -24,6 +24,7 @@ from typing import Optional
 
 from torch import nn
 
+from offload import device as dev
 from offload.engine import build
 from offload.params import homes as ph
 from offload.params.homes import offloaded_bytes
@@ -114,6 +115,9 @@ def shut_down(engine, restore: Optional[bool]) -> None:
     finally:
         if e._gatherer is not None:
             e._gatherer.close()
+        # asynchronous copies still queued on the device (prefetches, activation copies, the
+        # last write-backs) read or write pinned pool memory: they complete before it goes
+        dev.synchronize(e.device)
         if e.hooks is not None:
             e.hooks.remove()
         if e.param_offload is not None:

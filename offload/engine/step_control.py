@@ -176,18 +176,25 @@ class GradBuffer:
                 if ev is not None:
                     self.events.append(ev)
             self._seen[index] = True
-        elif dst.device == flat.device:
-            self.wait_landed()                        # a copy of this window may be in flight
-            dst.add_(flat)
         else:
-            # Accumulating a device gradient into host memory: bring it over, then add.
-            if self._staging is None or self._staging.numel() < flat.numel():
-                self._staging = dev.empty_host(self.tensor.numel(), flat.dtype, pin=True)
-            tmp = self._staging[:flat.numel()]
-            dev.sync_event(dev.copy_to_host_async(tmp, flat, stream))
-            self.wait_landed()
-            dst.add_(tmp)
+            self._add(dst, flat, stream)
         self.arrived += 1
+
+    def _add(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """``dst`` (a range of the buffer) += ``src`` (1-D, any device). The one rule of where
+        a landed gradient is summed: in the buffer's memory. A source on another device (a
+        device gradient, a reduce-scattered device shard, into host memory) is copied next to
+        the buffer first (the pinned staging buffer), then added there."""
+        if dst.device == src.device:
+            self.wait_landed()                        # a copy of this window may be in flight
+            dst.add_(src)
+            return
+        if self._staging is None or self._staging.numel() < src.numel() or self._staging.dtype != src.dtype:
+            self._staging = dev.empty_host(max(self.tensor.numel(), src.numel()), src.dtype, pin=True)
+        tmp = self._staging[:src.numel()]
+        dev.sync_event(dev.copy_to_host_async(tmp, src, stream))
+        self.wait_landed()
+        dst.add_(tmp)
 
     def _borrow(self) -> None:
         """The buffer in memory: a fresh one for a new window, or the parked sum read back."""
@@ -332,16 +339,17 @@ class GradBuffer:
         self.close_window(segments)
         self._seen = [True] * self.num_segments
 
-    def land_whole(self, src: torch.Tensor) -> None:
-        """Add a whole-buffer gradient (a reduce-scattered shard): the window's first
-        landing overwrites, later ones add."""
+    def land_whole(self, src: torch.Tensor, stream=None) -> None:
+        """Add a whole-buffer gradient (a reduce-scattered shard, on any device): the window's
+        first landing overwrites, later ones add (``_add``: summed in the buffer's memory).
+        ``stream``: where a device source's copy runs (None: the current stream)."""
         if self.tensor is None:
             self._borrow()
         self.wait_landed()
         if not any(self._seen):
             self.tensor.copy_(src)
         else:
-            self.tensor.add_(src)
+            self._add(self.tensor, src.reshape(-1), stream)
         self._seen = [True] * self.num_segments
 
     def reset_window(self) -> None:

@@ -391,7 +391,7 @@ class StepPipeline:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
         ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
         rule = args.rule
-        on_device = c.tier is Tier.DEVICE and master.is_cuda
+        on_device = c.tier is Tier.DEVICE and dev.is_cuda(master.device)
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)

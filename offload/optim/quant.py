@@ -26,6 +26,20 @@ import torch
 BLOCK = 256
 
 
+_ON_DEVICE: dict = {}
+
+
+def on_device(key, device: torch.device, make) -> torch.Tensor:
+    """The small constant ``make()`` (a lookup table, a scalar) on ``device``, copied there once
+    per device and kept: a copy from pageable host memory at each use blocks the host thread
+    (inside a prefetch, per segment) until the device has taken it."""
+    k = (key, torch.device(device))
+    t = _ON_DEVICE.get(k)
+    if t is None:
+        t = _ON_DEVICE[k] = make().to(device)
+    return t
+
+
 @functools.lru_cache(maxsize=2)
 def dynamic_map(signed: bool) -> torch.Tensor:
     """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``: 256
@@ -88,7 +102,7 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed:
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values of an int8 row (flat)."""
     n = codes.numel()
-    values = dynamic_map(signed).to(codes.device)[codes.reshape(-1).long()]
+    values = on_device(("dynamic_map", signed), codes.device, lambda: dynamic_map(signed))[codes.reshape(-1).long()]
     scale = absmax.repeat_interleave(BLOCK)[:n]
     result = values * scale
     if out is not None:

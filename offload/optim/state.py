@@ -91,13 +91,19 @@ class BlockShard:
     its gradient buffer, and the update in flight.
 
     ``pending`` is the future of the optimizer update in flight for this block (None when the
-    parameters are current); ``update_event`` marks the end of the H2D copy of the updated
-    parameters. A forward that uses the block first calls ``wait_update()``."""
+    parameters are current); ``update_event`` marks the end of the device work that wrote the
+    new parameters (the H2D write-back, or the device optimizer's kernels), on ``device``.
+
+    The rule for a consumer of the block's new parameters: the host waits for ``pending``,
+    and the stream the consumer reads with waits for ``update_event`` (``wait_update`` for the
+    compute stream, ``order_after_update`` for another one); the stream is always the
+    compute device's, never taken from ``param_flat``, which an offloaded block has not."""
 
     def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state,
                  grad, shard: tuple, params=None, landing=None,
-                 ahead=None):
+                 ahead=None, device: Optional[torch.device] = None):
         self.layout = layout
+        self.device = device if device is not None else torch.device("cpu")   # the compute device
         self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
         self.params = params              # BlockParams when the parameters are offloaded (then
                                           # param_flat is None: they visit the device per use)
@@ -120,7 +126,7 @@ class BlockShard:
 
     def wait_update(self) -> None:
         """Make the parameters current before use: the host waits for the optimizer job
-        (re-raising its error), the compute stream waits for the H2D copy it queued."""
+        (re-raising its error), the compute stream waits for the device work it queued."""
         fut = self.pending
         if fut is not None:
             try:
@@ -131,7 +137,13 @@ class BlockShard:
             self.pending = None
         ev, self.update_event = self.update_event, None
         if ev is not None:
-            dev.wait_event(dev.current_stream(self.param_flat.device), ev)
+            dev.wait_event(dev.current_stream(self.device), ev)
+
+    def order_after_update(self, stream) -> None:
+        """Order ``stream`` after the device work of the update (its job has returned): for a
+        consumer on another thread or stream (the ZeRO-1/2 parameter gather). The event is
+        kept: the compute stream still waits on it in ``wait_update``."""
+        dev.wait_event(stream, self.update_event)
 
     def must_wait(self) -> bool:
         """Whether ``wait_update()`` would wait: an update still running, or a device copy to

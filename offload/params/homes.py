@@ -196,7 +196,8 @@ class ParamHomes:
 def hand_back_blocks(param_offload, origin: List[torch.device]) -> list:
     """Every offloaded block's parameters bound to host copies (``BlockParams.hand_back``)
     of their current values, on the device each block was on at initialize (``origin``,
-    per trained block; the CPU otherwise); blocks handed back already keep theirs. Returns
+    per block: trained blocks, then those of frozen parameters only); blocks handed back
+    already keep theirs. Returns
     (segment, tensor) of every offloaded parameter."""
     po, out = param_offload, []
     for i, bp in enumerate(po.params):

@@ -268,7 +268,7 @@ class QuantizedPart:
             return self.dequantize(blob, out if out is not None else torch.empty(self.numel, dtype=self.dtype)), None
         from offload import device as dev
         blob = blob.view(torch.uint8)[:self.nbytes]
-        with torch.cuda.stream(stream):
+        with dev.use_stream(stream):
             qb = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             qb.copy_(blob, non_blocking=True)
             out = torch.empty(self.numel, dtype=self.dtype, device=device)

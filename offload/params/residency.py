@@ -244,7 +244,14 @@ class BlockParams:
                 self.device_buf, self._event = self.codec.materialize(src, self.device, h2d_stream, out=out)
             elif self._gather is not None:     # ZeRO-3: every rank's shard into the device copy
                 self.device_buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-                self._work = self._gather(self.device_buf, src.to(self.device))
+                shard = src
+                if self.device.type != "cpu":
+                    # this rank's shard copied in on the H2D stream (not a blocking copy on the
+                    # compute stream); the gather, queued on the compute stream, is ordered after it
+                    shard = dev.empty_on(h2d_stream, src.numel(), src.dtype, self.device)
+                    dev.wait_event(dev.current_stream(self.device), dev.copy_(shard, src, h2d_stream))
+                    dev.mark_used(shard, dev.current_stream(self.device))
+                self._work = self._gather(self.device_buf, shard)
             elif self.device.type == "cpu":
                 self.device_buf = src          # host memory is device memory: no copy
             else:
@@ -663,7 +670,7 @@ class ParamWriteBack:
         from_master = self._copy_param and whole_master
         if from_master or self._state_on_device:
             return None   # copied (and cast) from the master by commit()
-        if not block.param_flat.is_cuda:
+        if not dev.is_cuda(block.param_flat.device):
             return block.param_flat[s0:s1]
         buf = getattr(self._staging, "buf", None)
         if buf is None or buf.numel() < s1 - s0 or buf.dtype != block.param_flat.dtype:

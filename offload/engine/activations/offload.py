@@ -599,7 +599,7 @@ class ActivationOffload:
         """Device memory from the H2D stream's share of the caching allocator (device.py)."""
         if self._h2d is None:
             return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
-        with torch.cuda.stream(self._h2d):
+        with dev.use_stream(self._h2d):
             return torch.empty_strided(shape, stride, dtype=rec.dtype, device=self.device)
 
     def _restore(self, rec: Saved) -> torch.Tensor:
