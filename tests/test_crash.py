@@ -133,6 +133,47 @@ def test_engines_open_at_interpreter_exit(tmp_path):
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs] == []
 
 
+OTHER_THREAD = """
+import gc, os, sys, threading, time, torch, offload
+from transformers import LlamaConfig, LlamaForCausalLM
+d = sys.argv[1]
+for collector in ("worker", "offload-own"):          # any thread; one named as the engine's own threads
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    eng = offload.initialize(m, {"optimizer": {"lr": 1e-2}, "offload_optimizer": {"device": "nvme", "nvme_path": d},
+                                 "offload_param": {"device": "nvme", "nvme_path": d}})
+    ids = torch.randint(0, 64, (2, 8)); eng.backward(eng(input_ids=ids, labels=ids).loss); eng.step()
+    want = eng.full_state_dict()
+    class Cycle: pass
+    c = Cycle(); c.me, c.eng = c, eng
+    del eng, c
+    gc.disable()
+    t = threading.Thread(target=gc.collect, name=collector); t.start(); t.join(60)
+    gc.enable()
+    deadline = time.monotonic() + 60
+    while [f for _, _, fs in os.walk(d) for f in fs] or any(x.name.startswith("offload-") for x in threading.enumerate()):
+        if time.monotonic() > deadline:
+            sys.exit(f"{collector}: files or threads left: {[x.name for x in threading.enumerate()]}")
+        time.sleep(0.05)
+    got = m.state_dict()
+    bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
+    if bad:
+        sys.exit(f"{collector}: the model does not hold the dropped engine's last commit: {bad[:3]}")
+    x = torch.randint(0, 64, (2, 8))
+    m(input_ids=x, labels=x).loss.backward()      # the model is whole and trains on
+"""
+
+
+def test_dropped_engine_collected_on_another_thread(tmp_path):
+    """An engine in a cycle collected from another thread, and from a thread named as the
+    engine's own (``offload-*``: closing there would join itself, so the reaper closes it):
+    the model holds its last commit, no swap file or offload thread is left, nothing printed."""
+    r = subprocess.run([sys.executable, "-c", OTHER_THREAD, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env=_env(), cwd=ROOT)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout == "", (r.returncode, r.stderr[-4000:])
+
+
 # ---- the fuzzer ---------------------------------------------------------------------------------------
 class Server:
     """tests/_crash_worker.py serve: forks one child per program (see its docstring)."""
