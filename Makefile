@@ -92,7 +92,7 @@ $(SAN_LIB): $(NATIVE)
 
 sanitize: setup $(SAN_LIB)
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
-	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=0 \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	OFFLOAD_NATIVE=on OFFLOAD_NATIVE_LIB=$(CURDIR)/$(SAN_LIB) \
 	$(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)

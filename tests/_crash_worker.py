@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -264,6 +265,13 @@ def os_threads():
 
 def run(program):
     root = tempfile.mkdtemp(prefix="offload-crash-")
+    try:
+        check(program, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def check(program, root):
     m = tiny_llama(0)                              # torch's own threads and one-time costs first
     m(input_ids=batch(0), labels=batch(0)).loss.backward()
     del m

@@ -21,6 +21,7 @@ process, never hang, never print "Exception ignored", and leak nothing (files, t
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,6 +253,7 @@ class Server:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def verdict(res: dict) -> str:
