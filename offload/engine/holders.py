@@ -91,7 +91,7 @@ def _close_at_exit() -> None:
     global _exiting
     _exiting = True
     _settle_deferred(_REAPER_WAIT_S)
-    for engine in list(_OPEN):
+    for engine in [*_DEFERRED, *_OPEN]:      # (a reaper that did not finish in time leaves some)
         try:
             engine.close(restore=False)
         except BaseException:    # noqa: BLE001 - the process is ending: nothing to report to
@@ -152,21 +152,24 @@ def _close_dropped(engine) -> None:
 
 
 def _defer(engine) -> None:
-    """Hand a dropped engine to the reaper thread (started if none runs): appending keeps the
-    engine alive, so the collector leaves it whole."""
+    """Hand a dropped engine to the reaper thread (started if none runs): holding it keeps the
+    engine alive, so the collector leaves it whole (its weak references, ``_OPEN``'s included,
+    are gone already)."""
     global _reaper
-    _DEFERRED.append(engine)
     with _reaper_lock:
-        if _reaper is None or not _reaper.is_alive():
+        _DEFERRED.append(engine)
+        if _reaper is None:
             _reaper = threading.Thread(target=_reap, name="offload-reaper", daemon=True)
             _reaper.start()
 
 
 def _reap() -> None:
     """Close the deferred engines, then end (a later ``_defer`` starts a new reaper)."""
+    global _reaper
     while True:
         with _reaper_lock:
             if not _DEFERRED:
+                _reaper = None
                 return
             engine = _DEFERRED.popleft()
         _close_dropped(engine)
