@@ -228,7 +228,7 @@ class Server:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
         self.dir = tempfile.mkdtemp(prefix="offload-fuzz-")
         self.runs = 0
-        first = self._line(120.0)
+        first = self._line(600.0)          # (imports on a loaded machine)
         if not first.get("ready"):
             raise RuntimeError(f"the crash worker did not start: {first}")
 
