@@ -27,7 +27,6 @@ from offload.hf import Trainer
 
 PLACEMENTS = {
     "host": {"offload_optimizer": {"device": "cpu"}},
-    "opt-nvme": {"offload_optimizer": {"device": "nvme"}},
     "param-cpu": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     "param-nvme": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
 }
