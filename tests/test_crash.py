@@ -313,9 +313,9 @@ class Program(RuleBasedStateMachine):
     @rule(data=st.data())
     def call(self, data):
         slot = data.draw(st.sampled_from(sorted(self.slots)))
-        op = data.draw(st.sampled_from(["train", "train", "train", "step", "step", "zero_grad", "bad_forward",
-                                        "hook_raises", "save", "load", "hand_back", "close", "after_close",
-                                        "drop"]))
+        op = data.draw(st.sampled_from(["train", "train", "train", "step", "step", "check", "check", "zero_grad",
+                                        "bad_forward", "hook_raises", "save", "load", "hand_back", "close",
+                                        "after_close", "drop"]))
         if op == "train":
             args = [slot, data.draw(st.integers(0, 3))]
         elif op == "hook_raises":
@@ -339,13 +339,18 @@ class Program(RuleBasedStateMachine):
         assert not why, f"{why}: {json.dumps(self.ops)}\n{res['output'][-3000:]}"
 
 
-def _record(program_text: str) -> None:
-    start = program_text.find("[[")
-    if start < 0:
-        return
-    os.makedirs(os.path.dirname(FOUND), exist_ok=True)
-    with open(FOUND, "a") as f:
-        f.write(program_text[start:].strip().splitlines()[0] + "\n")
+def _record(exc: BaseException) -> None:
+    """Append the failing sequence(s) in ``exc`` (Hypothesis may group several) to FOUND."""
+    for sub in getattr(exc, "exceptions", None) or [exc]:
+        if sub is not exc:
+            _record(sub)
+            continue
+        text = str(sub)
+        start = text.find("[[")
+        if start >= 0:
+            os.makedirs(os.path.dirname(FOUND), exist_ok=True)
+            with open(FOUND, "a") as f:
+                f.write(text[start:].strip().splitlines()[0] + "\n")
 
 
 def test_fuzz_public_api(server):
@@ -359,8 +364,8 @@ def test_fuzz_public_api(server):
         run_state_machine_as_test(Program, settings=settings(
             max_examples=runs, stateful_step_count=14, deadline=None, database=None, derandomize=not fresh,
             phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)))
-    except AssertionError as exc:
-        _record(str(exc))
+    except BaseException as exc:         # an AssertionError, or a group of them
+        _record(exc)
         raise
     finally:
         print(f"fuzzer: {Program.tried} sequences run")
@@ -375,8 +380,9 @@ def _found():
 
 
 REGRESSIONS = {
-    # the issue's sequence: NVMe everywhere, a step, a forward that raises, the engine dropped with its model
-    "drop-after-bad-forward": [
+    # the issue's sequence, three rounds: NVMe everywhere, a step, a forward that raises, the engine
+    # dropped with its model
+    "drop-after-bad-forward": 3 * [
         ["init", [0, {"opt": "nvme", "param": "nvme", "acts": "none", "lora": False, "ckpt": False, "accum": 1,
                       "clip": 0.0, "quant": False, "model_of": None}]],
         ["train", [0, 0]], ["step", [0]], ["bad_forward", [0]], ["drop", [0, True]]],
@@ -384,17 +390,17 @@ REGRESSIONS = {
     "take-over-open-window": [
         ["init", [0, {"opt": "nvme", "param": "cpu", "acts": "nvme", "lora": True, "ckpt": True, "accum": 2,
                       "clip": 1.0, "quant": True, "model_of": None}]],
-        ["train", [0, 1]], ["step", [0]],
+        ["train", [0, 1]], ["step", [0]], ["check", [0]],
         ["init", [1, {"opt": "cpu", "param": "nvme", "acts": "none", "lora": False, "ckpt": False, "accum": 1,
                       "clip": 0.0, "quant": False, "model_of": 0}]],
-        ["train", [1, 2]], ["step", [1]], ["close", [0]], ["close", [1]], ["close", [1]], ["after_close", [1]]],
+        ["train", [1, 2]], ["step", [1]], ["check", [1]], ["close", [0]], ["close", [1]], ["close", [1]], ["after_close", [1]]],
     # KeyboardInterrupt inside backward, then training goes on, saves, loads a bad path, is dropped
     "interrupt-then-go-on": [
         ["init", [0, {"opt": "nvme", "param": "nvme", "acts": "cpu", "lora": False, "ckpt": False, "accum": 1,
                       "clip": 0.0, "quant": False, "model_of": None}]],
-        ["hook_raises", [0, 0, True]], ["zero_grad", [0]], ["train", [0, 1]], ["step", [0]], ["save", [0, "a"]],
-        ["load", [0, "missing"]], ["train", [0, 2]], ["step", [0]], ["load", [0, "a"]], ["hand_back", [0]],
-        ["drop", [0, False]]],
+        ["hook_raises", [0, 0, True]], ["check", [0]], ["zero_grad", [0]], ["train", [0, 1]], ["step", [0]],
+        ["check", [0]], ["save", [0, "a"]], ["load", [0, "missing"]], ["check", [0]], ["train", [0, 2]],
+        ["step", [0]], ["load", [0, "a"]], ["check", [0]], ["hand_back", [0]], ["drop", [0, False]]],
 }
 
 
