@@ -71,8 +71,8 @@ train: setup
 
 # make sanitize: the native library built with AddressSanitizer and UndefinedBehaviorSanitizer
 # (-O1, every finding fatal) into build/sanitize/ (the normal library is left alone), then the
-# native tests, the engine's I/O and optimizer tests and the crash tests' engine sequences (their
-# child processes inherit the environment) run against it: the interpreter is not
+# native tests, the engine's I/O and optimizer tests, the crash tests' engine sequences and 30 s
+# of the fuzzer (their child processes inherit the environment) run against it: the interpreter is not
 # instrumented, so libasan is preloaded and leak detection is off (CPython and torch keep
 # memory to exit); OFFLOAD_NATIVE_LIB points the loader at the build, OFFLOAD_NATIVE=on makes a
 # failed load an error rather than the torch fallback.
@@ -83,7 +83,8 @@ SAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sa
 SAN_TESTS ?= tests/test_cpu_adam.py tests/test_storage_crc32c.py tests/test_nvme.py tests/test_tier.py \
              tests/test_rules.py tests/test_state_chunks.py tests/test_crash.py::test_found_sequences \
              tests/test_crash.py::test_dropped_engine_in_a_cycle_every_placement \
-             tests/test_crash.py::test_dropped_engine_collected_on_another_thread
+             tests/test_crash.py::test_dropped_engine_collected_on_another_thread \
+             tests/test_crash.py::test_fuzz_public_api
 CC ?= cc
 
 $(SAN_LIB): $(NATIVE)
@@ -96,7 +97,7 @@ $(SAN_LIB): $(NATIVE)
 SAN_ENV := LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	OFFLOAD_NATIVE=on OFFLOAD_NATIVE_LIB=$(CURDIR)/$(SAN_LIB)
+	OFFLOAD_NATIVE=on OFFLOAD_NATIVE_LIB=$(CURDIR)/$(SAN_LIB) OFFLOAD_FUZZ_SECONDS=$${OFFLOAD_FUZZ_SECONDS:-30}
 
 sanitize: setup $(SAN_LIB)
 	$(SAN_ENV) $(PY) -c "import offload._native as n; n.lib(); \
