@@ -102,7 +102,6 @@ class Engine:
         self._param_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.tier = builder.tier
         self.resources = Resources(self.plan, config.aio, config.wait_timeout_s)   # every pool and store
-        holders.hold(self.resources)      # alive until close(), whatever order the collector takes
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
         self.blocks: List[BlockShard] = []
@@ -118,36 +117,27 @@ class Engine:
             self._install_hooks()
         except BaseException:
             self.resources.release()
-            holders.unhold(self.resources)
             raise
         finally:
             self.weights.close()
-        try:
-            dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
-            dev.reuse_heap()              # training reuses its freed blocks (device.reuse_heap)
-            self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
-            # one rank, stages 0 and 1: nothing to reduce or move, so no dist/ on the step's path
-            self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry) \
-                if self.comm.active or self.stage >= 2 else None
-            self.pipeline = builder.pipeline(self._made, self.resources, self.grad_sync, keep_staged=self._keeps_staged)
-            # stages 1, 2 across ranks: the updated parameter shards all-gathered after each update
-            self._gatherer = ParamGather(self.comm, self.telemetry, self.pipeline.record_failure) \
-                if self.comm.active and self.stage in (1, 2) else None
-            self.control = StepControl(
-                blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
-                scaler=self.scaler, telemetry=self.telemetry,
-                gradient_accumulation_steps=config.gradient_accumulation_steps,
-                gradient_clipping=config.gradient_clipping, param_order=self._param_order,
-                read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
-                ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
-                on_block_complete=self.hooks.post_backward)   # every participant's post_backward
-        except BaseException:         # a build that fails here leaves nothing running or held
-            if getattr(self, "pipeline", None) is not None:
-                self.pipeline.close()
-            self.hooks.remove()
-            self.resources.release()
-            holders.unhold(self.resources)
-            raise
+        dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
+        dev.reuse_heap()              # training reuses its freed blocks (device.reuse_heap)
+        self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        # one rank, stages 0 and 1: nothing to reduce or move, so no dist/ on the step's path
+        self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry) \
+            if self.comm.active or self.stage >= 2 else None
+        self.pipeline = builder.pipeline(self._made, self.resources, self.grad_sync, keep_staged=self._keeps_staged)
+        # stages 1, 2 across ranks: the updated parameter shards all-gathered after each update
+        self._gatherer = ParamGather(self.comm, self.telemetry, self.pipeline.record_failure) \
+            if self.comm.active and self.stage in (1, 2) else None
+        self.control = StepControl(
+            blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
+            scaler=self.scaler, telemetry=self.telemetry,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            gradient_clipping=config.gradient_clipping, param_order=self._param_order,
+            read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
+            ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
+            on_block_complete=self.hooks.post_backward)   # every participant's post_backward
         holders.register(self)
         self._ready = True            # fully built: close() (or __del__) has everything to release
 

@@ -16,7 +16,7 @@ wanted and releases everything the engine made.
 
 Ending in every order (docs/design.md, Lifecycle, states the rule). An engine's native
 resources (its ``Resources``: pools, stores and their I/O contexts) are held here, strongly,
-from the moment they are made until the engine's close releases them (``hold``/``shut_down``):
+from the moment the engine is built until its close releases them (``register``/``shut_down``):
 an engine collected in a reference cycle is therefore finalized (``dropped``) while its stores
 are still open, never after their own finalizers ran (the collector calls those first). A
 dropped engine closes on the thread that collected it, unless that thread is one of the
@@ -59,18 +59,15 @@ _exit_hooked = False
 _exiting = False
 
 
-def hold(resources) -> None:
-    """Keep an engine's ``Resources`` alive until ``unhold`` (its close, or its failed build)."""
-    _HELD[id(resources)] = resources
+def register(engine) -> None:
+    """A fully built engine: open (weakly) and its ``Resources`` held (strongly) until its close."""
+    _hook_exit()
+    _HELD[id(engine.resources)] = engine.resources
+    _OPEN.add(engine)
 
 
 def unhold(resources) -> None:
     _HELD.pop(id(resources), None)
-
-
-def register(engine) -> None:
-    _hook_exit()
-    _OPEN.add(engine)
 
 
 def _hook_exit() -> None:
