@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.offload-installed
 NATIVE := $(wildcard native/*.c native/*.h)
 
-.PHONY: setup test train native bench clean
+.PHONY: setup test train native bench clean sanitize
 
 setup: $(STAMP)
 
@@ -68,6 +68,41 @@ train: setup
 	    --lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
 	    --steps 24 --batch-size 4 --seq-len 128 --lr 2e-3 --warmup 2 --log-steps 4 \
 	    --offload-param nvme --offload-optimizer nvme --max-minutes 4
+
+# make sanitize: the native library built with AddressSanitizer and UndefinedBehaviorSanitizer
+# (-O1, every finding fatal) into build/sanitize/ (the normal library is left alone), then the
+# native tests, the engine's I/O and optimizer tests, the crash tests' engine sequences and 30 s
+# of the fuzzer (their child processes inherit the environment) run against it: the interpreter is not
+# instrumented, so libasan is preloaded and leak detection is off (CPython and torch keep
+# memory to exit); OFFLOAD_NATIVE_LIB points the loader at the build, OFFLOAD_NATIVE=on makes a
+# failed load an error rather than the torch fallback.
+SAN_DIR   := build/sanitize
+SAN_LIB   := $(SAN_DIR)/_offload_native_san.so
+SAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+             -std=gnu11 -fPIC -fvisibility=hidden -fno-strict-aliasing -fno-math-errno -Inative
+SAN_TESTS ?= tests/test_cpu_adam.py tests/test_storage_crc32c.py tests/test_nvme.py tests/test_tier.py \
+             tests/test_rules.py tests/test_state_chunks.py tests/test_crash.py::test_found_sequences \
+             tests/test_crash.py::test_dropped_engine_in_a_cycle_every_placement \
+             tests/test_crash.py::test_dropped_engine_collected_on_another_thread \
+             tests/test_crash.py::test_fuzz_public_api
+CC ?= cc
+
+$(SAN_LIB): $(NATIVE)
+	mkdir -p $(SAN_DIR)
+	printf '%s\n' $(filter %.c,$(NATIVE)) | xargs -P "$$(nproc)" -I{} sh -c \
+	    '$(CC) $(SAN_FLAGS) -c {} -o $(SAN_DIR)/$$(basename {} .c).o'
+	$(CC) -shared -fsanitize=address,undefined -o $@ $(patsubst native/%.c,$(SAN_DIR)/%.o,$(filter %.c,$(NATIVE))) \
+	    -pthread -lm -ldl
+
+SAN_ENV := LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	OFFLOAD_NATIVE=on OFFLOAD_NATIVE_LIB=$(CURDIR)/$(SAN_LIB) OFFLOAD_FUZZ_SECONDS=$${OFFLOAD_FUZZ_SECONDS:-30}
+
+sanitize: setup $(SAN_LIB)
+	$(SAN_ENV) $(PY) -c "import offload._native as n; n.lib(); \
+	    import sys; sys.exit(0 if '$(notdir $(SAN_LIB))' in open('/proc/self/maps').read() else 'not the sanitized library')"
+	$(SAN_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)
 
 bench: setup
 	$(PY) benchmarks/bench_adam.py

@@ -544,6 +544,10 @@ OFFLOAD_API int offload_aio_submit(offload_aio *e, offload_io_req *req) {
     req->nextents = body_extents(e, req) + (req->tail_len ? 1 : 0);
     req->remaining = req->nextents;
     pthread_mutex_lock(&e->mu);
+    if (e->stop) { /* destroy has begun: no worker would ever complete the request */
+        pthread_mutex_unlock(&e->mu);
+        return -ESHUTDOWN;
+    }
     req->submit_ns = now_ns();
     req->done_ns = 0;
     if (e->outstanding[req->op]++ == 0) e->busy_since[req->op] = req->submit_ns;
@@ -561,6 +565,7 @@ OFFLOAD_API int offload_aio_done(const offload_io_req *req) {
 }
 
 OFFLOAD_API int offload_aio_wait(offload_aio *e, offload_io_req *req, int64_t timeout_ns) {
+    if (!e || !req) return -EINVAL;
     struct timespec deadline = deadline_after(timeout_ns >= 0 ? timeout_ns : 0);
     int rc = 0;
     pthread_mutex_lock(&e->mu);

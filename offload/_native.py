@@ -11,6 +11,9 @@ it, so that a lower ISA's kernels (the scalar references included) can be run an
 a machine that has a higher one. Every ISA computes the same bits. ``native_info()`` reports
 the ISA in use, the best one and the setting.
 
+``OFFLOAD_NATIVE_LIB`` (a path) loads that build of the library instead of the one beside this
+file: ``make sanitize`` points it at the AddressSanitizer / UndefinedBehaviorSanitizer build.
+
 ctypes releases the GIL for the duration of every call into the library, so native
 kernels run concurrently with PyTorch work on other threads.
 """
@@ -62,6 +65,9 @@ def _check_pool_env() -> None:
 
 
 def _find_library() -> str | None:
+    chosen = os.environ.get("OFFLOAD_NATIVE_LIB", "").strip()
+    if chosen:
+        return chosen
     candidates = sorted(glob.glob(os.path.join(_HERE, "_offload_native*.so")))
     return candidates[0] if candidates else None
 
@@ -71,7 +77,9 @@ def _load() -> None:
     _check_pool_env()
     isa_setting()
     path = _find_library()
-    if path is None:
+    if path is not None and not os.path.isfile(path):
+        _load_error = f"OFFLOAD_NATIVE_LIB={path} is not a file: build it (`make sanitize` builds one) or unset it"
+    elif path is None:
         _load_error = ("the native library offload/_offload_native*.so is not built: "
                        "run `pip install -e .` (or `make native`)")
     else:
@@ -380,14 +388,23 @@ def aio_create(block_size: int, queue_depth: int, threads: int, use_uring: int) 
 
 
 def aio_submit(engine: int, req: IoReq) -> None:
+    if not engine:
+        raise ValueError("aio_submit on a closed I/O engine")
     if req.op not in (IO_READ, IO_WRITE) or not 0 <= req.tail_len < IO_PAGE:
         raise ValueError("bad I/O request")
     _check_errno(lib().offload_aio_submit(engine, ctypes.byref(req)), "offload_aio_submit")
 
 
 def aio_wait(engine: int, req: IoReq, timeout_ns: int) -> bool:
-    """True once req is done; False on timeout. Releases the GIL while it waits."""
-    return lib().offload_aio_wait(engine, ctypes.byref(req), timeout_ns) == 0
+    """True once req is done; False on timeout. Releases the GIL while it waits. ``engine``
+    must be open (storage/nvme.py's NativeBackend guards it); a null one is an error."""
+    if not engine:
+        raise ValueError("aio_wait on a closed I/O engine")
+    rc = lib().offload_aio_wait(engine, ctypes.byref(req), timeout_ns)
+    if rc == -errno.ETIMEDOUT:
+        return False
+    _check_errno(rc, "offload_aio_wait")
+    return True
 
 
 def aio_done(req: IoReq) -> bool:

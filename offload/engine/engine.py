@@ -421,8 +421,8 @@ class Engine:
         finally:
             holders.let_go(self, _StepCounters(self.control.global_step, self.control.micro_step))
 
-    def __del__(self):
-        holders.dropped(self)
+    def __del__(self, _dropped=holders.dropped):
+        _dropped(self)        # (bound at definition: module teardown may have cleared ``holders``)
 
     def __enter__(self):
         return self

@@ -13,11 +13,25 @@ parameters do not fit in host memory cannot hand them back: that is an error nam
 The table holds engines weakly: what keeps an engine alive is whoever holds it. Letting go
 (``shut_down``, ``let_go``: ``Engine.close()``'s work) hands the trained weights back where
 wanted and releases everything the engine made.
+
+Ending in every order (docs/design.md, Lifecycle, states the rule). An engine's native
+resources (its ``Resources``: pools, stores and their I/O contexts) are held here, strongly,
+from the moment the engine is built until its close releases them (``register``/``shut_down``):
+an engine collected in a reference cycle is therefore finalized (``dropped``) while its stores
+are still open, never after their own finalizers ran (the collector calls those first). A
+dropped engine closes on the thread that collected it, unless that thread is one of the
+engine's own (named ``offload-*``: closing would join it or wait on itself): then a short-lived
+``offload-reaper`` thread closes it. What is still open at interpreter exit is closed by an
+``atexit`` hook that runs before the stores' own exit finalizers (``weakref.finalize``'s), with
+nothing handed back and nothing said; after that, module teardown finds only closed engines.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import gc
 import sys
+import threading
 import warnings
 import weakref
 from typing import Optional
@@ -37,8 +51,49 @@ class EngineInUseError(RuntimeError):
 _OPEN: "weakref.WeakSet" = weakref.WeakSet()     # the open engines
 
 
+_HELD: dict = {}        # id(resources) -> Resources of every engine not yet closed (strong)
+_DEFERRED = collections.deque()    # engines dropped on their own threads, for the reaper to close
+_reaper_lock = threading.Lock()
+_reaper: Optional[threading.Thread] = None
+_REAPER_WAIT_S = 120.0  # how long a new engine waits for deferred closes (each close is bounded)
+_exit_hooked = False
+_exiting = False
+
+
 def register(engine) -> None:
+    """A fully built engine: open (weakly) and its ``Resources`` held (strongly) until its close."""
+    _hook_exit()
+    _HELD[id(engine.resources)] = engine.resources
     _OPEN.add(engine)
+
+
+def unhold(resources) -> None:
+    _HELD.pop(id(resources), None)
+
+
+def _hook_exit() -> None:
+    """Register ``_close_at_exit`` once, after ``weakref.finalize``'s own exit hook (made here
+    first if no finalizer exists yet): atexit runs hooks last-in first-out, so open engines
+    close while their stores are still open."""
+    global _exit_hooked
+    if _exit_hooked:
+        return
+    weakref.finalize(_OPEN, int)        # a finalizer that never fires: registers weakref's hook now
+    atexit.register(_close_at_exit)
+    _exit_hooked = True
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit: every engine still open is closed (bounded waits, nothing handed
+    back to models about to go, nothing raised or said)."""
+    global _exiting
+    _exiting = True
+    _settle_deferred(_REAPER_WAIT_S)
+    for engine in [*_DEFERRED, *_OPEN]:      # (a reaper that did not finish in time leaves some)
+        try:
+            engine.close(restore=False)
+        except BaseException:    # noqa: BLE001 - the process is ending: nothing to report to
+            pass
 
 
 def forget(engine) -> None:
@@ -48,6 +103,7 @@ def forget(engine) -> None:
 def take_over(model: nn.Module) -> None:
     """Close every open engine that holds any of ``model``'s parameters, its trained weights
     handed back to the model first (``close(restore=True)``)."""
+    _settle_deferred(_REAPER_WAIT_S)      # engines dropped on their own threads close first
     mine = {id(p) for p in model.parameters()}
     for other in list(_OPEN):
         if other.closed or not any(id(p) in mine for p in other.module.parameters()):
@@ -62,13 +118,23 @@ def take_over(model: nn.Module) -> None:
         other.close(restore=True)
 
 
-def dropped(engine) -> None:
+def dropped(engine, _finalizing=sys.is_finalizing, _current=threading.current_thread) -> None:
     """An engine nobody holds any more (its model's hooks hold it weakly), being collected:
     closed with ``restore`` None (False with ZeRO-3 across ranks, where restoring is a
-    collective); a warning where it fails or leaves the model with placeholders."""
+    collective); a warning where it fails or leaves the model with placeholders. On one of the
+    engine's own threads the close is handed to the reaper (the engine stays alive until then).
+    (Defaults bind what module teardown may already have cleared.)"""
     d = engine.__dict__
-    if not d.get("_ready") or d.get("_closed", True) or sys.is_finalizing():
-        return                   # (at interpreter exit the process lets everything go)
+    if not d.get("_ready") or d.get("_closed", True) or _finalizing() or _exiting:
+        return                   # (at interpreter exit _close_at_exit closed what was open)
+    if _current().name.startswith("offload-"):
+        _defer(engine)
+        return
+    _close_dropped(engine)
+
+
+def _close_dropped(engine) -> None:
+    d = engine.__dict__
     collective = engine.comm.active and engine.stage == 3
     try:
         engine.close(restore=False if collective else None)
@@ -81,6 +147,38 @@ def dropped(engine) -> None:
                       f"({', '.join(lost)}, ...) did not fit in host memory to be restored: they are empty "
                       f"placeholders now. Keep the engine (or its Trainer) until its weights are saved, and "
                       f"close() it", RuntimeWarning)
+
+
+def _defer(engine) -> None:
+    """Hand a dropped engine to the reaper thread (started if none runs): holding it keeps the
+    engine alive, so the collector leaves it whole (its weak references, ``_OPEN``'s included,
+    are gone already)."""
+    global _reaper
+    with _reaper_lock:
+        _DEFERRED.append(engine)
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="offload-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap() -> None:
+    """Close the deferred engines, then end (a later ``_defer`` starts a new reaper)."""
+    global _reaper
+    while True:
+        with _reaper_lock:
+            if not _DEFERRED:
+                _reaper = None
+                return
+            engine = _DEFERRED.popleft()
+        _close_dropped(engine)
+        del engine
+
+
+def _settle_deferred(timeout: float) -> None:
+    """Wait (at most ``timeout`` s) for the reaper to close the engines handed to it."""
+    reaper = _reaper
+    if reaper is not None and reaper is not threading.current_thread():
+        reaper.join(timeout)
 
 
 def restore_wanted(engine, restore: Optional[bool]) -> bool:
@@ -128,7 +226,10 @@ def shut_down(engine, restore: Optional[bool]) -> None:
             e.activations.close()
         build.own_master_params(e.blocks, e._master_params)
         e._master_params = []
-        e.resources.release()
+        try:
+            e.resources.release()
+        finally:
+            unhold(e.resources)
         e.comm.close()
     for seg, t in restored or ():
         seg.param.data = t

@@ -194,6 +194,7 @@ class Backend:
     """The interface both backends implement."""
 
     name: str
+    closed: bool     # close() was called: submit raises StoreClosedError, wait answers from the request
 
     def submit(self, req: IoReq) -> None: ...
     def wait(self, req: IoReq, timeout: float | None) -> bool: ...   # True when done
@@ -203,6 +204,15 @@ class Backend:
 
 
 class NativeBackend(Backend):
+    """The C engine behind a liveness guard: the native context is freed by ``close()`` only
+    once no thread is inside a call into it (each call holds a use, taken under ``_lock`` while
+    the context is open), so a ``wait`` from one thread and a ``close`` from another (a
+    finalizer, the cyclic collector) never meet on freed memory. After ``close()`` every
+    request has completed (destroy drains the queue): ``wait``/``done`` answer from the request
+    itself, ``submit`` raises ``StoreClosedError``, ``stats`` gives the last figures."""
+
+    _CLOSE_WAIT_S = 30.0     # for calls in flight to leave the context (each waits in slices)
+
     def __init__(self, block_size: int, queue_depth: int, threads: int, io_uring: bool | None = None):
         if _native.lib() is None:
             raise RuntimeError(f"the native I/O backend needs the native library: {_native.load_error()}; "
@@ -212,17 +222,51 @@ class NativeBackend(Backend):
         self.uring_error = os.strerror(cfg.uring_error) if cfg.uring_error else None
         self.in_flight = cfg.ring_depth * threads
         self.name = "native-io_uring" if self.io_uring else "native-threads"
+        self._lock = threading.Condition(threading.Lock())
+        self._users = 0                  # calls inside the native context now
+        self._closing = False
+        self._last_stats = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def _enter(self):
+        with self._lock:
+            if self._closing:
+                return None
+            self._users += 1
+            return self._engine
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._lock.notify_all()
 
     def submit(self, req: IoReq) -> None:
-        _native.aio_submit(self._engine, req)
+        engine = self._enter()
+        if engine is None:
+            raise StoreClosedError("the I/O engine is closed: the store was closed or collected")
+        try:
+            _native.aio_submit(engine, req)
+        finally:
+            self._leave()
 
     def wait(self, req: IoReq, timeout: float | None) -> bool:
-        # Wait in slices so that Ctrl-C reaches Python between them.
+        # Wait in slices so that Ctrl-C reaches Python between them, and close() from another
+        # thread waits at most one slice for this call to leave the context.
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
-            if _native.aio_wait(self._engine, req, int(step * 1e9)):
-                return True
+            engine = self._enter()
+            if engine is None:
+                return bool(req.done)    # closed: every request submitted has completed
+            try:
+                if _native.aio_wait(engine, req, int(step * 1e9)):
+                    return True
+            finally:
+                self._leave()
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
@@ -230,15 +274,38 @@ class NativeBackend(Backend):
         return _native.aio_done(req)
 
     def stats(self) -> dict:
-        s = _native.aio_stats(self._engine)
+        engine = self._enter()
+        if engine is None:
+            return dict(self._last_stats or {"bytes_read": 0, "bytes_written": 0, "read_seconds": 0.0,
+                                              "write_seconds": 0.0, "reads": 0, "writes": 0})
+        try:
+            s = _native.aio_stats(engine)
+        finally:
+            self._leave()
         return {"bytes_read": s.bytes[IO_READ], "bytes_written": s.bytes[IO_WRITE],
                 "read_seconds": s.busy_ns[IO_READ] / 1e9, "write_seconds": s.busy_ns[IO_WRITE] / 1e9,
                 "reads": s.requests[IO_READ], "writes": s.requests[IO_WRITE]}
 
     def close(self) -> None:
-        if self._engine:
-            _native.aio_destroy(self._engine)
-            self._engine = None
+        """Finish every queued request and free the context, once no call is inside it (at
+        most ``_CLOSE_WAIT_S``; a call still inside after that keeps the context alive for the
+        process's life rather than free it under the caller). Idempotent, any thread."""
+        with self._lock:
+            if self._closing:
+                return
+            stats_first = self._users == 0
+        last = self.stats() if stats_first else None
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._last_stats = last
+            engine, self._engine = self._engine, None
+            if not self._lock.wait_for(lambda: self._users == 0, self._CLOSE_WAIT_S):
+                keep_alive(engine)       # never freed under a caller: leaked, not crashed
+                return
+        if engine:
+            _native.aio_destroy(engine)
 
 
 class PortableBackend(Backend):
@@ -264,11 +331,14 @@ class PortableBackend(Backend):
             raise RuntimeError(f"the portable I/O backend's {threads} threads did not start within "
                                f"{_START_TIMEOUT_S:.0f} s") from None
         self._cond = threading.Condition()
+        self._closing = False
         self._outstanding = [0, 0]
         self._busy_since = [0, 0]
         self._stats = {"bytes": [0, 0], "busy_ns": [0, 0], "requests": [0, 0]}
 
     def submit(self, req: IoReq) -> None:
+        if self._closing:
+            raise StoreClosedError("the I/O engine is closed: the store was closed or collected")
         req.nextents = self._layout.count(req.nbytes, req.tail_len)
         if req.nextents == 0 or req.op not in (IO_READ, IO_WRITE):
             raise ValueError("bad I/O request")
@@ -345,7 +415,12 @@ class PortableBackend(Backend):
                     "read_seconds": busy[IO_READ] / 1e9, "write_seconds": busy[IO_WRITE] / 1e9,
                     "reads": s["requests"][IO_READ], "writes": s["requests"][IO_WRITE]}
 
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
     def close(self) -> None:
+        self._closing = True
         self._pool.shutdown(wait=True)
 
 
@@ -380,6 +455,11 @@ def keep_alive(*objs) -> None:
 
 class NvmeIOError(OSError):
     """A read or write of the swap files failed (errno, or a short transfer)."""
+
+
+class StoreClosedError(RuntimeError):
+    """An I/O was started on a store that is closed (by ``close()``, or by its finalizer when
+    the store was collected)."""
 
 
 class ChecksumError(NvmeIOError):
@@ -791,8 +871,8 @@ class NvmeStore:
             raise ValueError(f"{what} is empty: nothing to move")
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"NvmeStore {self.name!r} at {self.path} is closed")
+        if self._closed or self._backend.closed:     # closed, or its finalizer ran
+            raise StoreClosedError(f"NvmeStore {self.name!r} at {self.path} is closed")
 
     def keys(self) -> list[str]:
         return list(self._keys)
