@@ -13,6 +13,7 @@ must run a subprocess of its own instead (start() refuses).
 """
 import multiprocessing
 import os
+import socket
 import traceback
 
 PRELOAD = ["torch._dynamo", "offload", "_models", "_failure_worker", "_resume_worker", "_zero_worker",
@@ -95,3 +96,12 @@ class Child:
 def call(target, *args, timeout_s: float, what: str):
     """target(*args) in a child; returns its result (``Child.result``)."""
     return Child(target, *args).result(timeout_s=timeout_s, what=what)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that was free a moment ago, for a rendezvous of ranks."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

@@ -19,6 +19,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from _accelerate import CLIP, fresh_state, make_model, run  # noqa: E402
 from _hf import max_diff  # noqa: E402
+import _forked  # noqa: E402
 
 from offload.accelerate import Accelerator  # noqa: E402
 from offload.config import ConfigError  # noqa: E402
@@ -174,7 +175,7 @@ def test_torchrun_two_ranks_match_plain_ddp(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_forked.free_port()),
            os.path.join(here, "_accelerate_ddp_worker.py"), str(tmp_path)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -182,11 +183,3 @@ def test_torchrun_two_ranks_match_plain_ddp(tmp_path):
     assert (got["world"], got["stage"]) == (2, 2)
     check_same(got["single"], got["fused"], got["engine"])
 
-
-def _free_port() -> str:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return str(port)

@@ -16,6 +16,7 @@ from offload import cli  # noqa: E402
 from offload.hf import data as data_mod  # noqa: E402
 from offload.hf.finetune import LoraSpec, parse_lora  # noqa: E402
 from conftest import AVX2_RATES  # noqa: E402
+import _forked  # noqa: E402
 
 
 def run(argv, capsys):
@@ -269,9 +270,8 @@ def test_data_kind_is_told_by_content_and_an_empty_file_says_so(base, tmp_path):
 def test_job_rank_0_prints_and_shares_and_its_failures_reach_every_rank():
     """offload.hf.job on 2 gloo ranks: only rank 0 prints; main_only runs on rank 0 and gives
     its result to both; a failure there is raised on rank 0 as itself, on rank 1 naming it."""
-    import _forked
     from _job_worker import rank_main
-    port = int(_free_port())
+    port = _forked.free_port()
     kids = [_forked.Child(rank_main, r, 2, port) for r in range(2)]
     got = [k.result(timeout_s=120, what=f"job rank {r}") for r, k in enumerate(kids)]
     assert [g["rank"] for g in got] == [0, 1] and all(g["world"] == 2 for g in got)
@@ -280,14 +280,6 @@ def test_job_rank_0_prints_and_shares_and_its_failures_reach_every_rank():
     assert got[0]["failed"] == "ZeroDivisionError: division by zero"
     assert got[1]["failed"] == "JobError: rank 0 failed merging the adapter: ZeroDivisionError: division by zero"
 
-
-def _free_port() -> str:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return str(port)
 
 
 def test_finetune_under_torchrun_rank_0_plans_prints_merges_and_writes(base, tmp_path):
@@ -298,7 +290,7 @@ def test_finetune_under_torchrun_rank_0_plans_prints_merges_and_writes(base, tmp
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     out = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_forked.free_port()),
            "-m", "offload.cli", "finetune", str(base / "base"), "--data", str(base / "text.txt"), "--out", str(out),
            "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--log-steps", "2",
            "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "--merge", "--plan-nvme-path", str(tmp_path),

@@ -12,6 +12,7 @@ import torch
 
 from _hf import args, dataset, max_diff, snapshot, tiny_llama, train_logs, transformers
 from conftest import AVX2_RATES
+import _forked
 
 from offload.config import ConfigError
 from offload.hf import Trainer
@@ -262,7 +263,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_forked.free_port()),
            os.path.join(here, "_hf_ddp_worker.py"), str(tmp_path), "2"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -284,14 +285,6 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
         for k in ("loss", "grad_norm"):
             assert abs(g[k] - r[k]) <= 2 * abs(r[k] - f[k]) + 1e-6, (k, g, r)
 
-
-def _free_port() -> str:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return str(port)
 
 
 def test_fp16_overflow_skips_the_step_and_the_schedule(tmp_path):

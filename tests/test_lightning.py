@@ -6,7 +6,6 @@ twice the distance between two plain runs that differ only in torch's own AdamW 
 (single-tensor vs fused), measured here, plus 1e-6."""
 import io
 import os
-import socket
 
 import pytest
 import torch
@@ -162,13 +161,6 @@ def test_fabric_matches_plain_and_resumes(tmp_path):
     assert f2.strategy.engine.grad_norm() > 0.05          # clip_gradients' norm bites
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
 
 def _check_ranks(kids, what: str) -> None:
     """Each rank's losses, gradient norms and final weights within torch's noise of plain DDP's
@@ -188,7 +180,7 @@ def test_fabric_two_gloo_ranks_match_plain_ddp(tmp_path):
     state on NVMe, against Fabric's plain DDP: each rank's losses and the final weights."""
     import _forked
     from _lightning_worker import fabric_rank
-    port = _free_port()
+    port = _forked.free_port()
     os.makedirs(tmp_path / "nvme")
     _check_ranks([_forked.Child(fabric_rank, r, 2, port, str(tmp_path / "nvme")) for r in range(2)], "Fabric")
 
@@ -200,7 +192,7 @@ def test_trainer_two_gloo_ranks_match_plain_ddp():
     norms and the final weights."""
     import _forked
     from _lightning_worker import trainer_rank
-    port = _free_port()
+    port = _forked.free_port()
     _check_ranks([_forked.Child(trainer_rank, r, 2, port, EPOCH) for r in range(2)], "Trainer")
 
 

@@ -76,19 +76,27 @@ def config_with(offload_config: Any, decided: Decided, framework: str) -> Config
         for key, (value, _) in decided.items():
             put(d, key, value)
         return build_config(d)
-    raw = raw_mapping(offload_config)
+    return build_config(merge(config_dict(raw_mapping(offload_config), framework), decided))
+
+
+def config_dict(raw: Mapping, framework: str, fill_auto=None) -> dict:
+    """A config dict (a copy) of the mapping ``raw``: a DeepSpeed config translated, its
+    ``"auto"`` values first passed to ``fill_auto`` (the values ``framework`` decides; under
+    ``scheduler`` and ``zero_optimization`` the translation drops or sizes them), any other
+    ``"auto"`` an error naming the key; ``"auto"`` outside a DeepSpeed config is an error."""
     if is_deepspeed_config(raw):
+        if fill_auto is not None:
+            raw = fill_auto(raw)
         left = [k for k in leftover_auto(raw) if not k.startswith(("scheduler.", "zero_optimization."))]
         if left:
             raise ConfigError(f"offload_config: {', '.join(left)} is 'auto', which {framework} does not fill: "
                               f"give a value, or leave the key out where {framework} decides it")
-        d = translate_deepspeed(raw)
-    else:
-        d = json.loads(json.dumps(raw))
-        left = list(leftover_auto(d))
-        if left:
-            raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
-    return build_config(merge(d, decided))
+        return translate_deepspeed(raw)
+    d = json.loads(json.dumps(raw))
+    left = list(leftover_auto(d))
+    if left:
+        raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
+    return d
 
 
 def merge(d: dict, decided: Decided) -> dict:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from offload.config import Config, ConfigError, build_config, is_deepspeed_config, translate_deepspeed
-from offload.config.decided import get, leftover_auto, merge, put, raw_mapping
+from offload.config import Config, ConfigError, build_config, is_deepspeed_config
+from offload.config.decided import config_dict, get, merge, put, raw_mapping
 
 
 def precision_of(args) -> str:
@@ -197,19 +197,7 @@ def engine_config(offload_config: Any, args, optimizer=None) -> Config:
         if sd is not None:
             put(d, "optimizer.state_dtype", sd)
         return build_config(d)
-    raw = raw_mapping(offload_config)
-    if is_deepspeed_config(raw):
-        raw = fill_deepspeed_auto(raw, args)
-        left = [k for k in leftover_auto(raw) if not k.startswith(("scheduler.", "zero_optimization."))]
-        if left:
-            raise ConfigError(f"offload_config: {', '.join(left)} is 'auto' but TrainingArguments does not "
-                              f"decide it: give a value")
-        d = translate_deepspeed(raw)
-    else:
-        d = json.loads(json.dumps(raw))
-        left = list(leftover_auto(d))
-        if left:
-            raise ConfigError(f"offload_config: 'auto' is for DeepSpeed configs; {', '.join(left)} needs a value")
+    d = config_dict(raw_mapping(offload_config), "TrainingArguments", lambda raw: fill_deepspeed_auto(raw, args))
     if optimizer is not None:
         owned, where = _owned_by_optimizer(optimizer, args)
     else:
