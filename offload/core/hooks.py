@@ -71,8 +71,20 @@ class BlockPhase(enum.Enum):
     BACKWARD = "backward"            # its gradients are arriving
 
 
+def unclaimed(t: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor context hands autograd for a tensor none of its handlers claims: a
+    detached alias (same storage and version counter), never ``t`` itself. Why: autograd keeps
+    a pack hook's result in the node that saves it, and a node's saved output is ``t`` with
+    ``grad_fn`` that very node, a cycle in C++ the collector cannot see; a graph whose backward
+    never ran to the end (a hook that raised, a loss never backwarded) then never dies, nor
+    the hooks (and the engine) its saved tensors hold. Unpacking rebuilds ``grad_fn`` and
+    ``requires_grad`` from what autograd recorded, as it does for its own saved tensors."""
+    return t.detach()
+
+
 class SavedTensorChain:
-    """Handlers in order; each has ``pack(t) -> payload | NOT_MINE`` and ``unpack(payload)``."""
+    """Handlers in order; each has ``pack(t) -> payload | NOT_MINE`` and ``unpack(payload)``;
+    a tensor none claims is saved as ``unclaimed(t)``."""
 
     def __init__(self) -> None:
         self.handlers: List = []
@@ -85,7 +97,7 @@ class SavedTensorChain:
             payload = h.pack(t)
             if payload is not NOT_MINE:
                 return (_PACKED, k, payload)
-        return t
+        return unclaimed(t)
 
     def unpack(self, packed):
         if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
@@ -113,7 +125,7 @@ class NestedSaved:
             payload = self.chain.handlers[k].pack(t)
             if payload is not NOT_MINE:
                 return (_PACKED, k, payload)
-        return self.outer[0](t) if self.outer is not None else t
+        return self.outer[0](t) if self.outer is not None else unclaimed(t)
 
     def unpack(self, packed):
         if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
