@@ -404,8 +404,8 @@ REGRESSIONS = {
 }
 
 
-def _spec(opt, param, acts, lora, accum=1, clip=0.0):
-    return {"opt": opt, "param": param, "acts": acts, "lora": lora, "ckpt": False, "accum": accum,
+def _spec(opt, param, acts, lora, accum=1, clip=0.0, ckpt=False):
+    return {"opt": opt, "param": param, "acts": acts, "lora": lora, "ckpt": ckpt, "accum": accum,
             "clip": clip, "quant": False, "model_of": None}
 
 
@@ -415,8 +415,9 @@ def _spec(opt, param, acts, lora, accum=1, clip=0.0):
     _spec("nvme", "nvme", "none", False),
     _spec("nvme", "none", "nvme", True),
     _spec("nvme", "nvme", "cpu", False, accum=2),
+    _spec("cpu", "nvme", "nvme", True, ckpt=True),
 ], ids=["opt-cpu-param-nvme-lora", "opt-cpu-param-cpu", "opt-nvme-param-nvme", "opt-nvme-acts-nvme-lora",
-        "opt-nvme-param-nvme-acts-cpu"])
+        "opt-nvme-param-nvme-acts-cpu", "opt-cpu-param-nvme-acts-nvme-ckpt-lora"])
 def test_dropped_after_raising_hook_is_collected(server, spec):
     """An engine whose backward raised in the user's hook, then dropped without close() (its
     model kept), is collected: the child's end check counts the files under nvme_path, the
