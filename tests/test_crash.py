@@ -425,7 +425,7 @@ def test_dropped_after_raising_hook_is_collected(server, spec):
     saved-tensor hooks in a cycle the collector could not see)."""
     program = [["init", [0, spec]], ["hook_raises", [0, 1, False]], ["drop", [0, False]],
                ["init", [1, dict(spec, seed=1)]], ["hook_raises", [1, 2, False]], ["train", [1, 3]],
-               ["hook_raises", [1, 4, False]], ["drop", [1, False]]]
+               ["step", [1]], ["check", [1]], ["hook_raises", [1, 4, False]], ["drop", [1, False]]]
     res = server.run(program)
     why = verdict(res)
     assert not why, f"{why}: {json.dumps(program)}\n{res['output'][-3000:]}"
