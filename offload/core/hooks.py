@@ -71,8 +71,20 @@ class BlockPhase(enum.Enum):
     BACKWARD = "backward"            # its gradients are arriving
 
 
+def unclaimed(t: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor context hands autograd for a tensor none of its handlers claims: a
+    detached alias (same storage and version counter), never ``t`` itself. Why: autograd keeps
+    a pack hook's result in the node that saves it, and a node's saved output is ``t`` with
+    ``grad_fn`` that very node, a cycle in C++ the collector cannot see; a graph whose backward
+    never ran to the end (a hook that raised, a loss never backwarded) then never dies, nor
+    the hooks (and the engine) its saved tensors hold. Unpacking rebuilds ``grad_fn`` and
+    ``requires_grad`` from what autograd recorded, as it does for its own saved tensors."""
+    return t.detach()
+
+
 class SavedTensorChain:
-    """Handlers in order; each has ``pack(t) -> payload | NOT_MINE`` and ``unpack(payload)``."""
+    """Handlers in order; each has ``pack(t) -> payload | NOT_MINE`` and ``unpack(payload)``;
+    a tensor none claims is saved as ``unclaimed(t)``."""
 
     def __init__(self) -> None:
         self.handlers: List = []
@@ -85,7 +97,7 @@ class SavedTensorChain:
             payload = h.pack(t)
             if payload is not NOT_MINE:
                 return (_PACKED, k, payload)
-        return t
+        return unclaimed(t)
 
     def unpack(self, packed):
         if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
@@ -102,18 +114,25 @@ def _innermost_saved_hooks():
 class NestedSaved:
     """A saved-tensor context over another one (``outer``: its (pack, unpack), or None):
     the chain's handlers ``ks`` claim their tensors first, the rest are packed by ``outer``
-    (or saved as autograd saves them), and each payload is unpacked by whoever packed it."""
+    (or saved as autograd saves them), and each payload is unpacked by whoever packed it.
+
+    ``context()`` is the torch context to enter; the object does not keep it: holding it would
+    be a cycle (context, bound pack, self) that keeps ``outer`` (torch checkpoint's frame,
+    whose saved inputs hold the engine's hooks where the collector cannot see them) until a
+    collection pass, so a dropped engine would be collected only by a second one."""
 
     def __init__(self, chain: SavedTensorChain, ks: Sequence[int], outer) -> None:
         self.chain, self.ks, self.outer = chain, tuple(ks), outer
-        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
         for k in self.ks:
             payload = self.chain.handlers[k].pack(t)
             if payload is not NOT_MINE:
                 return (_PACKED, k, payload)
-        return self.outer[0](t) if self.outer is not None else t
+        return self.outer[0](t) if self.outer is not None else unclaimed(t)
 
     def unpack(self, packed):
         if type(packed) is tuple and len(packed) == 3 and packed[0] is _PACKED:
@@ -219,7 +238,7 @@ class Hooks:
         self._handles: list = _HANDLES.setdefault(self._token, [])
         self._context = None                         # the saved-tensor hooks context while a forward runs
         self._chain_pack = self.saved.pack           # the root context's pack, as pushed (identity checks)
-        self._nested: List = []                      # per hooked module call: its NestedSaved or None
+        self._nested: List = []                      # per hooked module call: its NestedSaved's context or None
         self._mode = None                            # the outside-reads mode while a forward runs
         self._installed = False
 
@@ -323,18 +342,18 @@ class Hooks:
     def _enter_nested(self) -> None:
         """A hooked module's call starts: the innermost handlers go on top of a context that
         is not the engine's (one entry per call, popped by ``_exit_nested``)."""
-        nested = None
+        context = None
         if self._innermost:
             top = _innermost_saved_hooks()
             if top is None or not self._ours(top):
-                nested = NestedSaved(self.saved, self._innermost, top)
-                nested.context.__enter__()
-        self._nested.append(nested)
+                context = NestedSaved(self.saved, self._innermost, top).context()
+                context.__enter__()
+        self._nested.append(context)
 
     def _exit_nested(self) -> None:
-        nested = self._nested.pop() if self._nested else None
-        if nested is not None:
-            nested.context.__exit__(None, None, None)
+        context = self._nested.pop() if self._nested else None
+        if context is not None:
+            context.__exit__(None, None, None)
 
     # ---- block verbs ---------------------------------------------------------------------
     def _pre_forward(self, used: List[int], module, args) -> None:
