@@ -114,7 +114,7 @@ def saved_activation_bytes(model, forward: Callable[[object], object]) -> int:
         st = t.untyped_storage()
         if st._cdata not in params:
             saved[st._cdata] = st.nbytes()
-        return t
+        return t.detach()          # not t: a node saving its own output would keep the graph (core/hooks.unclaimed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _cpu_attention():
         forward(model)
     return int(sum(saved.values()))
