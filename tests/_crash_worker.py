@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 
@@ -203,11 +204,18 @@ class World:
         engine, model, _ = self.engines.pop(slot)
         was_open = not engine.closed
         want = self.commit.get(slot)
+        gone = weakref.ref(engine)
         del engine
         if with_model:
             self.models.pop(slot, None)
             del model
         gc.collect()
+        deadline = time.monotonic() + 30           # an update in flight holds the engine until it ends
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            gc.collect()
+        if gone() is not None:
+            raise Violation(f"the engine dropped from slot {slot} was not collected within 30 s")
         if was_open and not with_model:
             self.commit[slot] = want
             self._settle_reaper()
