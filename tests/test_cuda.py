@@ -283,24 +283,9 @@ def _race_cell(tmp_path, **c):
     check_against(ref, fused, got)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_cuda_slow_optimizer_stream_is_waited_for(stage, monkeypatch, tmp_path):
-    """The device optimizer's stream sleeps before each job's kernels: the next forward (and
-    the ZeRO-1/2 gather) must wait on update_event, with parameters resident or offloaded."""
-    from offload import device as dev
-    from offload.optim import pipeline
-    real = dev.wait_event
-
-    def slow_wait(stream, event):
-        real(stream, event)
-        if stream is not None and stream != torch.cuda.current_stream():
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(SLEEP)
-    monkeypatch.setattr(pipeline.dev, "wait_event", slow_wait)
-    _race_cell(tmp_path, stage=stage, opt="none", gas=2)
-
-
-def test_cuda_slow_optimizer_stream_with_offloaded_params(monkeypatch, tmp_path):
+def _slow_optimizer_stream(monkeypatch):
+    """The optimizer pipeline's streams sleep SLEEP cycles after each wait, before the job's
+    kernels: a consumer that does not wait on the job's event reads the old parameters."""
     from offload.optim import pipeline
     real = pipeline.dev.wait_event
 
@@ -310,6 +295,18 @@ def test_cuda_slow_optimizer_stream_with_offloaded_params(monkeypatch, tmp_path)
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP)
     monkeypatch.setattr(pipeline.dev, "wait_event", slow_wait)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_cuda_slow_optimizer_stream_is_waited_for(stage, monkeypatch, tmp_path):
+    """The device optimizer's stream sleeps before each job's kernels: the next forward (and
+    the ZeRO-1/2 gather) must wait on update_event, with parameters resident or offloaded."""
+    _slow_optimizer_stream(monkeypatch)
+    _race_cell(tmp_path, stage=stage, opt="none", gas=2)
+
+
+def test_cuda_slow_optimizer_stream_with_offloaded_params(monkeypatch, tmp_path):
+    _slow_optimizer_stream(monkeypatch)
     _race_cell(tmp_path, opt="none", param="cpu")
 
 
