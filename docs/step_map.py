@@ -15,8 +15,9 @@ drained the work the step started.
 
 The generated block sits between the ``step-map`` markers in docs/design.md; the prose around
 it is the doc's. Each line keeps the role the doc gives its file; a file new to the map gets
-``ROLE?`` to fill in. ``tests/test_step_trace.py`` runs ``trace_step`` and compares the files and
-their order with the doc's block. It lives beside the doc it maintains (not in the package:
+the first sentence of its module docstring (``ROLE?`` without one), to be edited in the
+doc. ``tests/test_step_trace.py`` runs ``trace_step`` and compares the files and their order
+with the doc's block. It lives beside the doc it maintains (not in the package:
 it is a maintainer's tool that runs the whole engine, above every layer; not under tests/: the
 command stays the same wherever the tests are grouped)."""
 from __future__ import annotations
@@ -207,14 +208,26 @@ def doc_map(path: str = DESIGN) -> list:
         if m is None:
             raise SystemExit(f"{path}: a line of the step map is not '- `offload/<file>.py` "
                              f"[(offload-<thread>)] — <role>': {line!r}")
-        out.append((m.group(1), m.group(2) or MAIN, m.group(3) or "ROLE?"))
+        out.append((m.group(1), m.group(2) or MAIN, m.group(3) or ""))
     return out
 
 
+def docstring_role(rel: str) -> str:
+    """A file's role when the doc gives it none: the first sentence of its module docstring
+    (``ROLE?`` when it has none)."""
+    import ast
+    with open(os.path.join(ROOT, rel)) as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    first = " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
+    first = re.split(r"(?<=[.;])\s", first)[0].rstrip(".;")
+    return first or "ROLE?"
+
+
 def render(traced: list, path: str = DESIGN) -> str:
-    """The block's lines for a traced map, each file keeping the role the doc gives it."""
+    """The block's lines for a traced map, each file keeping the role the doc gives it (a file
+    new to the map: its docstring's first sentence, to be edited)."""
     roles = {rel: role for rel, _, role in doc_map(path)}
-    return "".join(f"- `{rel}`{'' if kind == MAIN else f' ({kind})'} — {roles.get(rel, 'ROLE?')}\n"
+    return "".join(f"- `{rel}`{'' if kind == MAIN else f' ({kind})'} — {roles.get(rel) or docstring_role(rel)}\n"
                    for rel, kind in traced)
 
 
@@ -234,9 +247,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         traced = trace_step(d)
     if args.write:
+        listed = {rel for rel, _, _ in doc_map()}
         write(traced)
-        print(f"{len(traced)} files; the step map in {os.path.relpath(DESIGN)} rewritten "
-              "(fill in any ROLE?)")
+        new = [rel for rel, _ in traced if rel not in listed]
+        print(f"{len(traced)} files; the step map in {os.path.relpath(DESIGN)} rewritten"
+              + (f"; new files, their role taken from their docstring (edit it there): {new}" if new else ""))
     else:
         sys.stdout.write(render(traced))
     return 0

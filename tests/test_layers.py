@@ -20,24 +20,29 @@ ROOT = os.path.dirname(PKG)
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 
 # Imports docs/design.md's table does not allow and that are to change (the table states the
-# intent; each entry says where the import should point). An entry whose import is gone fails
-# test_pending_imports_still_exist: delete it then. (module path, imported path) -> why.
+# intent; each entry says where the import should point). Keys are (importing path, imported
+# path), each a file or a folder (ending in "/") covering the modules, so a file moved within
+# its folder keeps its entry. An entry that covers no import any more fails
+# test_pending_imports_still_exist: delete it then.
 PENDING = {
-    ("dist/grad_sync.py", "optim/state.py"):
+    ("dist/", "optim/state.py"):
         "BlockShard: dist/ should take the block object from core/ (issue 43's core/block.py Block)",
-    ("dist/param_gather.py", "optim/state.py"):
-        "BlockShard: dist/ should take the block object from core/ (issue 43's core/block.py Block)",
-    ("optim/from_torch.py", "config/__init__.py"):
-        "ConfigError: the class belongs with the error family in core/errors.py, below optim/",
-    ("optim/pipeline.py", "config/__init__.py"):
-        "ConfigError: the class belongs with the error family in core/errors.py, below optim/",
-    ("params/homes.py", "io/hf.py"):
-        "read_range: reading a byte range of a checkpoint file in place belongs to storage/source.py",
-    ("params/homes.py", "io/loader.py"):
-        "checksum: the in-place source's CRC32C belongs to storage/source.py (or _native.py)",
-    ("planner/estimate.py", "engine/build.py"):
-        "placement_refusal: a pure check of the config, it belongs in engine/memory_plan.py",
+    ("optim/", "config/"):
+        "ConfigError (optim/from_torch.py, optim/pipeline.py): the class belongs with the error "
+        "family in core/errors.py, below optim/",
+    ("params/homes.py", "io/"):
+        "read_range (io/hf.py), checksum (io/loader.py): reading a byte range of a checkpoint file "
+        "in place and its CRC32C belong to storage/source.py, which params/ may import",
+    ("planner/", "engine/build.py"):
+        "placement_refusal (planner/estimate.py): a pure check of the config, it belongs in "
+        "engine/memory_plan.py",
 }
+
+
+def _pending(violation) -> list:
+    """The PENDING entries that cover an import (module path, imported path)."""
+    m, d = violation
+    return [k for k in PENDING if _covers(k[0], m) and _covers(k[1], d)]
 
 
 def _path(module: str) -> str:
@@ -157,14 +162,14 @@ def _violations() -> list:
 
 
 def test_every_module_imports_only_what_its_row_allows():
-    bad = [v for v in _violations() if v not in PENDING]
+    bad = [v for v in _violations() if not _pending(v)]
     assert not bad, ("imports docs/design.md's layer table does not allow (fix the import, or the "
                      "table's row if the import is right):\n" +
                      "\n".join(f"  offload/{m} imports offload/{d}" for m, d in bad))
 
 
 def test_pending_imports_still_exist():
-    gone = sorted(set(PENDING) - set(_violations()))
+    gone = sorted(set(PENDING) - {k for v in _violations() for k in _pending(v)})
     assert not gone, ("these imports no longer break the layer table: delete them from PENDING in "
                       f"tests/test_layers.py: {gone}")
 

@@ -29,7 +29,7 @@ def test_one_step_runs_the_files_of_the_design_docs_step_map_in_order(tmp_path):
         f"executed but not listed: {sorted(set(ran) - set(listed))}; "
         f"listed but not executed: {sorted(set(listed) - set(ran))}\n"
         f"the traced map:\n{step_map.render(traced)}"
-        f"rewrite it with `{step_map.COMMAND}` (then fill in any ROLE?)")
+        f"rewrite it with `{step_map.COMMAND}` (then check the roles of new files)")
 
 
 def test_the_step_map_lines_round_trip(tmp_path):
