@@ -11,7 +11,8 @@ calling thread runs, in the order they first run, then, per kind of worker threa
 ``offload-<kind>``, kinds by name), the files that kind of thread adds, in the order they
 first ran on it. Files are recorded only inside the measured step's window: the main
 thread's forward, backward and ``step()``, and the workers until ``synchronize()`` has
-drained the work the step started.
+drained the work the step started; only this engine's threads and the calling thread count
+(no other engine's worker or finalizer, as in a test suite's process).
 
 The generated block sits between the ``step-map`` markers in docs/design.md; the prose around
 it is the doc's. Each line keeps the role the doc gives its file; a file new to the map gets
@@ -23,6 +24,7 @@ command stays the same wherever the tests are grouped)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import sys
@@ -49,6 +51,7 @@ class StepTrace:
         self.recording = False          # workers record while this is set
         self.main_recording = False     # the main thread records while this is set
         self.seen = {}                  # thread kind -> {relative path: None}, first-run order
+        self.ours = {self.main}         # threads started under the trace (this engine's), and main
         self.kinds = []                 # thread kinds in the order they first ran a file
 
     def _record(self, filename: str) -> None:
@@ -63,10 +66,15 @@ class StepTrace:
         files.setdefault(rel, None)
 
     def _on(self) -> bool:
-        return self.main_recording if threading.get_ident() == self.main else self.recording
+        me = threading.get_ident()
+        if me == self.main:
+            return self.main_recording
+        return self.recording and me in self.ours
 
     def global_trace(self, frame, event, arg):
-        if event == "call" and self._on():
+        if not self.recording:
+            self.ours.add(threading.get_ident())     # a thread this engine started
+        elif event == "call" and self._on():
             self._record(frame.f_code.co_filename)
         return None
 
@@ -81,7 +89,7 @@ class StepTrace:
         blocked on its queue when the window opens counts once a line of it runs inside)."""
         me = threading.get_ident()
         for ident, frame in sys._current_frames().items():
-            if ident == me:
+            if ident == me or ident not in self.ours:
                 continue
             while frame is not None:
                 if frame.f_code.co_filename.startswith(self.package):
@@ -172,13 +180,18 @@ def trace_step(nvme_dir: str) -> list:
                 eng.step()
             eng.synchronize()
             x, y = data[3]
-            tracer.open()
-            eng.backward(eng(x, y))
-            eng.step()
-            tracer.main_recording = False        # the workers go on until the step's work is drained
-            eng.synchronize()
-            tracer.recording = False
-            sys.settrace(None)
+            gc.collect()              # no other engine's finalizer runs inside the window
+            gc.disable()
+            try:
+                tracer.open()
+                eng.backward(eng(x, y))
+                eng.step()
+                tracer.main_recording = False    # the workers go on until the step's work is drained
+                eng.synchronize()
+                tracer.recording = False
+                sys.settrace(None)
+            finally:
+                gc.enable()
         finally:
             eng.close()
     finally:
