@@ -10,6 +10,7 @@ A module may import its own folder (or file) and what its "may import" cell name
 backticked paths, ``the boundaries`` (the boundaries row's paths), ``every layer above``
 (every row listed before it), ``any layer``, or ``nothing of the package``."""
 import ast
+import functools
 import io
 import os
 import re
@@ -56,6 +57,7 @@ def _path(module: str) -> str:
     return "/".join(rel) + ".py"
 
 
+@functools.lru_cache(maxsize=None)
 def _modules() -> dict:
     """module name -> set of offload modules it imports (any scope). ``from a import b`` is a
     dependency on the module ``a.b`` when that is a module, else on ``a``."""
