@@ -12,9 +12,9 @@
  *   d = sqrt(v) / bc2_sqrt + eps             (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
  *   p = p + (neg_step * m) / d               param.addcdiv_(m, d, value=-step_size)
  * sqrt is correctly rounded. torch's single-tensor path takes its sqrt from MKL's vector math
- * (builds with MKL), which on some CPUs rounds within 1 ulp instead (an AVX-512 AMD EPYC: 16% of
- * values): there the parameters differ from that path by an ulp in about 1% of elements, and
- * match torch's fused AdamW bit for bit.
+ * (builds with MKL), which on some CPUs rounds within 1 ulp instead (benchmarks/RESULTS.md):
+ * there the parameters differ from that path by an ulp in some elements, and match torch's
+ * fused AdamW bit for bit.
  * Rows: s0 = exp_avg, s1 = exp_avg_sq. Low-precision state is widened on load and rounded
  * once on store (kernel.h); the param update uses the unrounded fp32 m and v.
  */

@@ -14,7 +14,7 @@
  * Scheduling: workers run under SCHED_BATCH (when the process runs under the default
  * SCHED_OTHER). A submit wakes them; under SCHED_OTHER a woken worker preempts the thread
  * that submitted (an optimizer job handing over its write-back) or the one running beside it,
- * and its checksum then holds that core for ~2 ms per 16 MiB: on a small machine the update
+ * and its checksum then holds that core for the whole extent: on a small machine the update
  * chain the next forward trails stalls behind its own write-backs. SCHED_BATCH keeps the
  * workers' full share of the CPU (nice unchanged, so reads are not starved) and only drops
  * the wakeup preemption: a worker starts on an idle core, or at the running thread's next

@@ -2,8 +2,8 @@
  *
  * Four implementations with one result:
  *   crc32c_bitwise   the readable reference (one bit at a time), used to build the tables;
- *   crc32c_table     slicing-by-8, ~1-2 GB/s, any CPU;
- *   crc32c_sse42     the SSE4.2 crc32 instruction on three interleaved streams, ~10-20 GB/s;
+ *   crc32c_table     slicing-by-8, any CPU;
+ *   crc32c_sse42     the SSE4.2 crc32 instruction on three interleaved streams;
  *   crc32c_fold      carry-less multiplication (AVX-512 VPCLMULQDQ) folding 256 bytes a step,
  *                    several times fewer cycles per byte than crc32c_sse42 (it runs on the I/O
  *                    workers, on the cores the training computes on: its cycles are the cost).

@@ -56,10 +56,10 @@ OFFLOAD_API int64_t offload_kernel_args_size(void) { return sizeof(offload_step_
 /* ---- chunking -------------------------------------------------------------------------
  * The pool's unit of work: a chunk of elements claimed by whichever thread is free. Chunks
  * are a multiple of KERNEL_Q8_BLOCK (so int8 blocks never straddle two threads; no shared
- * cache lines unless the arrays start unaligned), at least MIN_CHUNK (~30 us of work, small
+ * cache lines unless the arrays start unaligned), at least MIN_CHUNK (enough work to be small
  * against a worker's wake-up) and about 1/16 of a thread's share, at most MAX_CHUNK: fine
- * enough to balance the tail, coarse enough that each thread streams long runs (measured at
- * 64M elements on 2 threads: 32K-element chunks ~2-3 % slower than 256K). */
+ * enough to balance the tail, coarse enough that each thread streams long runs (smaller
+ * chunks measured slower: benchmarks/RESULTS.md). */
 #define MIN_CHUNK 32768
 #define MAX_CHUNK 262144
 

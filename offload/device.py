@@ -364,7 +364,7 @@ def trim_after_step() -> bool:
     the next step allocates again; left resident they are reused warm (RSS between steps
     is the step's own peak, as with plain torch), trimmed they fault in again, page by page.
     A rule on the free heap's size trimmed a LoRA step of SmolLM2-135M after every step, and
-    its page faults tripled against plain PEFT's (benchmarks/RESULTS.md). What the trim is for is memory
+    it faulted many more pages than plain PEFT's (benchmarks/RESULTS.md). What the trim is for is memory
     the steps do not reuse (freed memory accumulating in a hole of the heap, a larger
     micro-step once): that shows as growth.
 

@@ -2,14 +2,13 @@
 CPU device, lent as tensors whose death gives their range back.
 
 On the CPU device a saved tensor read back from NVMe lands straight in the memory autograd
-gets (activations.py). Fresh memory for every read costs a page fault per 4 KiB page (the
-kernel zeroes each page while the read pins it) and an unmap when autograd frees it: about
-0.25 s of kernel time per GiB read, taken from the cores the backward computes on. The
+gets (activations/). Fresh memory for every read costs a page fault per 4 KiB page (the
+kernel zeroes each page while the read pins it) and an unmap when autograd frees it: kernel
+time for every GiB read, taken from the cores the backward computes on. The
 window is one anonymous mapping (an unpinned ``HostArena``, on transparent huge pages where
 the kernel allows them) whose ranges are reused within a backward, so its pages fault in once
-per backward at most, one fault per 2 MiB (bench_activations' step with activations on NVMe:
-1.04x the step without offload, against 1.09-1.11x with this window and the copies' arena
-on 4 KiB pages).
+per backward at most, one fault per 2 MiB (bench_activations' figures, with and without it:
+benchmarks/RESULTS.md, "The activation read window" and "Huge pages").
 
 Lifetimes. ``lend`` hands out a range as a tensor with a storage of its own
 (``torch.from_numpy`` over the range): autograd frees it like any tensor, and the storage's

@@ -31,10 +31,9 @@ its value. exp_avg (beta1 = 0.9, ~10 % per step) barely notices. exp_avg_sq with
 beta2 = 0.999 changes by 0.001 * (g*g/v - 1) of v per step: early on (v still building up,
 relative change ~ 1/step) it is fine, but past a few hundred steps it stops decaying
 (0.999 * v rounds back to v) and only rises when g*g > ~3 v, so it drifts above the fp32
-value and steps come out smaller. Measured with N(0, 1) gradients, lr 1e-2: after 100 steps
-the params differ from fp32-state Adam by 0.4 % of the distance they moved, exp_avg_sq by
-0.9 %; after 1000 steps 1.6 % and 6 % (exp_avg_sq biased high). Use it when the memory
-matters more than matching fp32 Adam exactly.
+value and steps come out smaller, more so the longer it trains (measured against fp32-state
+Adam: benchmarks/RESULTS.md). Use it when the memory matters more than matching fp32 Adam
+exactly.
 """
 from __future__ import annotations
 
