@@ -11,12 +11,13 @@ from typing import List
 from offload import dtypes
 from offload import config as config_mod
 from offload.cli.progress import fmt_bytes
+from offload.core.errors import OffloadError
 
 EXIT_USAGE = 2
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class CLIError(Exception):
+class CLIError(OffloadError):
     """A problem with what the user asked for; printed as one line."""
 
 

@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from offload.hf.data import DataError
+
 VOCAB_SIZE = 256
 
 
@@ -56,7 +58,7 @@ class Corpus:
 
     def __init__(self, tokens: torch.Tensor, name: str = "corpus", val_fraction: float = 0.05):
         if tokens.numel() < 1024:
-            raise ValueError(f"corpus {name!r} is too small ({tokens.numel()} bytes): give at least 1 KiB of text")
+            raise DataError(f"corpus {name!r} is too small ({tokens.numel()} bytes): give at least 1 KiB of text")
         self.name = name
         n_val = max(int(tokens.numel() * val_fraction), 512)
         self.train = tokens[:-n_val]
@@ -79,7 +81,7 @@ class Corpus:
         """Random windows: inputs (B, T) and the same windows shifted by one as targets."""
         data = self.train if split == "train" else self.val
         if data.numel() <= seq_len + 1:
-            raise ValueError(f"the {split} split ({data.numel()} bytes) is shorter than seq_len={seq_len}")
+            raise DataError(f"the {split} split ({data.numel()} bytes) is shorter than seq_len={seq_len}")
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
         window = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
         return window[:, :-1].to(device), window[:, 1:].to(device)

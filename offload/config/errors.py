@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+from offload.core.errors import OffloadError
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, OffloadError):
     """A configuration key or value is invalid; the message names it and the fix."""
 
 

@@ -34,11 +34,12 @@ import torch
 from torch import nn
 
 from offload.core import sharding
+from offload.core.errors import OffloadError
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-class ModelError(ValueError):
+class ModelError(ValueError, OffloadError):
     """The engine cannot handle this model as it is; the message names the fix."""
 
 

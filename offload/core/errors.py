@@ -1,4 +1,13 @@
-"""Errors of the engine's per-block work, naming the block and the stage where they happened.
+"""The root of the package's errors, its families, and the errors of per-block work.
+
+``OffloadError`` is the base of every error offload raises on purpose: ``except
+offload.OffloadError`` catches them all. Each error also keeps the builtin base it had
+(a ``ConfigError`` is a ``ValueError``, a ``TierIOError`` an ``OSError``), so code catching the
+builtin still works. This file imports nothing of the package, so every layer can import it.
+
+Families a caller catches as one: ``BudgetError`` (a configured memory or space budget cannot
+hold what is needed), ``BlockError`` (a stage of one block's work failed), and
+``InvariantError`` (the package's own bookkeeping disagrees: a bug in offload, not in the use).
 
 A failure on a worker thread (an optimizer job, a state write completing later, a parameter
 all-gather) is wrapped once, where it happens, in a ``BlockError`` whose message reads
@@ -13,7 +22,21 @@ from __future__ import annotations
 import errno as errno_mod
 
 
-class BlockError(RuntimeError):
+class OffloadError(Exception):
+    """The base of every error offload raises on purpose; the message names the problem and the fix."""
+
+
+class BudgetError(OffloadError):
+    """A configured budget (device bytes, a host pool, the swap directory's space) cannot hold
+    what is needed; the message names the budget and what it must hold."""
+
+
+class InvariantError(RuntimeError, OffloadError):
+    """A check of the package's own bookkeeping failed: a bug in offload, not in the caller's
+    use (please report it with the message)."""
+
+
+class BlockError(RuntimeError, OffloadError):
     """A stage of one block's work failed (``block``: "3 (layers.2)", ``stage``: its name)."""
 
     block: str = ""

@@ -35,6 +35,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from offload.core.errors import OffloadError
+
 
 _HOST_BACKENDS = ("gloo", "mpi", "ucc")   # backends whose groups take CPU tensors
 
@@ -53,7 +55,7 @@ def takes_host_tensors(backend: str) -> bool:
         return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
     return backend in _HOST_BACKENDS
 
-class CommError(RuntimeError):
+class CommError(RuntimeError, OffloadError):
     """A collective failed or timed out: ranks diverged, or one died."""
 
 

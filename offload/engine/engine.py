@@ -378,7 +378,7 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this engine is closed: create a new one with offload.initialize")
+            raise holders.EngineClosedError("this engine is closed: create a new one with offload.initialize")
 
     def _check_ok(self) -> None:
         """Open, and no earlier failure (an update or a write on a worker): else raise it,

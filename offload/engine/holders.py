@@ -42,10 +42,15 @@ from offload import device as dev
 from offload.engine import build
 from offload.params import homes as ph
 from offload.params.homes import offloaded_bytes
+from offload.core.errors import OffloadError
 
 
-class EngineInUseError(RuntimeError):
+class EngineInUseError(RuntimeError, OffloadError):
     """A model's parameters are held by an open engine that cannot hand them over."""
+
+
+class EngineClosedError(RuntimeError, OffloadError):
+    """A call on an engine after its ``close()``: create a new one with ``offload.initialize``."""
 
 
 _OPEN: "weakref.WeakSet" = weakref.WeakSet()     # the open engines

@@ -26,10 +26,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from offload.core.errors import OffloadError
+
 IGNORE = -100
 
 
-class DataError(ValueError):
+class DataError(ValueError, OffloadError):
     """The data file cannot be used; the message names the file, the line and the fix."""
 
 

@@ -35,6 +35,8 @@ versions.check("transformers", "accelerate")
 
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 
+from offload.core.errors import OffloadError  # noqa: E402
+
 LORA_KEYS = {"r": int, "alpha": float, "dropout": float, "targets": str}
 
 
@@ -55,13 +57,13 @@ def parse_lora(text: str) -> LoraSpec:
         if sep:
             key = k.strip()
             if key not in LORA_KEYS:
-                raise ValueError(f"--lora key {key!r} is unknown: use {', '.join(LORA_KEYS)}, "
-                                 "e.g. r=16,alpha=32,targets=q_proj,v_proj")
+                raise FinetuneError(f"--lora key {key!r} is unknown: use {', '.join(LORA_KEYS)}, "
+                                    "e.g. r=16,alpha=32,targets=q_proj,v_proj")
             fields.setdefault(key, []).append(v.strip())
         elif key == "targets":
             fields[key].append(part)
         else:
-            raise ValueError(f"--lora {text!r}: {part!r} is not KEY=VALUE (only targets= takes a list)")
+            raise FinetuneError(f"--lora {text!r}: {part!r} is not KEY=VALUE (only targets= takes a list)")
     out = {}
     for k, vals in fields.items():
         if k == "targets":
@@ -70,10 +72,10 @@ def parse_lora(text: str) -> LoraSpec:
         try:
             out[k] = LORA_KEYS[k](vals[-1])
         except ValueError:
-            raise ValueError(f"--lora {k}={vals[-1]!r} must be a number") from None
+            raise FinetuneError(f"--lora {k}={vals[-1]!r} must be a number") from None
     spec = LoraSpec(**out)
     if spec.r < 1 or spec.alpha <= 0 or not 0.0 <= spec.dropout < 1.0 or not spec.targets:
-        raise ValueError(f"--lora: need r >= 1, alpha > 0, 0 <= dropout < 1 and targets (got {spec})")
+        raise FinetuneError(f"--lora: need r >= 1, alpha > 0, 0 <= dropout < 1 and targets (got {spec})")
     return spec
 
 
@@ -107,7 +109,7 @@ class FinetuneSpec:
     seed: int = 0
 
 
-class FinetuneError(ValueError):
+class FinetuneError(ValueError, OffloadError):
     """The model directory, data or options cannot be used; the message says which and why."""
 
 

@@ -13,10 +13,12 @@ import datetime
 import os
 from typing import Any, Callable, Optional
 
+from offload.core.errors import OffloadError
+
 WAIT_S = 1800.0      # the longest a rank waits for rank 0's share (transformers' ddp_timeout default)
 
 
-class JobError(RuntimeError):
+class JobError(RuntimeError, OffloadError):
     """Rank 0 failed at work done for the whole job; raised on the other ranks with its message."""
 
 

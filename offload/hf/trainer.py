@@ -53,6 +53,7 @@ import transformers  # noqa: E402
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from offload import ConfigError, DataError, ModelError  # noqa: E402
 from offload.hf.config import engine_config, precision_asked  # noqa: E402
 from offload.planner import precision  # noqa: E402
 from offload.hf.weights import save_hf  # noqa: E402
@@ -171,9 +172,9 @@ class Trainer(transformers.Trainer):
         self._user_optimizer = self.optimizer
         probe = self._user_optimizer if self._user_optimizer is not None else _probe(self.optimizer_cls_and_kwargs)
         if self.args.load_best_model_at_end and self.args.save_only_model:
-            raise ValueError("offload.hf.Trainer: load_best_model_at_end with save_only_model=True: the best weights "
-                             "come back with the engine's checkpoint (weights, master copy and optimizer state), "
-                             "which save_only_model leaves out; set save_only_model=False")
+            raise ConfigError("offload.hf.Trainer: load_best_model_at_end with save_only_model=True: the best weights "
+                              "come back with the engine's checkpoint (weights, master copy and optimizer state), "
+                              "which save_only_model leaves out; set save_only_model=False")
         self.offload_config = engine_config(offload_config, self.args, optimizer=probe)   # fails here, before training
         self._told_not_handed_back = False
         # fp32 unless asked for; an asked-for precision slow on this device, or fp32 chosen
@@ -222,7 +223,7 @@ class Trainer(transformers.Trainer):
             ]
             groups = [g for g in groups if g["params"]]
             if not groups:
-                raise ValueError("offload.hf.Trainer: the model has no parameter with requires_grad: nothing to train")
+                raise ModelError("offload.hf.Trainer: the model has no parameter with requires_grad: nothing to train")
         self.engine = offload.initialize(model, self.offload_config, param_groups=groups, weights=self.offload_weights)
         self.optimizer = self.engine.optimizer
         return self.optimizer
@@ -401,5 +402,5 @@ def _point_to_trl(args, train_dataset) -> None:
     if isinstance(row, dict) and "input_ids" not in row and any(k in row for k in _TEXT_COLUMNS):
         kind = next(k for k in _TEXT_COLUMNS if k in row)
         tr = "DPOTrainer" if kind == "chosen" else "SFTTrainer"
-        raise ValueError(f"offload.hf.Trainer: the training rows hold {kind!r} without input_ids: tokenize them "
-                         f"first, or let TRL's {tr} do it on the engine: offload.hf.on_engine(trl.{tr})(...)")
+        raise DataError(f"offload.hf.Trainer: the training rows hold {kind!r} without input_ids: tokenize them "
+                        f"first, or let TRL's {tr} do it on the engine: offload.hf.on_engine(trl.{tr})(...)")

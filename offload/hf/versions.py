@@ -19,6 +19,8 @@ import warnings
 from importlib import metadata
 from typing import Dict, Tuple
 
+from offload.core.errors import OffloadError
+
 # package: (lowest supported release, newest tested minor series). The test extras in
 # pyproject.toml allow exactly this range (a test checks it); `make test` runs against the
 # newest installable release in it and, for a subset, against the lowest.
@@ -33,7 +35,7 @@ TESTED: Dict[str, Tuple[str, str]] = {
 BROKEN: Dict[str, Dict[str, str]] = {}
 
 
-class VersionError(ImportError):
+class VersionError(ImportError, OffloadError):
     """A required package is missing, too old or a release known to break; the message names the fix."""
 
 

@@ -60,16 +60,17 @@ import torch
 
 from offload.core.sharding import clip_range
 from offload.io import origin
+from offload.core.errors import OffloadError
 
 FORMAT = "offload-checkpoint"
 VERSION = 3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, OffloadError):
     """A checkpoint is missing, damaged or does not match the model."""
 
 
-class CheckpointIOError(OSError):
+class CheckpointIOError(OSError, OffloadError):
     """Reading or writing a checkpoint file failed: names the operation, the path, the block
     (for a block file) and the errno."""
 

@@ -27,12 +27,14 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from offload.core.errors import OffloadError
+
 PathLike = Union[str, os.PathLike]
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MARKER = "offload_gguf.json"        # written last inside the entry: where it came from
 
 
-class GGUFError(ValueError):
+class GGUFError(ValueError, OffloadError):
     """The GGUF input cannot be used; the message names the file and the fix."""
 
 

@@ -38,6 +38,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.core.errors import OffloadError
+
 PAGE = 4096
 _MERGE_GAP = 1 << 20          # extents closer than this in one file are read as one range
 _CHUNK = 64 << 20             # the largest single read call
@@ -52,7 +54,7 @@ for _n, _d in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
         ST_NAMES[getattr(torch, _d)] = _n
 
 
-class WeightsError(ValueError):
+class WeightsError(ValueError, OffloadError):
     """A weights file or directory is unreadable, or does not match the model; the message
     names the file or key and the fix."""
 

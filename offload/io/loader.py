@@ -416,8 +416,8 @@ class WeightLoader:
         ``value``: its bytes if the caller has them (for the checksum), else they are read."""
         ext = self.source_extent(t)
         if ext is None:
-            raise ValueError(f"{self._name(t)} is not in a safetensors file of the checkpoint: it cannot be "
-                             f"read in place")
+            raise WeightsError(f"{self._name(t)} is not in a safetensors file of the checkpoint: it cannot be "
+                               f"read in place")
         if value is None:
             with open(ext.file, "rb") as f:
                 f.seek(ext.offset)

@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from offload.core.errors import InvariantError
+
 BLOCK = 256
 
 
@@ -55,7 +57,8 @@ def dynamic_map(signed: bool) -> torch.Tensor:
         if signed:
             data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
     data += [0.0, 1.0]
-    assert len(data) == 256, len(data)
+    if len(data) != 256:
+        raise InvariantError(f"the dynamic quantization map has {len(data)} values, not 256")
     return torch.tensor(sorted(data), dtype=torch.float32)
 
 

@@ -45,13 +45,13 @@ from torch import nn
 
 from offload import device as dev
 from offload.core.hooks import NOT_MINE, in_backward
-from offload.core.errors import BlockError
+from offload.core.errors import BlockError, BudgetError
 from offload.core.lookahead import Lookahead
 from offload.core.telemetry import Telemetry
 from offload.params.residency import BlockParts, ParamState
 
 
-class DeviceBudgetError(RuntimeError):
+class DeviceBudgetError(RuntimeError, BudgetError):
     """offload_param.device_budget_bytes cannot hold the parameters needed at once."""
 
 

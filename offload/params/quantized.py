@@ -96,7 +96,8 @@ class QuantizedPart:
 
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, fmt: str, double_quant: bool = False,
                  min_numel: int = 0):
-        assert fmt in FORMATS, fmt
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt={fmt!r}: a quantized part is stored as one of {FORMATS}")
         self.layout = layout
         self.dtype = dtype
         self.fmt = fmt

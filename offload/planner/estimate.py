@@ -43,9 +43,10 @@ import psutil
 
 TIERS = ("none", "cpu", "nvme")
 from offload.dtypes import BYTES_PER_PARAM  # noqa: F401 (offload estimate's p; planner/rss.py reads it here)
+from offload.core.errors import OffloadError
 
 
-class EstimateError(ValueError):
+class EstimateError(ValueError, OffloadError):
     """A model description that cannot be used; the message says what to give instead."""
 
 

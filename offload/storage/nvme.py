@@ -81,6 +81,7 @@ from torch.profiler import record_function
 from offload import _native
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
 from offload.storage.tier import _fmt as _gib
+from offload.core.errors import BudgetError, OffloadError
 
 
 # ---- the extent layout of a key ----------------------------------------------------------------
@@ -453,11 +454,11 @@ def keep_alive(*objs) -> None:
     _LEFT_IN_FLIGHT.append(objs)
 
 
-class NvmeIOError(OSError):
+class NvmeIOError(OSError, OffloadError):
     """A read or write of the swap files failed (errno, or a short transfer)."""
 
 
-class StoreClosedError(RuntimeError):
+class StoreClosedError(RuntimeError, OffloadError):
     """An I/O was started on a store that is closed (by ``close()``, or by its finalizer when
     the store was collected)."""
 
@@ -466,7 +467,7 @@ class ChecksumError(NvmeIOError):
     """The bytes read back do not match the checksum recorded when they were written."""
 
 
-class NvmeSpaceError(NvmeIOError):
+class NvmeSpaceError(NvmeIOError, BudgetError):
     """Not enough free space under the swap path."""
 
 

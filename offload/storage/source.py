@@ -33,10 +33,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.core.errors import OffloadError
+
 PAGE = 4096
 
 
-class SourceChangedError(OSError):
+class SourceChangedError(OSError, OffloadError):
     """A checkpoint file read in place changed since the engine loaded it."""
 
 

@@ -80,13 +80,15 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import record_function
 
+from offload.core.errors import BudgetError, OffloadError
+
 DEFAULT_WAIT_S = 600.0
 
 
 PAGE = 4096
 
 
-class PoolBudgetError(ValueError):
+class PoolBudgetError(ValueError, BudgetError):
     """The pool cannot hold what was asked of it."""
 
 
@@ -493,11 +495,11 @@ class LoanState(enum.Enum):
     WRITING_KEPT = "writing_kept"   # write in flight; the bytes stay in memory (READY) after it
 
 
-class TierTimeout(TimeoutError):
+class TierTimeout(TimeoutError, OffloadError):
     """A wait on a tier (a buffer, a read, a write) did not finish in time."""
 
 
-class TierIOError(OSError):
+class TierIOError(OSError, OffloadError):
     """A read or write of a tier failed; names the operation, the owner, the file, the errno."""
 
 

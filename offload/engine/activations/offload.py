@@ -63,12 +63,13 @@ from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
 from offload.storage.tier import PAGE, CallerBuffer, HostBuffer, LoanState, NvmeTier, PoolBudgetError
+from offload.core.errors import BudgetError
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
 
 
-class ActivationHostBudgetError(RuntimeError):
+class ActivationHostBudgetError(RuntimeError, BudgetError):
     """The host copies of saved activations do not fit in ``offload_activations.host_bytes``."""
 
 
