@@ -102,7 +102,7 @@ def load_vs_raw_read(path: str, model_fn, config: dict = None, rounds: int = 3, 
     config, weights=path)`` once and reports that separately (conversion and tier writes)."""
     from offload.io.hf import WeightFiles, raw_read
     from offload.io.loader import WeightLoader
-    from offload.storage.tier import HostPool
+    from offload.storage.pool import HostPool
     files = WeightFiles(path)
     total = sum(os.path.getsize(f) for f in files.files)
     raw_gbps, load_gbps = [], []

@@ -63,7 +63,8 @@ from offload.dist.grad_sync import GradSync
 from offload.optim.state import BlockShard
 from offload.core.telemetry import Telemetry
 from offload.config import LossScalerConfig
-from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
+from offload.storage.pool import OwnedBuffer
+from offload.storage.loan import LoanState, TierTimeout
 
 
 _POLL_S = 0.05        # a borrow waiting for a pool buffer re-checks whether any will come back this often
@@ -95,7 +96,7 @@ class GradBuffer:
     fresh allocation per parameter alive through the step.
 
     Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
-    ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
+    ``b<i>.grad``'s ``Loan`` (storage/loan.py, the loaned-buffer state machine optimizer state
     and parameter homes use), so gradients that must outlive their buffer (the update waits for
     the global norm; the window spans several micro-steps) are parked on NVMe between uses::
 

@@ -301,7 +301,7 @@ class ReadAhead:
     TIMEOUT = 600.0
 
     def __init__(self, files: "WeightFiles", slot_bytes: int):
-        from offload.storage.tier import HostPool
+        from offload.storage.pool import HostPool
         self.files = files
         self.slot = max(int(slot_bytes), PAGE)
         self.pool = HostPool([self.slot, self.slot], pin=False, name="offload-load")
@@ -356,7 +356,7 @@ class ReadAhead:
     @staticmethod
     def read_once(files: "WeightFiles", keys: Sequence[str]) -> ReadGroup:
         """An unscheduled read into a buffer of its own (the values are copied out of it)."""
-        from offload.storage.tier import HostPool
+        from offload.storage.pool import HostPool
         need = files.read_bytes_needed(keys)
         if not need:
             return files.read(keys)

@@ -52,7 +52,7 @@ from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
 from offload.optim.state import BlockShard, Residency, Tier
 from offload.core.telemetry import Telemetry, profiler_range
-from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
+from offload.storage.loan import DEFAULT_WAIT_S, TierTimeout
 
 
 @dataclass(frozen=True)

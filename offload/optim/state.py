@@ -23,7 +23,7 @@ as counted from the shard's, and a chunked update is bit-for-bit the unchunked o
 whose rows are per tensor (Adafactor) is never chunked (``memory_plan.state_chunks``).
 Every other shard has one chunk, ``[0, numel)``, whose layout and key are the shard's.
 
-Residency is each chunk's ``offload.storage.tier.Loan`` (the one loaned-buffer state
+Residency is each chunk's ``offload.storage.loan.Loan`` (the one loaned-buffer state
 machine, shared with the parameter homes)::
 
     ON_TIER --fetch()--> READING --acquire()--> READY --commit()--> WRITING --reclaim()--> ON_TIER
@@ -79,7 +79,8 @@ from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError
 from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
-from offload.storage.tier import Loan, NvmeTier, LoanState, TierKind
+from offload.storage.loan import Loan, LoanState
+from offload.storage.tier import NvmeTier, TierKind
 
 Tier = TierKind             # where the state lives
 Residency = LoanState       # where it is now

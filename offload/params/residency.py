@@ -26,7 +26,7 @@ Transitions (guarded by assertions)::
     block is read only after its write: ``ensure()`` waits for it (bounded).
 
 The host side of an NVMe home (HOME / STAGING / STAGED / STAGED_WRITING / WRITING) is the
-key's ``offload.storage.tier.Loan`` (ON_TIER / READING / READY / WRITING_KEPT / WRITING), the
+key's ``offload.storage.loan.Loan`` (ON_TIER / READING / READY / WRITING_KEPT / WRITING), the
 same loaned-buffer state machine the optimizer state uses; this object adds only the device
 side (FETCHING, ON_DEVICE), and ``state`` is derived from the two, so there is one source of
 truth. Every wait on the host side is bounded; a failed read or write gives its buffer back
@@ -59,7 +59,8 @@ import torch
 from offload import device as dev
 from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError, block_error
-from offload.storage.tier import DEFAULT_WAIT_S, LoanState, NvmeTier
+from offload.storage.loan import DEFAULT_WAIT_S, LoanState
+from offload.storage.tier import NvmeTier
 
 
 class ParamState(enum.Enum):

@@ -80,7 +80,7 @@ from torch.profiler import record_function
 
 from offload import _native
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
-from offload.storage.tier import _fmt as _gib
+from offload.storage.pool import _fmt as _gib
 
 
 # ---- the extent layout of a key ----------------------------------------------------------------

@@ -62,7 +62,9 @@ from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.tier import PAGE, CallerBuffer, HostBuffer, LoanState, NvmeTier, PoolBudgetError
+from offload.storage.pool import PAGE, CallerBuffer, HostBuffer, PoolBudgetError
+from offload.storage.loan import LoanState
+from offload.storage.tier import NvmeTier
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
