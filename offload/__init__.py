@@ -6,7 +6,7 @@
 from offload._native import native_info
 from offload.io.checkpoint import CheckpointError, export_fp32
 from offload.io.export import export_hf
-from offload.io.hf import WeightsError
+from offload.io.safetensors import WeightsError
 from offload.config import Config, ConfigError
 from offload.engine.engine import Engine, initialize
 from offload.core.errors import BlockError, BlockIOError

@@ -103,7 +103,7 @@ class ParamHomes:
                     swapped[key] = n
         self._store.reserve(swapped)
         if in_place:
-            from offload.io.hf import read_range
+            from offload.io.safetensors import read_range
             from offload.io.loader import checksum
             from offload.storage.source import SourceStore
             self._source = SourceStore(lambda b: checksum(b)[1], read_range, threads=2)
