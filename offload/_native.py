@@ -25,6 +25,8 @@ import glob
 import os
 import threading
 
+from offload.units import PAGE
+
 _ABI_VERSION = 10
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
@@ -315,7 +317,8 @@ def _kernel_info(lib: ctypes.CDLL) -> dict:
 
 # ---- I/O engine and checksums -------------------------------------------------------------
 # BEGIN AIO SECTION
-IO_READ, IO_WRITE, IO_PAGE = 0, 1, 4096
+IO_READ, IO_WRITE = 0, 1
+IO_PAGE = PAGE                      # the native library's page (io.c), the package's one
 
 
 class IoReq(ctypes.Structure):

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from offload.storage import HostPool, NvmeStore
-from offload.storage.nvme import PAGE, ExtentLayout
+from offload.storage.nvme import ExtentLayout
 from offload.storage.loan import LoanState, TierIOError, TierTimeout
 from offload.storage.tier import DeviceTier, HostTier, NvmeTier
+from offload.units import PAGE
 
 BLOCK = 64 << 10
 BACKENDS = [pytest.param({"backend": "native"}, id="native"), pytest.param({"backend": "portable"}, id="portable")]

@@ -38,8 +38,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from offload import budgets, dtypes
 from offload.core import sharding
+from offload.units import PAGE
 
-PAGE = 4096
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

@@ -39,7 +39,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-PAGE = 4096
+from offload.units import PAGE
+
 _MERGE_GAP = 1 << 20          # extents closer than this in one file are read as one range
 _CHUNK = 64 << 20             # the largest single read call
 

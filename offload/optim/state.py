@@ -81,6 +81,7 @@ from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
 from offload.storage.loan import Loan, LoanState
 from offload.storage.tier import NvmeTier, TierKind
+from offload.units import PAGE, round_up
 
 Tier = TierKind             # where the state lives
 Residency = LoanState       # where it is now
@@ -177,13 +178,13 @@ class BlockShard:
 
 
 # ---- the byte layout of a shard's state ----------------------------------------------------
-ALIGN = 4096
+ALIGN = PAGE                     # every region starts on a page (O_DIRECT)
 _TORCH = {name: dtypes.state_storage_dtype(name) for name in dtypes.STATE_DTYPES}   # read at import, not per step
 _ITEM = {name: dtypes.element_size(t) for name, t in _TORCH.items()}
 
 
 def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return round_up(n, ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,7 @@ def _wait(io, op: str, what: str, timeout: Optional[float]) -> None:
 class Loan:
     """One key's bytes, lent into memory around their use. Thread-safe; see the module doc."""
 
-    def __init__(self, tier: NvmeTier, key: Optional[str], nbytes: int, what: str, keys=None):
+    def __init__(self, tier, key: Optional[str], nbytes: int, what: str, keys=None):
         self.tier, self.key, self.nbytes, self.what, self.keys = tier, key, nbytes, what, keys
         self.state = LoanState.ON_TIER
         self._lock = threading.RLock()

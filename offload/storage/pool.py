@@ -24,19 +24,10 @@ from typing import Sequence
 import torch
 from torch.profiler import record_function
 
-PAGE = 4096
-
+from offload.units import PAGE, fmt_exact, round_up
 
 class PoolBudgetError(ValueError):
     """The pool cannot hold what was asked of it."""
-
-
-def _round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes} bytes ({nbytes / 2**30:.3f} GiB)"
 
 
 
@@ -57,7 +48,7 @@ class _HostMemory:
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {_fmt(nbytes)} failed with CUDA error {int(err)}; "
+                raise RuntimeError(f"cudaHostRegister of {fmt_exact(nbytes)} failed with CUDA error {int(err)}; "
                                    "the pinned-memory limit (ulimit -l) may be too low, or pass pin=False")
             self.pinned = True
 
@@ -176,12 +167,12 @@ class HostPool:
         sizes = [int(s) for s in slot_bytes]
         if not sizes or any(s <= 0 for s in sizes):
             raise ValueError(f"HostPool {name!r}: slot_bytes must be a non-empty list of positive sizes, got {sizes}")
-        caps = [_round_up(s) for s in sizes]
+        caps = [round_up(s) for s in sizes]
         total = sum(caps)
         if budget_bytes is not None and total > budget_bytes:
             raise PoolBudgetError(
-                f"HostPool {name!r}: {len(caps)} slots need {_fmt(total)} (each rounded up to 4096 bytes) but "
-                f"budget_bytes is {_fmt(budget_bytes)}; raise the host memory budget to at least {total} bytes, "
+                f"HostPool {name!r}: {len(caps)} slots need {fmt_exact(total)} (each rounded up to 4096 bytes) but "
+                f"budget_bytes is {fmt_exact(budget_bytes)}; raise the host memory budget to at least {total} bytes, "
                 f"or ask for fewer or smaller slots (e.g. keep fewer blocks in flight)")
         if pin is None:
             pin = torch.cuda.is_available()
@@ -265,7 +256,7 @@ class HostPool:
             self._cond.notify_all()
 
     def __repr__(self) -> str:
-        return (f"HostPool({self.name!r}, {len(self._caps)} slots, {_fmt(self.capacity_bytes)}, "
+        return (f"HostPool({self.name!r}, {len(self._caps)} slots, {fmt_exact(self.capacity_bytes)}, "
                 f"pinned={self.pinned})")
 
 
@@ -356,14 +347,14 @@ class HostArena:
     # -- internals ---------------------------------------------------------------------------
     def _check_size(self, nbytes: int) -> None:
         _check_request("HostArena", self.name, self._closed, nbytes)
-        if _round_up(max(nbytes, 1)) > self._cap:
+        if round_up(max(nbytes, 1)) > self._cap:
             raise PoolBudgetError(f"HostArena {self.name!r}: {nbytes} bytes do not fit in its "
-                                  f"{_fmt(self._cap)}")
+                                  f"{fmt_exact(self._cap)}")
 
     def _take(self, nbytes: int) -> HostBuffer | None:  # lock held
         if self._closed:
             raise RuntimeError(f"HostArena {self.name!r} is closed")
-        size = _round_up(max(nbytes, 1))
+        size = round_up(max(nbytes, 1))
         for k, (off, n) in enumerate(self._free):
             if n >= size:
                 if n == size:
@@ -396,7 +387,7 @@ class HostArena:
             self._cond.notify_all()
 
     def __repr__(self) -> str:
-        return f"HostArena({self.name!r}, {_fmt(self._cap)}, pinned={self.pinned})"
+        return f"HostArena({self.name!r}, {fmt_exact(self._cap)}, pinned={self.pinned})"
 
 
 def _acquire(pool, nbytes: int, timeout: float | None, timed_out) -> HostBuffer:

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-PAGE = 4096
+from offload.units import PAGE
 
 
 class SourceChangedError(OSError):

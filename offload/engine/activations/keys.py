@@ -13,7 +13,7 @@ import collections
 import threading
 from typing import Dict, List
 
-from offload.storage.pool import PAGE
+from offload.units import PAGE
 
 
 class SwapKeys:

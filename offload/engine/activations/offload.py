@@ -62,9 +62,10 @@ from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.pool import PAGE, CallerBuffer, HostBuffer, PoolBudgetError
+from offload.storage.pool import CallerBuffer, HostBuffer, PoolBudgetError
 from offload.storage.loan import LoanState
 from offload.storage.tier import NvmeTier
+from offload.units import PAGE, fmt_exact
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
@@ -80,10 +81,6 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % PAGE
     return raw[skip:skip + nbytes]
-
-
-def _fmt(n: int) -> str:
-    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 2**10:.1f} KiB)"
 
 
 class ActivationOffload:
@@ -397,25 +394,25 @@ class ActivationOffload:
                    if isinstance(loan.buffer, HostBuffer))
 
     def _budget_error(self, nbytes: int, t, single: bool = False, waited: bool = False) -> ActivationHostBudgetError:
-        what = f"a saved tensor of {_fmt(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
+        what = f"a saved tensor of {fmt_exact(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
         cap = self.pool.capacity_bytes
         key = "offload_activations.host_bytes"
         if single:
             need = -(-nbytes // PAGE) * PAGE
             return ActivationHostBudgetError(
-                f"activation offload ({self.tier}): {what} does not fit in the host pool ({key}={_fmt(cap)}): "
+                f"activation offload ({self.tier}): {what} does not fit in the host pool ({key}={fmt_exact(cap)}): "
                 f"raise {key} to at least {need}, or raise offload_activations.min_bytes above {nbytes - 1} to "
                 "keep tensors this large on the device")
         if waited:
             return ActivationHostBudgetError(
-                f"activation offload ({self.tier}): no room for {what} in the host pool ({key}={_fmt(cap)}, "
-                f"{_fmt(self.pool.in_use_bytes)} in use) after {self.wait_timeout_s} s: the host copies of an "
+                f"activation offload ({self.tier}): no room for {what} in the host pool ({key}={fmt_exact(cap)}, "
+                f"{fmt_exact(self.pool.in_use_bytes)} in use) after {self.wait_timeout_s} s: the host copies of an "
                 "earlier forward are still alive (a loss not yet backwarded, a graph kept with retain_graph); "
                 f"free it before the next forward, or raise {key}")
         held = self._forward_host_bytes()
         return ActivationHostBudgetError(
             f"activation offload (cpu): the tensors this forward saves for backward need more than the host pool "
-            f"({key}={_fmt(cap)}): {_fmt(held)} are held already and {what} does not fit; raise {key}, set "
+            f"({key}={fmt_exact(cap)}): {fmt_exact(held)} are held already and {what} does not fit; raise {key}, set "
             "offload_activations.device to nvme (host copies go on to NVMe as the pool fills), raise "
             "offload_activations.min_bytes, or checkpoint activations (torch.utils.checkpoint)")
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.pool import PAGE
+from offload.units import PAGE
 
 
 class SavedState(enum.Enum):
