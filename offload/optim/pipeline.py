@@ -50,9 +50,9 @@ from torch.optim import optimizer as _torch_optimizer
 from offload import device as dev
 from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
-from offload.optim.state import BlockShard, Residency, Tier
+from offload.optim.state import BlockShard, Tier
 from offload.core.telemetry import Telemetry, profiler_range
-from offload.storage.loan import DEFAULT_WAIT_S, TierTimeout
+from offload.storage.loan import DEFAULT_WAIT_S, LoanState, TierTimeout
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class StepPipeline:
         with self._lock:
             self._reclaim(block=False)
             fetched = sum(1 for b in self.blocks for c in b.state.chunks
-                          if c.residency in (Residency.READING, Residency.READY))
+                          if c.state in (LoanState.READING, LoanState.READY))
             for item in self._ahead.window(self._chunk_bytes, self._window_bytes):
                 if fetched >= self.read_ahead:
                     break
@@ -145,7 +145,9 @@ class StepPipeline:
         while self._writing:
             b, st = self._writing[0]
             try:
-                done = st.reclaim(block=block, timeout=self.wait_timeout_s)
+                if block:
+                    st.finish_write(self.wait_timeout_s)
+                done = st.poll()
             except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
                 done = True
                 self._record(b, "state write" + st.where, exc)
@@ -261,11 +263,11 @@ class StepPipeline:
         rule = args.rule
         for c in chunks:
             self._taken(block, c)
-            if c.residency is Residency.WRITING:  # this chunk's last write is still in flight (a
+            if c.state is LoanState.WRITING:  # this chunk's last write is still in flight (a
                 at[0] = "state write" + c.where   # busy disk): it completes before it is read
                 with self._lock:                  # no other thread reclaims it once it is off the list
                     self._writing = collections.deque(x for x in self._writing if x[1] is not c)
-                c.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
+                c.finish_write(self.wait_timeout_s)                 # the wait without the pipeline's lock
             at[0] = "state read" + c.where
             if c.tier is Tier.NVME and not c.in_memory:
                 self._fetch(c)
@@ -367,7 +369,7 @@ class StepPipeline:
             with self.telemetry.span("offload::ahead_copy"):
                 buf.copy_(slot.spare)             # the parameters are views of this master
         else:
-            slot.spare = c.trade(slot.spare)      # the old buffer is the next update's spare
+            slot.spare = c.replace_resident(slot.spare)      # the old buffer is the next update's spare
             buf = c.acquire(timeout=self.wait_timeout_s)
         master = c.views(buf)[0]
         slot.take()
@@ -439,7 +441,7 @@ class StepPipeline:
             for c in b.state.chunks:
                 if c.tier is Tier.NVME and c.in_memory:
                     try:
-                        c.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
+                        c.release(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
                     except BaseException as exc:
                         self._record(b, "state read" + c.where, exc)
         with self._lock:

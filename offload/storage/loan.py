@@ -12,6 +12,8 @@ A tier's ``loan(key, nbytes, what)`` returns a key's ``Loan``, whose verbs move 
     ``fetch()`` / ``fill()`` with a buffer the caller supplies (one from another source when
     the tier's pool cannot be waited for).
     ``keep()`` is ``commit(keep=True)`` decided after the write started: WRITING --> WRITING_KEPT.
+    ``overwrite(write)`` is ``fill()``, ``write(bytes)``, ``commit()`` (``release()`` if ``write``
+    raises); ``discard()`` is ``release()`` after a failure, its own errors swallowed.
     RESIDENT (device and host tiers): every verb is a no-op, acquire() returns the bytes.
 
 ``release()`` from READY returns the buffer without writing it (the bytes were only read);
@@ -194,6 +196,18 @@ class Loan:
                 self.state = LoanState.READY
             return self.acquire()
 
+    def overwrite(self, write, timeout: Optional[float] = None) -> None:
+        """Replace the whole key: ``write(bytes)`` writes every byte of ``fill()``'s buffer (no
+        read first), then ``commit()`` (-> WRITING; RESIDENT stays). A ``write`` that raises
+        gives the buffer back (-> ON_TIER) and its error goes on."""
+        data = self.fill(timeout)
+        try:
+            write(data)
+        except BaseException:
+            self.release()
+            raise
+        self.commit()
+
     def lend(self, buf, read: bool) -> None:
         """ON_TIER -> READING (``read``: the key's bytes come into ``buf``) or READY (``buf``
         will be overwritten) with ``buf`` (a HostBuffer of any pool, or an OwnedBuffer) in
@@ -294,6 +308,14 @@ class Loan:
                     raise          # the read was going to be discarded anyway
             else:
                 self._give_back()
+
+    def discard(self) -> None:
+        """After a failure: back to ON_TIER whatever the state (a write in flight is waited
+        for, bounded), its own errors swallowed: the caller is already raising one."""
+        try:
+            self.release()
+        except BaseException:   # noqa: BLE001 - the first error is the one reported
+            pass
 
     # ---- internals ---------------------------------------------------------------------------
     def _lend(self, timeout: float, op: str):
