@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import math
 import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +52,9 @@ from offload.core.lookahead import Lookahead
 from offload.optim.state import BlockShard, Tier
 from offload.core.telemetry import Telemetry, profiler_range
 from offload.storage.loan import DEFAULT_WAIT_S, LoanState, TierTimeout
+from offload.storage.pool import Room
+
+_JOB_POLL_S = 0.0005   # a job waiting for a swap buffer asks again this often whether a write can be reclaimed
 
 
 @dataclass(frozen=True)
@@ -160,17 +162,14 @@ class StepPipeline:
         return progressed
 
     def _fetch(self, st) -> None:
-        """A buffer for ``st`` and its read started, waiting for writes in flight to give
-        buffers back; raises TierTimeout when none comes back within the wait bound."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        while not st.fetch():
+        """A buffer for ``st`` and its read started: the pool's one bounded wait, returning the
+        buffers of writes in flight while none is free; raises TierTimeout naming the holders
+        when none comes back within ``wait_timeout_s``."""
+        def make_room() -> Room:
             with self._lock:
-                progressed = self._reclaim(block=True)
-            if not progressed:
-                if time.monotonic() > deadline:
-                    raise TierTimeout(f"no host buffer free for {st.what} after {self.wait_timeout_s} s: every "
-                                      "swap buffer is held by another block's job")
-                time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
+                return Room.MADE if self._reclaim(block=True) else Room.WAIT
+        # WAIT: the buffers are with other workers' jobs, whose commits add writes to reclaim
+        st.fetch(self.wait_timeout_s, make_room=make_room, poll_s=_JOB_POLL_S)
 
     # ---- failures --------------------------------------------------------------------------
     def _record(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:

@@ -404,10 +404,10 @@ class StateChunk:
         return self._loan.in_memory
 
     # ---- transitions: the loan's verbs (storage/loan.py) --------------------------------------
-    def fetch(self) -> bool:
-        """Start reading from NVMe (ON_TIER -> READING) into a free pool buffer.
-        Returns False, with nothing started, when no pool buffer is free."""
-        return self._loan.fetch()
+    def fetch(self, timeout: Optional[float] = None, *, make_room=None, poll_s: Optional[float] = None) -> bool:
+        """Start reading from NVMe (ON_TIER -> READING) into a pool buffer: ``Loan.fetch``
+        (without ``timeout`` False, nothing started, when no pool buffer is free now)."""
+        return self._loan.fetch(timeout, make_room=make_room, poll_s=poll_s)
 
     def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
         """The chunk's bytes (flat uint8, ``nbytes``; ``views()`` splits them), resident in

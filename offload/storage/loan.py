@@ -139,15 +139,29 @@ class Loan:
         return self.tier.wait_timeout_s if self.tier is not None else DEFAULT_WAIT_S
 
     # ---- verbs -----------------------------------------------------------------------------
-    def fetch(self) -> bool:
-        """ON_TIER -> READING if the pool has a buffer free now. True when the bytes are in
-        memory or on their way; False (nothing started) when no buffer is free."""
+    def fetch(self, timeout: Optional[float] = None, *, make_room=None, poll_s: Optional[float] = None) -> bool:
+        """ON_TIER -> READING. True when the bytes are in memory or on their way; False
+        (nothing started) when no buffer is free. Without ``timeout`` it never waits; with
+        one it waits for a buffer (the pool's one bounded wait, storage/pool.py: ``make_room``
+        and ``poll_s`` as there, called without the loan's lock) and raises TierTimeout
+        naming the buffers' holders when none comes; False then only when ``make_room``
+        says none will (``Room.NEVER``)."""
         with self._lock:
             if self.state is not LoanState.ON_TIER:
                 return True
-            buf = self.tier.pool.try_acquire(self.nbytes)
-            if buf is None:
-                return False
+            buf = self.tier.pool.try_acquire(self.nbytes, self.what)
+            if buf is not None:
+                self._start_read(buf)
+                return True
+        if timeout is None:
+            return False
+        buf = self._lend(timeout, "read", make_room, poll_s)
+        if buf is None:
+            return False
+        with self._lock:
+            if self.state is not LoanState.ON_TIER:   # another thread fetched it meanwhile
+                buf.release()
+                return True
             self._start_read(buf)
             return True
 
@@ -189,7 +203,7 @@ class Loan:
         with self._lock:
             assert self.state is not LoanState.WRITING_KEPT, f"{self.what}: fill while its write is in flight"
             if self.state is LoanState.ON_TIER:
-                buf = self.tier.pool.try_acquire(self.nbytes)
+                buf = self.tier.pool.try_acquire(self.nbytes, self.what)
                 if buf is None:
                     return None
                 self._take(buf)
@@ -318,12 +332,13 @@ class Loan:
             pass
 
     # ---- internals ---------------------------------------------------------------------------
-    def _lend(self, timeout: float, op: str):
+    def _lend(self, timeout: float, op: str, make_room=None, poll_s: Optional[float] = None):
+        """A buffer of the tier's pool for this loan (its one bounded wait, storage/pool.py)."""
         try:
-            return self.tier.pool.acquire(self.nbytes, timeout=timeout)
-        except TimeoutError:
-            raise TierTimeout(f"{op} {self.what}: no host buffer free after {timeout} s (every buffer is "
-                              "held by another block)") from None
+            return self.tier.pool.acquire(self.nbytes, timeout, holder=self.what, make_room=make_room,
+                                          poll_s=poll_s)
+        except TimeoutError as exc:
+            raise TierTimeout(f"{op} {self.what}: no host buffer free after {timeout} s ({exc})") from None
 
     def _take(self, buf) -> None:
         self._buf = buf

@@ -12,14 +12,23 @@ back.
 Pinning registers the pages of an anonymous mapping with ``cudaHostRegister`` rather than
 using ``torch.empty(..., pin_memory=True)``, whose caching host allocator rounds every
 request up to a power of two (up to 2x the memory for an unlucky size).
+
+Waiting for a buffer: ``acquire`` is the one bounded wait of the package for a pool's
+buffer. Every release signals the pool's condition variable; a waiter that can itself make a
+buffer come back (settle a write in flight, move a copy on) passes ``make_room``, which says
+what it did (``Room``); one that knows nobody will give a buffer back gets None and uses a
+buffer from elsewhere. The pool records who holds each buffer (``holder``, the owner's name),
+so a wait that runs out names them.
 """
 from __future__ import annotations
 
 import bisect
+import collections
+import enum
 import mmap
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -29,6 +38,13 @@ from offload.units import PAGE, fmt_exact, round_up
 class PoolBudgetError(ValueError):
     """The pool cannot hold what was asked of it."""
 
+
+
+class Room(enum.Enum):
+    """What a waiter's ``make_room()`` did while the pool had no buffer free for it."""
+    MADE = "made"      # it gave a buffer back, or settled work that did: try again at once
+    WAIT = "wait"      # the buffers are with work in flight that gives them back: wait for a release
+    NEVER = "never"    # nothing in flight will give one back: stop waiting (acquire returns None)
 
 
 class _HostMemory:
@@ -190,6 +206,7 @@ class HostPool:
         self._cond = threading.Condition()
         # Free slots as (capacity, index), sorted: the smallest that fits is one bisect away.
         self._free = sorted((cap, i) for i, cap in enumerate(caps))
+        self._holders: dict = {}          # slot index -> who holds it (``holder`` of acquire)
         self._in_use = 0
         self._peak = 0
         self._closed = False
@@ -198,21 +215,25 @@ class HostPool:
     def capacity_bytes(self) -> int:
         return sum(self._caps)
 
-    def try_acquire(self, nbytes: int) -> HostBuffer | None:
-        """The smallest free slot of at least ``nbytes``, or None when none is free now."""
+    def try_acquire(self, nbytes: int, holder: str = "") -> HostBuffer | None:
+        """The smallest free slot of at least ``nbytes``, or None when none is free now.
+        ``holder`` names who takes it (a timed-out wait names the holders)."""
         self._check_size(nbytes)
         with self._cond:
-            return self._take(nbytes)
+            return self._take(nbytes, holder)
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
-        """The smallest free slot of at least ``nbytes``; blocks until one is released.
+    def acquire(self, nbytes: int, timeout: float | None = None, *, holder: str = "",
+                make_room: Optional[Callable[[], Room]] = None, poll_s: float | None = None) -> HostBuffer | None:
+        """The smallest free slot of at least ``nbytes``, waiting (bounded) until one is
+        released: the pool's one wait (see the module doc; ``make_room``, ``poll_s``: ``wait``).
 
-        Raises PoolBudgetError when no slot could ever hold ``nbytes``, TimeoutError when
-        ``timeout`` seconds pass first."""
-        return _acquire(self, nbytes, timeout, lambda: (
+        Raises PoolBudgetError when no slot could ever hold ``nbytes``, TimeoutError naming
+        the slots' holders when ``timeout`` seconds pass first."""
+        return _wait(self, nbytes, timeout, holder, make_room, poll_s, lambda: (
             f"HostPool {self.name!r}: no free slot of >= {nbytes} bytes after {timeout} s "
-            f"({len(self._free)} of {len(self._caps)} slots free, {self._in_use} bytes in use); "
-            "a buffer is probably held too long, or the pool is too small for the lookahead"))
+            f"({len(self._free)} of {len(self._caps)} slots free, {self._in_use} bytes in use; "
+            f"{self._held_by()}); a buffer is probably held too long, or the pool is too small for "
+            "the lookahead"))
 
     def stats(self) -> dict:
         with self._cond:
@@ -236,13 +257,14 @@ class HostPool:
             raise PoolBudgetError(f"HostPool {self.name!r}: no slot can hold {nbytes} bytes (the largest "
                                   f"holds {max(self._caps)}); size the pool's slots for the largest block")
 
-    def _take(self, nbytes: int) -> HostBuffer | None:  # lock held
+    def _take(self, nbytes: int, holder: str = "") -> HostBuffer | None:  # lock held
         if self._closed:
             raise RuntimeError(f"HostPool {self.name!r} is closed")
         k = bisect.bisect_left(self._free, (nbytes, -1))
         if k == len(self._free):
             return None
         cap, index = self._free.pop(k)
+        self._holders[index] = holder
         self._in_use += cap
         self._peak = max(self._peak, self._in_use)
         return HostBuffer(self, index, self._memory[index].data)
@@ -252,8 +274,12 @@ class HostPool:
             if self._closed:
                 return
             bisect.insort(self._free, (self._caps[index], index))
+            self._holders.pop(index, None)
             self._in_use -= self._caps[index]
             self._cond.notify_all()
+
+    def _held_by(self) -> str:  # lock held
+        return _held_by(self._holders.values())
 
     def __repr__(self) -> str:
         return (f"HostPool({self.name!r}, {len(self._caps)} slots, {fmt_exact(self.capacity_bytes)}, "
@@ -285,6 +311,7 @@ class HostArena:
         self._cap = cap
         self._cond = threading.Condition()
         self._free = [(0, cap)]          # (offset, size) of free ranges, sorted by offset, never adjacent
+        self._holders: dict = {}         # offset of a range on loan -> who holds it
         self._in_use = 0
         self._peak = 0
         self._loans = 0
@@ -302,20 +329,22 @@ class HostArena:
         with self._cond:
             return max((n for _, n in self._free), default=0)
 
-    def try_acquire(self, nbytes: int) -> HostBuffer | None:
+    def try_acquire(self, nbytes: int, holder: str = "") -> HostBuffer | None:
         """A range of at least ``nbytes`` (page-rounded), or None when none is free now."""
         self._check_size(nbytes)
         with self._cond:
-            return self._take(nbytes)
+            return self._take(nbytes, holder)
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
-        """A range of at least ``nbytes``; blocks until ranges given back make room.
-        Raises PoolBudgetError when ``nbytes`` exceeds the capacity, TimeoutError when
+    def acquire(self, nbytes: int, timeout: float | None = None, *, holder: str = "",
+                make_room: Optional[Callable[[], Room]] = None, poll_s: float | None = None) -> HostBuffer | None:
+        """A range of at least ``nbytes``, waiting (bounded) until ranges given back make
+        room: the pool's one wait, as ``HostPool.acquire``. Raises PoolBudgetError when
+        ``nbytes`` exceeds the capacity, TimeoutError naming the ranges' holders when
         ``timeout`` seconds pass first."""
-        return _acquire(self, nbytes, timeout, lambda: (
+        return _wait(self, nbytes, timeout, holder, make_room, poll_s, lambda: (
             f"HostArena {self.name!r}: no free range of >= {nbytes} bytes after {timeout} s "
             f"({self._in_use} of {self._cap} bytes in use, largest free range "
-            f"{max((n for _, n in self._free), default=0)})"))
+            f"{max((n for _, n in self._free), default=0)}; {_held_by(self._holders.values())})"))
 
     def trim(self) -> int:
         """Give the pages of every free range back to the OS (``MADV_DONTNEED``; they read as
@@ -351,7 +380,7 @@ class HostArena:
             raise PoolBudgetError(f"HostArena {self.name!r}: {nbytes} bytes do not fit in its "
                                   f"{fmt_exact(self._cap)}")
 
-    def _take(self, nbytes: int) -> HostBuffer | None:  # lock held
+    def _take(self, nbytes: int, holder: str = "") -> HostBuffer | None:  # lock held
         if self._closed:
             raise RuntimeError(f"HostArena {self.name!r} is closed")
         size = round_up(max(nbytes, 1))
@@ -363,6 +392,7 @@ class HostArena:
                     self._free[k] = (off + size, n - size)
                 self._in_use += size
                 self._loans += 1
+                self._holders[off] = holder
                 self._peak = max(self._peak, self._in_use)
                 return HostBuffer(self, off, self._memory.data[off:off + size])
         return None
@@ -384,31 +414,60 @@ class HostArena:
             self._free.insert(k, (start, end - start))
             self._in_use -= size
             self._loans -= 1
+            self._holders.pop(offset, None)
             self._cond.notify_all()
 
     def __repr__(self) -> str:
         return f"HostArena({self.name!r}, {fmt_exact(self._cap)}, pinned={self.pinned})"
 
 
-def _acquire(pool, nbytes: int, timeout: float | None, timed_out) -> HostBuffer:
-    """``pool._take(nbytes)`` under ``pool._cond``, waiting (bounded by ``timeout``) for
-    buffers given back; ``timed_out()`` is the TimeoutError's message. Shared by HostPool
-    (fixed slots) and HostArena (ranges)."""
+def _wait(pool, nbytes: int, timeout: float | None, holder: str, make_room, poll_s: float | None,
+          timed_out) -> HostBuffer | None:
+    """The one bounded wait for a buffer of ``pool`` (HostPool slots or HostArena ranges):
+    ``pool._take(nbytes, holder)`` under ``pool._cond``, which every release signals.
+
+    While none is free, ``make_room()`` (called without the pool's lock, so it may release
+    buffers itself) says what it did: ``Room.MADE``, try again at once; ``Room.WAIT``, wait
+    for a release, at most ``poll_s`` before asking again (None: until a release); and
+    ``Room.NEVER``, nothing will give one back: returns None. Without ``make_room`` the wait
+    lasts until a release. ``timeout`` (None: unbounded) bounds it all; past it, TimeoutError
+    with ``timed_out()``'s message, which names the buffers' holders."""
     pool._check_size(nbytes)
     deadline = None if timeout is None else time.monotonic() + timeout
     with pool._cond:
-        buf = pool._take(nbytes)
-        if buf is not None:
-            return buf
-        with record_function("offload::pool_wait"):
-            while True:
+        buf = pool._take(nbytes, holder)
+    if buf is not None:
+        return buf
+    with record_function("offload::pool_wait"):
+        while True:
+            room = make_room() if make_room is not None else Room.WAIT
+            if room is Room.NEVER:
+                return None
+            with pool._cond:
+                buf = pool._take(nbytes, holder)
+                if buf is not None:
+                    return buf
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(timed_out())
+                if room is Room.MADE:
+                    continue
+                if make_room is not None and poll_s is not None:
+                    remaining = poll_s if remaining is None else min(remaining, poll_s)
                 pool._cond.wait(remaining)
-                buf = pool._take(nbytes)
+                buf = pool._take(nbytes, holder)
                 if buf is not None:
                     return buf
+
+
+def _held_by(holders) -> str:
+    """'held by a (2), b' for the holders' names, the most frequent first (at most 4 named)."""
+    counts = collections.Counter(h or "an unnamed owner" for h in holders)
+    if not counts:
+        return "nothing on loan"
+    named = [f"{h} ({n})" if n > 1 else h for h, n in counts.most_common(4)]
+    more = len(counts) - len(named)
+    return "held by " + ", ".join(named) + (f" and {more} more" if more else "")
 
 
 class CallerBuffer:

@@ -62,12 +62,13 @@ from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.pool import CallerBuffer, HostBuffer, PoolBudgetError
+from offload.storage.pool import CallerBuffer, HostBuffer, PoolBudgetError, Room
 from offload.storage.loan import LoanState
 from offload.storage.tier import NvmeTier
 from offload.units import PAGE, fmt_exact
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
+_HOLDER = "saved activations"   # who holds the pool's ranges (named when a wait runs out)
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
 
 
@@ -340,28 +341,27 @@ class ActivationOffload:
         (``_make_room``); when nothing here can give a range back, wait for other threads'
         graphs to go, all within ``wait_timeout_s``; then raise ActivationHostBudgetError."""
         try:
-            buf = self.pool.try_acquire(nbytes)
+            buf = self.pool.try_acquire(nbytes, _HOLDER)
         except PoolBudgetError:
             raise self._budget_error(nbytes, t, single=True) from None
         if buf is not None or not wait:
             return self._lent(buf)
-        deadline = time.monotonic() + self.wait_timeout_s
+
+        def make_room() -> Room:
+            before = self.pool.in_use_bytes
+            self._tier.settle_retired()
+            if self.pool.in_use_bytes < before or self._make_room():
+                return Room.MADE
+            mine = self._forward_host_bytes()
+            if self.pool.in_use_bytes <= mine or mine + nbytes > self.pool.capacity_bytes:
+                raise self._budget_error(nbytes, t)      # this forward's own copies fill it
+            return Room.WAIT                             # ranges held by an earlier graph, freed on another thread
         with self.telemetry.span("offload::act_pool_wait"):
-            while buf is None:
-                self._tier.settle_retired()
-                buf = self.pool.try_acquire(nbytes)
-                if buf is not None or self._make_room():
-                    continue
-                mine = self._forward_host_bytes()
-                if self.pool.in_use_bytes <= mine or mine + nbytes > self.pool.capacity_bytes:
-                    raise self._budget_error(nbytes, t)      # this forward's own copies fill it
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._budget_error(nbytes, t, waited=True)
-                try:          # ranges held by an earlier graph, freed on another thread
-                    buf = self.pool.acquire(nbytes, timeout=min(left, _POLL_S))
-                except TimeoutError:
-                    pass
+            try:      # the pool's one bounded wait
+                buf = self.pool.acquire(nbytes, self.wait_timeout_s, holder=_HOLDER, make_room=make_room,
+                                        poll_s=_POLL_S)
+            except TimeoutError:
+                raise self._budget_error(nbytes, t, waited=True) from None
         return self._lent(buf)
 
     def _lent(self, buf):
