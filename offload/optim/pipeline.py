@@ -49,7 +49,8 @@ from torch.optim import optimizer as _torch_optimizer
 from offload import device as dev
 from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
-from offload.optim.state import BlockShard, Tier
+from offload.optim.state import BlockShard
+from offload.placement import Placement
 from offload.core.telemetry import Telemetry, profiler_range
 from offload.storage.loan import DEFAULT_WAIT_S, LoanState, TierTimeout
 from offload.storage.pool import Room
@@ -83,7 +84,7 @@ class StepPipeline:
         # the read-ahead's order of (block index, chunk index) and its byte window: the
         # read-ahead's chunk count in bytes of the largest NVMe chunk
         self._ahead = Lookahead("state_prefetch", telemetry)
-        nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Tier.NVME]
+        nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Placement.NVME]
         self._window_bytes = self.read_ahead * max(nvme, default=0)
         self._unreadable: set = set()             # chunks whose read failed to start (their job says why)
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
@@ -107,7 +108,7 @@ class StepPipeline:
     def _chunk_bytes(self, item: tuple) -> int:
         """What a chunk of the order takes of the read-ahead's window: its bytes on NVMe."""
         c = self.blocks[item[0]].state.chunks[item[1]]
-        return c.nbytes if c.tier is Tier.NVME else 0
+        return c.nbytes if c.tier is Placement.NVME else 0
 
     def prefetch(self) -> None:
         """Start reads of the NVMe chunks in the window ahead, while fewer than ``read_ahead``
@@ -122,7 +123,7 @@ class StepPipeline:
                 if fetched >= self.read_ahead:
                     break
                 st = self.blocks[item[0]].state.chunks[item[1]]
-                if st.tier is not Tier.NVME or st.in_memory or item in self._unreadable:
+                if st.tier is not Placement.NVME or st.in_memory or item in self._unreadable:
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
                     try:
@@ -231,7 +232,7 @@ class StepPipeline:
         the device Adam, the parameter copy) is queued on the pipeline's stream behind the
         block's backward (``args.compute_done``); the host never waits for the device, and the
         next forward's compute stream waits on ``block.update_event``."""
-        if block.state.tier is not Tier.DEVICE or self._stream is None:
+        if block.state.tier is not Placement.DEVICE or self._stream is None:
             return self._run(block, args)
         dev.wait_event(self._stream, args.compute_done)
         with dev.use_stream(self._stream):
@@ -268,7 +269,7 @@ class StepPipeline:
                     self._writing = collections.deque(x for x in self._writing if x[1] is not c)
                 c.finish_write(self.wait_timeout_s)                 # the wait without the pipeline's lock
             at[0] = "state read" + c.where
-            if c.tier is Tier.NVME and not c.in_memory:
+            if c.tier is Placement.NVME and not c.in_memory:
                 self._fetch(c)
             with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
                 buf = c.acquire(timeout=self.wait_timeout_s)
@@ -299,7 +300,7 @@ class StepPipeline:
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
         block.stepped = args.step
         c = chunks[0]
-        if len(chunks) == 1 and c.tier is Tier.NVME:
+        if len(chunks) == 1 and c.tier is Placement.NVME:
             at[0] = "state write"
             with self.telemetry.span("offload::state_write"):
                 c.commit()
@@ -392,7 +393,7 @@ class StepPipeline:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
         ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
         rule = args.rule
-        on_device = c.tier is Tier.DEVICE and dev.is_cuda(master.device)
+        on_device = c.tier is Placement.DEVICE and dev.is_cuda(master.device)
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)
@@ -438,7 +439,7 @@ class StepPipeline:
                 self._reclaim(block=True)
         for b in self.blocks:
             for c in b.state.chunks:
-                if c.tier is Tier.NVME and c.in_memory:
+                if c.tier is Placement.NVME and c.in_memory:
                     try:
                         c.release(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
                     except BaseException as exc:

@@ -77,11 +77,10 @@ from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError
 from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
+from offload.placement import Placement
 from offload.storage.loan import Loan, LoanState
-from offload.storage.tier import NvmeTier, TierKind
+from offload.storage.tier import NvmeTier
 from offload.units import PAGE, round_up
-
-Tier = TierKind             # where the state lives
 
 
 # ---- the block shard: its buffers and the update in flight -----------------------------------
@@ -355,7 +354,7 @@ def chunk_layout(layout: StateLayout, a: int, b: int) -> StateLayout:
 class StateChunk:
     """Elements ``[a, b)`` of one shard's state: ``layout``, ``nbytes``, one loan."""
 
-    def __init__(self, key: str, index: int, count: int, a: int, b: int, layout: StateLayout, tier: Tier, *,
+    def __init__(self, key: str, index: int, count: int, a: int, b: int, layout: StateLayout, tier: Placement, *,
                  tensor: Optional[torch.Tensor] = None, pool=None, store=None, what: str = "",
                  wait_timeout_s: Optional[float] = None):
         self.key, self.index, self.count, self.a, self.b = key, index, count, a, b
@@ -365,7 +364,7 @@ class StateChunk:
         # "" for the one chunk of an unchunked state: its errors read as before
         self.where = "" if count == 1 else f" (chunk {index + 1} of {count}, elements [{a}, {b}) of the shard)"
         self.what = f"optimizer state of {what or key}{self.where}"
-        if tier is Tier.NVME:
+        if tier is Placement.NVME:
             assert tensor is None and pool is not None and store is not None
             kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}
             self._loan = NvmeTier(store, pool, **kw).loan(key, self.nbytes, self.what)
@@ -451,7 +450,7 @@ class OptimState:
     """The fp32 master and the rule's state rows of one block shard (``layout``), as
     ``chunks`` (one, unless the state is chunked on NVMe; see the module docstring)."""
 
-    def __init__(self, key: str, layout: StateLayout, tier: Tier, *, tensor: Optional[torch.Tensor] = None,
+    def __init__(self, key: str, layout: StateLayout, tier: Placement, *, tensor: Optional[torch.Tensor] = None,
                  pool=None, store=None, what: str = "", wait_timeout_s: Optional[float] = None,
                  chunks: Sequence[tuple] = ()):
         self.key = key
@@ -464,7 +463,7 @@ class OptimState:
         if ranges[0][0] != 0 or ranges[-1][1] != layout.numel or any(
                 x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
             raise ValueError(f"{self.what}: chunks {ranges} do not cover [0, {layout.numel}) in order")
-        if len(ranges) > 1 and tier is not Tier.NVME:
+        if len(ranges) > 1 and tier is not Placement.NVME:
             raise ValueError(f"{self.what}: only a state on NVMe is chunked (tier {tier.value})")
         self.chunks = [StateChunk(chunk_key(key, k, len(ranges)), k, len(ranges), a, b,
                                   chunk_layout(layout, a, b), tier, tensor=tensor, pool=pool, store=store,

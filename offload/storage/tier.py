@@ -16,18 +16,12 @@ are in storage/loan.py.
 from __future__ import annotations
 
 import collections
-import enum
 from typing import Optional
 
 import torch
 
+from offload.placement import Placement
 from offload.storage.loan import DEFAULT_WAIT_S, Loan, _wait
-
-
-class TierKind(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
 
 
 class NvmeTier:
@@ -35,7 +29,7 @@ class NvmeTier:
     ``store`` None: loans only hold lent buffers (READY until released or retired), never
     written: an owner whose bytes stay on the host uses the same verbs."""
 
-    kind = TierKind.NVME
+    kind = Placement.NVME
 
     def __init__(self, store, pool, *, wait_timeout_s: float = DEFAULT_WAIT_S):
         self.store, self.pool, self.wait_timeout_s = store, pool, wait_timeout_s
@@ -75,7 +69,7 @@ class NvmeTier:
 class HostTier:
     """Keys in persistent buffers of a HostPool: always resident."""
 
-    kind = TierKind.HOST
+    kind = Placement.HOST
 
     def __init__(self, pool, *, wait_timeout_s: float = DEFAULT_WAIT_S):
         self.pool, self.wait_timeout_s = pool, wait_timeout_s
@@ -91,7 +85,7 @@ class HostTier:
 class DeviceTier:
     """Keys in tensors on the compute device: always resident."""
 
-    kind = TierKind.DEVICE
+    kind = Placement.DEVICE
 
     def __init__(self, device: torch.device, *, wait_timeout_s: float = DEFAULT_WAIT_S):
         self.device, self.wait_timeout_s = device, wait_timeout_s

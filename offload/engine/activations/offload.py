@@ -64,6 +64,7 @@ from offload.engine.activations.saved import Saved, SavedState, direct_head, lay
 from offload.engine.read_window import ReadWindow
 from offload.storage.pool import CallerBuffer, HostBuffer, PoolBudgetError, Room
 from offload.storage.loan import LoanState
+from offload.placement import Placement
 from offload.storage.tier import NvmeTier
 from offload.units import PAGE, fmt_exact
 
@@ -87,9 +88,9 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
 class ActivationOffload:
     """The activation side of the saved-tensor chain; ``saved_tensors`` is itself."""
 
-    def __init__(self, *, model: nn.Module, device: torch.device, tier: str, min_bytes: int,
+    def __init__(self, *, model: nn.Module, device: torch.device, tier: Placement, min_bytes: int,
                  lookahead_bytes: int, pool, store=None, telemetry, wait_timeout_s: float = 600.0):
-        assert tier in ("cpu", "nvme"), tier
+        assert tier in (Placement.HOST, Placement.NVME), tier
         self.model = model
         self.device = device
         self.tier = tier
@@ -103,7 +104,7 @@ class ActivationOffload:
         self.telemetry = telemetry
         self.saved_tensors = self
         # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
-        self._direct = tier == "nvme" and device.type == "cpu"
+        self._direct = tier is Placement.NVME and device.type == "cpu"
         # ... and read back into a window of reused memory (read_window.py): no page faults
         self._window = ReadWindow() if self._direct else None
         self._d2h = dev.new_stream(device)
@@ -151,7 +152,7 @@ class ActivationOffload:
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
         self._in_forward = False
-        if self.tier == "nvme" and self.device.type == "cpu":
+        if self.tier is Placement.NVME and self.device.type == "cpu":
             # every copy of this forward is on NVMe and backward reads straight into device
             # memory: the pool's pages leave the RSS until the next forward
             self._tier.settle_retired()
@@ -289,7 +290,7 @@ class ActivationOffload:
 
     def _write(self, rec: Saved) -> None:
         """nvme: commit the loans (each takes its key from the free list)."""
-        if self.tier != "nvme":
+        if self.tier is not Placement.NVME:
             return
         self._tier.settle_retired()                  # retired keys come back before new ones are reserved
         with self.telemetry.span("offload::act_nvme_write"):
@@ -487,7 +488,7 @@ class ActivationOffload:
         read or reading (a cpu tier's host copy is at rest READY)."""
         if rec.state in (SavedState.COPYING_IN, SavedState.ON_DEVICE):
             return True
-        return (rec.state is SavedState.OFF_DEVICE and self.tier == "nvme" and not rec.writing
+        return (rec.state is SavedState.OFF_DEVICE and self.tier is Placement.NVME and not rec.writing
                 and all(loan.state in (LoanState.READING, LoanState.READY) for loan in rec.loans))
 
     def _fetch(self, rec: Saved, wait: bool = True) -> bool:
@@ -589,9 +590,9 @@ class ActivationOffload:
         self._device_hold(rec.nbytes)
         with self._lock:
             self.stats_["h2d_bytes"] += rec.nbytes
-        if self.tier == "nvme" and ev is None:
+        if self.tier is Placement.NVME and ev is None:
             rec.loans[0].release()                   # the range back; the NVMe copy remains for a second unpack
-        elif self.tier == "nvme":
+        elif self.tier is Placement.NVME:
             self._copying_in[id(rec)] = rec          # its range comes back when the copy ends
 
     def _empty_on_h2d(self, rec: Saved, shape, stride) -> torch.Tensor:
@@ -616,7 +617,7 @@ class ActivationOffload:
             compute = dev.current_stream(self.device)
             dev.wait_event(compute, rec.event)
             dev.mark_used(rec.restored, compute)
-            if self.tier == "nvme":
+            if self.tier is Placement.NVME:
                 dev.sync_event(rec.event)
                 rec.loans[0].release()
             rec.event = None
