@@ -26,11 +26,5 @@ class Placement(enum.Enum):
         except KeyError:
             raise ValueError(f"{device!r} is not a placement: use one of {', '.join(_FROM_CONFIG)}") from None
 
-    @property
-    def config_name(self) -> str:
-        """The config's string for this placement ("none", "cpu", "nvme")."""
-        return _TO_CONFIG[self]
-
 
 _FROM_CONFIG = {"none": Placement.DEVICE, "cpu": Placement.HOST, "nvme": Placement.NVME}
-_TO_CONFIG = {v: k for k, v in _FROM_CONFIG.items()}
