@@ -212,7 +212,7 @@ def disk_rate(a, nbytes=512 << 20, piece=128 << 20) -> dict:
     moves data: an NvmeStore with the engine's aio settings (O_DIRECT, checksums), ``nbytes``
     in ``piece``-sized keys, all in flight at once, from and into page-aligned buffers."""
     from offload.storage.nvme import NvmeStore
-    from offload.storage.tier import HostArena
+    from offload.storage.pool import HostArena
     aio = offload.Config.from_any({}).aio
     n = nbytes // piece
     store = NvmeStore(a.nvme_path, backend=aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,

@@ -246,8 +246,8 @@ def must_move(mode: str, opt: str, param: str, n: dict) -> dict:
 def disk_read_gbps(path: str) -> float:
     """O_DIRECT read rate of the checkpoint's files (64 MiB requests), GB/s."""
     import torch
-    from offload.io.hf import WeightFiles, raw_read
-    from offload.storage.tier import HostPool
+    from offload.io.safetensors import WeightFiles, raw_read
+    from offload.storage.pool import HostPool
     files = WeightFiles(path).files
     pool = HostPool([64 << 20], pin=False, name="bench-read")
     try:

@@ -57,7 +57,7 @@ def meta_llama(cfg):
 def write_checkpoint(out_dir: str, cfg, dtype=torch.bfloat16, shard_bytes: int = 1 << 30, seed: int = 0) -> int:
     """A sharded safetensors checkpoint of ``cfg``'s Llama with random values, written tensor
     by tensor (host memory: one tensor). Returns the bytes of tensor data."""
-    from offload.io.hf import TensorSpec, plan_shards, shard_names, write_safetensors
+    from offload.io.safetensors import TensorSpec, plan_shards, shard_names, write_safetensors
     os.makedirs(out_dir, exist_ok=True)
     sd = meta_llama(cfg).state_dict()
     specs = [TensorSpec(k, dtype, tuple(v.shape)) for k, v in sd.items() if k != "lm_head.weight"
@@ -100,9 +100,9 @@ def load_vs_raw_read(path: str, model_fn, config: dict = None, rounds: int = 3, 
     this process, ``rounds`` interleaved rounds (medians). ``model_fn()`` builds the model on
     the meta device. With ``full_load`` also loads it through ``offload.initialize(model,
     config, weights=path)`` once and reports that separately (conversion and tier writes)."""
-    from offload.io.hf import WeightFiles, raw_read
+    from offload.io.safetensors import WeightFiles, raw_read
     from offload.io.loader import WeightLoader
-    from offload.storage.tier import HostPool
+    from offload.storage.pool import HostPool
     files = WeightFiles(path)
     total = sum(os.path.getsize(f) for f in files.files)
     raw_gbps, load_gbps = [], []

@@ -263,7 +263,7 @@ class NvmeStateRun:
 
 def bench_nvme(path: str, total: int, block: int, rounds: int) -> dict:
     from offload.storage.nvme import NvmeStore
-    from offload.storage.tier import HostPool
+    from offload.storage.pool import HostPool
     nblocks = max(1, total // block)
     need = nblocks * block * (12 + 6.1) * 1.1
     free = shutil.disk_usage(path).free

@@ -74,6 +74,9 @@ OFFLOAD_API int offload_kernel_get_num_threads(void);
  * threadpool.c). offload_pool_registered: registrations alive now (0 once no kernel runs,
  * offload_pool_linger_ns has passed and the runtime stopped counting them). */
 OFFLOAD_API const char *offload_pool_runtime(void);
+/* The pool's settings as _native.py parsed them (the library reads no environment): called
+ * once after loading, before any kernel; linger_ms 0..60000, else -1 and nothing changes. */
+OFFLOAD_API int offload_pool_configure(int pthread_only, int64_t linger_ms);
 OFFLOAD_API int offload_pool_registered(void);
 OFFLOAD_API int64_t offload_pool_registrations(void); /* started since the library loaded */
 OFFLOAD_API int64_t offload_pool_linger_ns(void);

@@ -24,13 +24,13 @@
  * by soname with RTLD_NOLOAD, never loaded here) with one thread per CPU, all asleep on a
  * condition variable. The runtime then counts more threads than CPUs, and every idle spin
  * that starts from then on, torch's included, is the short one. Once no kernel runs and
- * LINGER_NS (OFFLOAD_POOL_LINGER_MS, default 0) has passed, the region ends and the host
+ * LINGER_NS (OFFLOAD_POOL_LINGER_MS, default 0; offload_pool_configure) has passed, the region ends and the host
  * exits, which is when the runtime stops counting those threads: torch's own work then spins
  * as it did before the pool existed.
  * A kernel called on the main thread (CPUAdam.step, a user's adam_step) runs its chunks on
  * that thread's own OpenMP team instead (team_run below): torch's workers claim the kernel's
  * chunks rather than compete with it, and no registration is made for it.
- * OFFLOAD_POOL=pthread never registers and never uses torch's team.
+ * OFFLOAD_POOL=pthread (offload_pool_configure) never registers and never uses torch's team.
  * offload_pool_runtime() names the runtime (or "pthread"); offload_pool_registered() says
  * whether a registration is alive; offload_pool_team_runs() counts kernels run on the team.
  */
@@ -161,15 +161,21 @@ static struct {
 #define DEFAULT_LINGER_MS 0L /* the registration ends with the last kernel (see the header) */
 static long LINGER_NS = DEFAULT_LINGER_MS * 1000000L;
 
+static int PTHREAD_ONLY = 0; /* OFFLOAD_POOL=pthread: never register, never run on a team */
+
+/* The pool's settings, read and checked once by _native.py (OFFLOAD_POOL, OFFLOAD_POOL_LINGER_MS)
+ * and passed here right after the library loads, before any kernel: the library reads no
+ * environment of its own, so the two can never disagree. Returns 0, or -1 (nothing changed)
+ * for a linger outside 0..60000 ms. */
+OFFLOAD_API int offload_pool_configure(int pthread_only, int64_t linger_ms) {
+    if (linger_ms < 0 || linger_ms > 60000) return -1;
+    PTHREAD_ONLY = pthread_only != 0;
+    LINGER_NS = (long)linger_ms * 1000000L;
+    return 0;
+}
+
 static void find_openmp(void) {
-    const char *linger = getenv("OFFLOAD_POOL_LINGER_MS");
-    if (linger != NULL && *linger != '\0') {
-        char *end;
-        long ms = strtol(linger, &end, 10);
-        if (*end == '\0' && ms >= 0 && ms <= 60000) LINGER_NS = ms * 1000000L; /* _native.py checks it */
-    }
-    const char *want = getenv("OFFLOAD_POOL");
-    if (want != NULL && strcmp(want, "pthread") == 0) return;
+    if (PTHREAD_ONLY) return;
     static const char *const names[] = {"libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.so.5"};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
         void *h = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD); /* only a runtime already loaded */

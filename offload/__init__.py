@@ -10,7 +10,7 @@ from offload._native import native_info
 from offload.io.checkpoint import CheckpointError, CheckpointIOError, export_fp32
 from offload.io.export import export_hf
 from offload.io.gguf import GGUFError
-from offload.io.hf import WeightsError
+from offload.io.safetensors import WeightsError
 from offload.config import Config, ConfigError
 from offload.engine.engine import Engine, initialize
 from offload.core.blocks import ModelError
@@ -25,7 +25,8 @@ from offload.params.offload import DeviceBudgetError
 from offload.planner.estimate import EstimateError
 from offload.storage.nvme import ChecksumError, NvmeIOError, NvmeSpaceError, StoreClosedError
 from offload.storage.source import SourceChangedError
-from offload.storage.tier import PoolBudgetError, TierIOError, TierTimeout
+from offload.storage.pool import PoolBudgetError
+from offload.storage.loan import TierIOError, TierTimeout
 
 __all__ = ["initialize", "Engine", "Config", "export_fp32", "export_hf", "native_info",
            # the root of every error offload raises on purpose, then its families

@@ -25,7 +25,9 @@ import glob
 import os
 import threading
 
-_ABI_VERSION = 10
+from offload.units import PAGE
+
+_ABI_VERSION = 11
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -52,16 +54,20 @@ def isa_setting() -> str:
     return value
 
 
-def _check_pool_env() -> None:
-    """OFFLOAD_POOL (``pthread``: never register the pool with torch's OpenMP runtime; unset or
-    ``auto``: register while it has work) and OFFLOAD_POOL_LINGER_MS (0..60000, default 0: how
-    long the registration outlives the last kernel), read by native/threadpool.c."""
-    pool = os.environ.get("OFFLOAD_POOL", "auto").strip().lower()
-    if pool not in ("auto", "pthread", ""):
-        raise ValueError(f"OFFLOAD_POOL={pool!r} is not valid: use auto or pthread")
+def pool_setting() -> tuple:
+    """(pthread_only, linger_ms) from OFFLOAD_POOL (``pthread``: never register the pool with
+    torch's OpenMP runtime; unset or ``auto``: register while it has work; case and
+    surrounding spaces ignored) and OFFLOAD_POOL_LINGER_MS (0..60000, default 0: how long the
+    registration outlives the last kernel). Parsed here only: the library gets the result
+    (``offload_pool_configure``) and reads no environment, so the two never disagree."""
+    raw = os.environ.get("OFFLOAD_POOL", "auto")
+    pool = raw.strip().lower() or "auto"
+    if pool not in ("auto", "pthread"):
+        raise ValueError(f"OFFLOAD_POOL={raw!r} is not valid: use auto or pthread")
     linger = os.environ.get("OFFLOAD_POOL_LINGER_MS", "").strip()
     if linger and not (linger.isdigit() and int(linger) <= 60000):
         raise ValueError(f"OFFLOAD_POOL_LINGER_MS={linger!r} is not valid: use milliseconds from 0 to 60000")
+    return pool == "pthread", int(linger or 0)
 
 
 def _find_library() -> str | None:
@@ -74,7 +80,7 @@ def _find_library() -> str | None:
 
 def _load() -> None:
     global _lib, _load_error, _loaded
-    _check_pool_env()
+    pthread_only, linger_ms = pool_setting()
     isa_setting()
     path = _find_library()
     if path is not None and not os.path.isfile(path):
@@ -90,6 +96,8 @@ def _load() -> None:
                 raise OSError(f"ABI version {version}, expected {_ABI_VERSION}: rebuild with `make native`")
             _declare_kernels(lib)
             _declare_aio(lib)
+            if lib.offload_pool_configure(int(pthread_only), linger_ms) != 0:
+                raise OSError(f"the library refused OFFLOAD_POOL_LINGER_MS={linger_ms}")
             _apply_isa_setting(lib)
             _lib = lib
         except (OSError, AttributeError) as exc:
@@ -154,6 +162,7 @@ def _declare_kernels(lib: ctypes.CDLL) -> None:
     lib.offload_pool_linger_ns.argtypes, lib.offload_pool_linger_ns.restype = [], i64
     lib.offload_pool_registrations.argtypes, lib.offload_pool_registrations.restype = [], i64
     lib.offload_pool_team_runs.argtypes, lib.offload_pool_team_runs.restype = [], i64
+    lib.offload_pool_configure.argtypes, lib.offload_pool_configure.restype = [i32, i64], i32
 
 _kernels: dict = {}  # name -> the checked C entry point
 
@@ -315,7 +324,8 @@ def _kernel_info(lib: ctypes.CDLL) -> dict:
 
 # ---- I/O engine and checksums -------------------------------------------------------------
 # BEGIN AIO SECTION
-IO_READ, IO_WRITE, IO_PAGE = 0, 1, 4096
+IO_READ, IO_WRITE = 0, 1
+IO_PAGE = PAGE                      # the native library's page (io.c), the package's one
 
 
 class IoReq(ctypes.Structure):

@@ -206,9 +206,9 @@ class _LentCount:
     peak of the bytes out at once."""
 
     def __init__(self, monkeypatch):
-        from offload.storage import tier
+        from offload.storage import pool as pool_mod
         self.out = self.peak = self.loans = 0
-        init, release = tier.HostBuffer.__init__, tier.HostBuffer.release
+        init, release = pool_mod.HostBuffer.__init__, pool_mod.HostBuffer.release
         mine = lambda buf: buf._pool.name == "offload-activations"   # noqa: E731
 
         def counted_init(buf, pool, index, data):
@@ -222,8 +222,8 @@ class _LentCount:
             if mine(buf):
                 self.out -= buf.nbytes
             release(buf)
-        monkeypatch.setattr(tier.HostBuffer, "__init__", counted_init)
-        monkeypatch.setattr(tier.HostBuffer, "release", counted_release)
+        monkeypatch.setattr(pool_mod.HostBuffer, "__init__", counted_init)
+        monkeypatch.setattr(pool_mod.HostBuffer, "release", counted_release)
 
 
 def _largest_saved(model, x):

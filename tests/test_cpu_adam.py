@@ -796,14 +796,35 @@ def test_main_thread_kernel_runs_on_torchs_team(native):
     assert out["after_team"] > 0.3 * out["default"] / 5, f"torch's workers did not spin after the team's kernel: {out}"
 
 
-def test_pool_runtime_can_be_plain_pthreads():
-    """OFFLOAD_POOL=pthread: the workers are plain pthreads (the kernel gives the same bits)."""
+@pytest.mark.parametrize("value", ["pthread", "PTHREAD", " pthread "])
+def test_pool_runtime_can_be_plain_pthreads(value):
+    """OFFLOAD_POOL=pthread, in any case and with spaces around it: the workers are plain
+    pthreads (the kernel gives the same bits). Python parses the setting once and the library
+    follows it (it reads no environment), so the two cannot disagree."""
     code = ("import torch, offload; from offload.optim import adam_step; "
             "p, g, m, v = torch.ones(1 << 20), torch.ones(1 << 20), torch.zeros(1 << 20), torch.zeros(1 << 20); "
             "adam_step(p, g, m, v, step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0); "
             "assert torch.allclose(p, torch.full_like(p, 0.9)), p[:4]; print(offload.native_info().get('pool'))")
-    env = dict(os.environ, OFFLOAD_POOL="pthread", OFFLOAD_NATIVE="auto")
+    env = dict(os.environ, OFFLOAD_POOL=value, OFFLOAD_NATIVE="auto")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if offload.native_info()["backend"] == "native":
         assert out.stdout.strip() == "pthread"
+
+
+@pytest.mark.parametrize("value, want", [("", False), ("auto", False), (" Auto ", False), ("pthread", True),
+                                         ("PTHREAD", True), (" pthread ", True)])
+def test_pool_setting_is_parsed_once(monkeypatch, value, want):
+    """OFFLOAD_POOL is read in one place (``_native.pool_setting``), case and spaces ignored;
+    the library gets its result."""
+    from offload import _native
+    monkeypatch.setenv("OFFLOAD_POOL", value)
+    monkeypatch.setenv("OFFLOAD_POOL_LINGER_MS", " 50 ")
+    assert _native.pool_setting() == (want, 50)
+
+
+def test_pool_setting_rejects_a_misspelling(monkeypatch):
+    from offload import _native
+    monkeypatch.setenv("OFFLOAD_POOL", "pthreads")
+    with pytest.raises(ValueError, match="OFFLOAD_POOL='pthreads' is not valid: use auto or pthread"):
+        _native.pool_setting()

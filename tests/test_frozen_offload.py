@@ -300,7 +300,7 @@ def test_checkpoint_changed_under_the_run_is_detected(how, tmp_path):
     x, y = data[0]
     eng.backward(eng(x, y))
     eng.step()
-    from offload.io.hf import WeightFiles
+    from offload.io.safetensors import WeightFiles
     ext = WeightFiles(ck).extent("model.layers.1.mlp.up_proj.weight")
     st = os.stat(ext.file)
     with open(ext.file, "r+b" if how == "same_size_and_mtime" else "ab") as f:

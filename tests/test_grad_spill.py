@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import offload
-from offload.engine.memory_plan import GradHome
+from offload.placement import Placement
 from _models import batches, clone, make_model
 from test_engine import check_parity, reference_run
 
@@ -41,7 +41,7 @@ def test_parked_gradients_match_torch(clip, gas, tmp_path):
     got, stats, plan = run(clone(base), data, nvme_cfg(tmp_path, gradient_accumulation_steps=gas,
                                                        gradient_clipping=clip))
     check_parity(ref, ref_fused, got)
-    assert plan.grad_home is GradHome.SPILL
+    assert plan.grad_home is Placement.NVME
     assert plan.pool("offload-host") is None                  # no whole-model gradient buffer
     n_grads = plan.pool("offload-grads").slots
     assert len(n_grads) < len(plan.blocks)
@@ -57,7 +57,7 @@ def test_grad_host_budget_keeps_gradients_in_ram_when_they_fit(tmp_path):
     ref = reference_run(clone(base), data, gas=2, clip=1.0)
     ref_fused = reference_run(clone(base), data, gas=2, clip=1.0, fused=True)
     got, _, plan = run(clone(base), data, cfg)
-    assert plan.grad_home is GradHome.HOST
+    assert plan.grad_home is Placement.HOST
     check_parity(ref, ref_fused, got)
 
 

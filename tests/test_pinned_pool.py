@@ -245,3 +245,46 @@ def test_closed_memory_stays_under_a_live_tensor(kind):
     buf.release()
     pool.close()
     assert torch.equal(kept, torch.full((1024,), 3.0))
+
+
+@pytest.mark.parametrize("kind", ["pool", "arena"])
+def test_the_one_wait_names_who_holds_the_buffers(kind):
+    """A wait for a buffer that runs out names the owners holding the pool's buffers (the
+    ``holder`` each took it with), so a stuck owner is found from the message."""
+    from offload.storage import HostArena
+    pool = HostPool([4096, 4096], pin=False, name="w") if kind == "pool" else HostArena(8192, pin=False, name="w")
+    try:
+        a = pool.acquire(4096, holder="optimizer state of block 1")
+        b = pool.try_acquire(4096, "parameters of block 2")
+        with pytest.raises(TimeoutError, match=r"held by optimizer state of block 1, parameters of block 2"):
+            pool.acquire(4096, timeout=0.05, holder="block 3")
+        b.release()
+        c = pool.acquire(4096, holder="optimizer state of block 1")
+        with pytest.raises(TimeoutError, match=r"held by optimizer state of block 1 \(2\)\)"):
+            pool.acquire(4096, timeout=0.0)
+        a.release(), c.release()
+    finally:
+        pool.close()
+
+
+def test_the_one_wait_asks_make_room_and_wakes_on_a_release():
+    """``make_room``: MADE (it gave a buffer back) tries again at once, NEVER (nobody will)
+    returns None at once, WAIT waits for a release, which wakes the waiter through the
+    pool's condition variable long before ``poll_s`` or the timeout."""
+    from offload.storage.pool import Room
+    pool = HostPool([4096], pin=False, name="rooms")
+    try:
+        held = [pool.acquire(10, holder="a write in flight")]
+        made = lambda: (held.pop().release(), Room.MADE)[1] if held else Room.WAIT   # noqa: E731
+        buf = pool.acquire(10, timeout=5.0, make_room=made)
+        assert buf is not None and not held
+        t0 = time.monotonic()
+        assert pool.acquire(10, timeout=5.0, make_room=lambda: Room.NEVER) is None
+        assert time.monotonic() - t0 < 1.0
+        threading.Timer(0.05, buf.release).start()
+        t0 = time.monotonic()
+        got = pool.acquire(10, timeout=30.0, make_room=lambda: Room.WAIT, poll_s=20.0)
+        assert got is not None and time.monotonic() - t0 < 10.0, "the release did not wake the waiter"
+        got.release()
+    finally:
+        pool.close()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.io.hf import WeightFiles, WeightsError
+from offload.io.safetensors import WeightFiles, WeightsError
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

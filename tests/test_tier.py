@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from offload.storage import HostPool, NvmeStore
-from offload.storage.nvme import PAGE, ExtentLayout
-from offload.storage.tier import (DeviceTier, HostTier, LoanState, NvmeTier, TierIOError, TierTimeout)
+from offload.storage.nvme import ExtentLayout
+from offload.storage.loan import LoanState, TierIOError, TierTimeout
+from offload.storage.tier import DeviceTier, HostTier, NvmeTier
+from offload.units import PAGE
 
 BLOCK = 64 << 10
 BACKENDS = [pytest.param({"backend": "native"}, id="native"), pytest.param({"backend": "portable"}, id="portable")]
@@ -250,7 +252,9 @@ def test_layout_geometry():
 def test_try_fill_and_lend_a_buffer_from_elsewhere(tmp_path):
     """try_fill() does not wait for the pool; lend() takes a buffer the caller supplies (an
     OwnedBuffer outside the pool) and the loan moves it like the pool's own."""
-    from offload.storage.tier import LoanState, NvmeTier, OwnedBuffer
+    from offload.storage.pool import OwnedBuffer
+    from offload.storage.loan import LoanState
+    from offload.storage.tier import NvmeTier
     store = NvmeStore(str(tmp_path), name="lend-other")
     pool = HostPool([8192], pin=False, name="one")
     tier = NvmeTier(store, pool, wait_timeout_s=5.0)
@@ -369,7 +373,7 @@ def test_keep_decided_after_the_write_started(store, pool):
 def test_caller_buffer_writes_and_reads_in_place(store, pool):
     """A CallerBuffer lends the caller's tensor: the write reads it in place, the read lands in
     it in place, and letting it go leaves the tensor alone (no pool buffer is used)."""
-    from offload.storage.tier import CallerBuffer
+    from offload.storage.pool import CallerBuffer
 
     def aligned(n):
         raw = torch.zeros(n + PAGE, dtype=torch.uint8)

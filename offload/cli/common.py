@@ -10,8 +10,8 @@ from typing import List
 
 from offload import dtypes
 from offload import config as config_mod
-from offload.cli.progress import fmt_bytes
 from offload.core.errors import OffloadError
+from offload.units import fmt_bytes
 
 EXIT_USAGE = 2
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
-from offload.cli.common import (CLIError, add_model_args, add_rss_args, fmt_bytes, model_spec, parse_size,
+from offload.cli.common import (CLIError, add_model_args, add_rss_args, model_spec, parse_size,
                                rss_prediction)
+from offload.units import fmt_bytes
 
 
 def cmd_estimate(args) -> int:

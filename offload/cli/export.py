@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from offload import dtypes
-from offload.cli.common import CLIError, fmt_bytes
+from offload.cli.common import CLIError
+from offload.units import fmt_bytes
 
 
 def _export_hf(args) -> int:

@@ -7,8 +7,9 @@ import os
 import tempfile
 
 from offload import dtypes
-from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, add_rss_args, fmt_bytes, model_spec,
+from offload.cli.common import (CLIError, REPO_ROOT, add_gpt_args, add_model_args, add_rss_args, model_spec,
                                parse_size, rss_prediction)
+from offload.units import fmt_bytes
 
 
 def _gpt_case(args):

@@ -18,15 +18,7 @@ from typing import Mapping, Optional, TextIO
 
 from tqdm import tqdm
 
-
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5KiB' (binary units, 3 significant figures)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.3g}{unit}"
-        n /= 1024
-    return f"{n:.3g}TiB"
+from offload.units import fmt_bytes
 
 
 def postfix(loss: Optional[float] = None, tok_s: Optional[float] = None,

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Tuple
 from offload.config import deepspeed, flags
 from offload.config.errors import ConfigError, read_json  # noqa: F401 (read_json: offload.config.schema.read_json)
 from offload.dtypes import PRECISIONS, STATE_DTYPES
+from offload.placement import Placement
 
 
 TIER_DEVICES = ("none", "cpu", "nvme")
@@ -190,6 +191,11 @@ class OffloadOptimizerConfig:
     # backward before any update.
     update_ahead: bool = False
 
+    @property
+    def placement(self) -> Placement:
+        """``device`` as a Placement (offload/placement.py): what everything below the config uses."""
+        return Placement.from_config(self.device)
+
     def __post_init__(self):
         _check_finite(self, "offload_optimizer.")
         _check_choice("offload_optimizer.device", self.device, TIER_DEVICES)
@@ -222,6 +228,11 @@ class OffloadParamConfig:
     frozen_dtype: str = "compute"
     frozen_double_quant: bool = False   # nf4: the block scales themselves 8-bit (QLoRA's double quant)
     frozen_quant_min_numel: int = 1 << 16
+
+    @property
+    def placement(self) -> Placement:
+        """``device`` as a Placement (offload/placement.py): what everything below the config uses."""
+        return Placement.from_config(self.device)
 
     def __post_init__(self):
         _check_finite(self, "offload_param.")
@@ -266,6 +277,11 @@ class OffloadActivationsConfig:
     min_bytes: int = 1 << 20
     lookahead_bytes: int = 256 << 20
     host_bytes: Optional[int] = None
+
+    @property
+    def placement(self) -> Placement:
+        """``device`` as a Placement (offload/placement.py): what everything below the config uses."""
+        return Placement.from_config(self.device)
 
     def __post_init__(self):
         _check_finite(self, "offload_activations.")

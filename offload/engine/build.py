@@ -23,14 +23,13 @@ from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
 from offload.engine.step_control import GradBuffer
-from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
 from offload.optim.pipeline import StepPipeline
-from offload.optim.state import BlockShard, OptimState, Tier, chunk_key
+from offload.optim.state import BlockShard, OptimState, chunk_key
+from offload.placement import Placement
 from offload.params import homes as ph
 from offload.params.residency import ParamWriteBack
 
-TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
 def update_rule(config):
@@ -47,7 +46,7 @@ def update_rule(config):
 def placement_refusal(config) -> Optional[str]:
     """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
     ``offload estimate`` marks a placement with."""
-    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.device == "none":
+    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.placement is Placement.DEVICE:
         return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
                 "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
                 "state_dtype bf16 with offload_optimizer.device none")
@@ -120,13 +119,13 @@ class Builder:
         self.stage = config.zero_optimization.stage
         self.device, self.dtype, self.rule, self.state_dtype = device, dtype, rule, state_dtype
         self.optimizer, self.telemetry = optimizer, telemetry
-        self.tier = TIERS[config.offload_optimizer.device]
+        self.tier = config.offload_optimizer.placement
         self.home_device = ph.home_device(config, self.stage)
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.layouts = blk.build_layouts(module, config.blocks, group_of, world_size=comm.world,
                                          param_align=quant.BLOCK if state_dtype == "int8" else 1)
         self.frozen = blk.frozen_parts(module, config.blocks, lambda p: ph.frozen_dtype(p, dtype)) \
-            if self.home_device != "none" else []
+            if self.home_device is not Placement.DEVICE else []
         from offload.params import quantized
         # id(frozen part) -> its codec, for the parts stored quantized (offload_param.frozen_dtype)
         self.codecs = quantized.codecs(self.frozen, config.offload_param, lambda p: ph.frozen_dtype(p, dtype))
@@ -151,7 +150,7 @@ class Builder:
                                  else ph.frozen_part_bytes(p, self.dtype) for p in parts))
                  for name, _, lay, parts in self.units]
         avail = None                  # sizes the cpu activation pool when host_bytes is not set
-        if config.offload_activations.device == "cpu" and config.offload_activations.host_bytes is None:
+        if config.offload_activations.placement is Placement.HOST and config.offload_activations.host_bytes is None:
             import psutil
             avail = psutil.virtual_memory().available
         kw = {"host_available": avail}
@@ -171,7 +170,7 @@ class Builder:
         (storage/source.py ``in_place_layout``), so a staged part is read with O_DIRECT
         straight into its buffer. ``id(part) -> ranges``."""
         from offload.storage.source import in_place_layout
-        if (self.home_device != "nvme" or not self.config.offload_param.frozen_in_place
+        if (self.home_device is not Placement.NVME or not self.config.offload_param.frozen_in_place
                 or self.weights.files is None):
             return {}
         out = {}
@@ -221,7 +220,7 @@ class Builder:
                 "stage": c.zero_optimization.stage, "precision": c.precision,
                 "gradient_accumulation_steps": c.gradient_accumulation_steps,
                 "gradient_clipping": c.gradient_clipping, "optimizer": dataclasses.asdict(c.optimizer),
-                "overlap_step": c.overlap_step, "offload_param": c.offload_param.device != "none"}
+                "overlap_step": c.overlap_step, "offload_param": c.offload_param.placement is not Placement.DEVICE}
 
     # ---- building -----------------------------------------------------------------------
     def build(self, resources, on_param_write_failure: Callable[[int, BaseException], None]) -> Built:
@@ -232,7 +231,7 @@ class Builder:
         self._res = resources
         self._storage()
         built = Built([], [], [], [], swap_slots=max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1))
-        if self.home_device != "none":
+        if self.home_device is not Placement.DEVICE:
             from offload.engine import memory_plan as mp
             sizes = [bp.device_bytes for bp in self.plan.blocks]
             budget = self.plan.param_budget
@@ -258,7 +257,7 @@ class Builder:
                             telemetry=self.telemetry, compute_device=self.device, grad_sync=grad_sync,
                             wait_timeout_s=cfg.wait_timeout_s,
                             params=ParamWriteBack(compute_device=self.device, copy_param=self.dtype == torch.float32,
-                                                  state_on_device=self.tier is Tier.DEVICE,
+                                                  state_on_device=self.tier is Placement.DEVICE,
                                                   write_pool=resources.pool("offload-param-write"),
                                                   telemetry=self.telemetry, wait_timeout_s=cfg.wait_timeout_s,
                                                   keep_staged=keep_staged))
@@ -282,13 +281,13 @@ class Builder:
         none); its pool and store come from ``resources``."""
         from offload.engine.activations import ActivationOffload
         ac = self.config.offload_activations
-        if ac.device == "none":
+        if ac.placement is Placement.DEVICE:
             return None
-        store = resources.make_store("activations", ac.nvme_path) if ac.device == "nvme" else None
+        store = resources.make_store("activations", ac.nvme_path) if ac.placement is Placement.NVME else None
         # unpinned, it is trimmed every step (activations.py)
         pool = resources.make_pool("offload-activations", pin=ac.pin_memory and dev.can_pin(),
                                    huge_pages=True, arena=True)
-        return ActivationOffload(model=self.module, device=self.device, tier=ac.device,
+        return ActivationOffload(model=self.module, device=self.device, tier=ac.placement,
                                  min_bytes=ac.min_bytes, lookahead_bytes=ac.lookahead_bytes,
                                  pool=pool, store=store, telemetry=self.telemetry,
                                  wait_timeout_s=self.config.wait_timeout_s)
@@ -305,17 +304,17 @@ class Builder:
         self._grad_pool = res.make_pool("offload-grads", pin=pin, huge_pages=True)
         self._host_pool = res.make_pool("offload-host", pin=pin, huge_pages=True)
         self._store = self._swap_pool = self._grad_tier = None
-        if self.tier is Tier.NVME:
+        if self.tier is Placement.NVME:
             self._store = res.make_store("optimizer", cfg.offload_optimizer.nvme_path)
             self._store.reserve({chunk_key(state_key(lay), k, len(bp.chunk_bytes)): nb
                                  for lay, bp in zip(self.layouts, plan.blocks) for k, nb in enumerate(bp.chunk_bytes)})
             self._swap_pool = res.make_pool("offload-swap", pin=pin, huge_pages=True)
-            if plan.grad_home is GradHome.SPILL:   # gradients parked beside the optimizer state
+            if plan.grad_home is Placement.NVME:   # gradients parked beside the optimizer state
                 from offload.storage.tier import NvmeTier
                 self._grad_tier = NvmeTier(self._store, self._grad_pool, wait_timeout_s=cfg.wait_timeout_s)
                 self._grad_tier.reserve({grad_key(lay): bp.grad_numel * plan.grad_bytes
                                          for lay, bp in zip(self.layouts, plan.blocks)})
-        elif plan.grad_home is GradHome.SPILL:
+        elif plan.grad_home is Placement.NVME:
             raise ValueError("offload_optimizer.grad_host_bytes is smaller than the model's gradients, which "
                              "then go to the NVMe tier: set offload_optimizer.device to nvme (with nvme_path), "
                              "or raise grad_host_bytes")
@@ -344,7 +343,7 @@ class Builder:
         NVMe tier between uses, or in the host pool for the engine's lifetime (each gradient
         is copied in as it lands and autograd's tensor is freed at once, also on a CPU device)."""
         n = len(lay.segments)
-        if self.tier is Tier.DEVICE:
+        if self.tier is Placement.DEVICE:
             return GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), n)
         if self._grad_tier is not None:
             def jobs_in_flight() -> bool:   # work in flight will give a buffer back (an update, a park)
@@ -356,14 +355,14 @@ class Builder:
 
     def _optim_state(self, lay, nbytes: int, layout):
         """(the block's optimizer state on its tier, the state's own memory or None)."""
-        if self.tier is Tier.DEVICE:
+        if self.tier is Placement.DEVICE:
             t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            return OptimState(state_key(lay), layout, Tier.DEVICE, tensor=t), t
-        if self.tier is Tier.HOST:
+            return OptimState(state_key(lay), layout, Placement.DEVICE, tensor=t), t
+        if self.tier is Placement.HOST:
             t = self._host_pool.acquire(nbytes).view(torch.uint8, nbytes)
-            return OptimState(state_key(lay), layout, Tier.HOST, tensor=t), t
+            return OptimState(state_key(lay), layout, Placement.HOST, tensor=t), t
         bp = self.plan.blocks[lay.index]
-        state = OptimState(state_key(lay), layout, Tier.NVME, pool=self._swap_pool, store=self._store,
+        state = OptimState(state_key(lay), layout, Placement.NVME, pool=self._swap_pool, store=self._store,
                            what=f"block {lay.index} ({lay.name or '<root>'})",
                            wait_timeout_s=self.config.wait_timeout_s, chunks=bp.state_chunks)
         assert tuple(c.nbytes for c in state.chunks) == bp.chunk_bytes, "the memory plan and the state chunks disagree"
@@ -435,7 +434,7 @@ class Builder:
         persistent buffer in that memory (offload_optimizer cpu, or none: the device's
         memory is the host's) and this rank steps the whole flat (ZeRO stage 0, or one
         rank), so nothing but the update ever writes them."""
-        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier in (Tier.HOST, Tier.DEVICE)
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier in (Placement.HOST, Placement.DEVICE)
                 and (s0, s1) == (0, lay.padded_numel))
 
     def _units(self, built: Built) -> None:

@@ -41,12 +41,12 @@ class CheckpointView:
         try:
             yield buf, state.views(buf)[0]
         finally:
-            state.drop()
+            state.release()
 
     def write_state(self, i: int, fill: Callable[[torch.Tensor, torch.Tensor], None], stepped: int) -> None:
         b = self.blocks[i]
         b.state.overwrite(lambda buf: fill(buf, b.state.views(buf)[0]))
-        b.state.reclaim(block=True)
+        b.state.finish_write()
         b.stepped = stepped
 
     def write_params(self, i: int, mine: torch.Tensor, full: Callable[[], torch.Tensor]) -> None:

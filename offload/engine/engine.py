@@ -36,7 +36,8 @@ from offload.core.hooks import Hooks
 from offload.engine import build
 from offload.engine.outside_reads import UpdateWaits
 from offload.engine.step_control import LossScaler, StepControl, UpdateAndGrads
-from offload.optim.state import BlockShard, Tier
+from offload.optim.state import BlockShard
+from offload.placement import Placement
 from offload.optim.pipeline import StepArgs, hyperparams, make_optimizer
 from offload.params import homes as ph
 from offload.params.residency import ParamState
@@ -80,8 +81,8 @@ class Engine:
         # device (device.py): both free large host blocks every step; for parameters only while
         # loading (reuse_heap below), for saved activations while training too. Called here:
         # device.py's warning points at the user's initialize call (its stacklevel)
-        acts_offloaded = config.offload_activations.device != "none"
-        dev.return_freed_host_memory(bound_large_allocations=ph.home_device(config, self.stage) != "none"
+        acts_offloaded = config.offload_activations.placement is not Placement.DEVICE
+        dev.return_freed_host_memory(bound_large_allocations=ph.home_device(config, self.stage) is not Placement.DEVICE
                                      or acts_offloaded, keep=acts_offloaded)
         if self.device.type == "cpu":
             dev.step_trim_bytes()     # OFFLOAD_STEP_TRIM_BYTES is checked here, not at the first step()
@@ -135,7 +136,7 @@ class Engine:
             scaler=self.scaler, telemetry=self.telemetry,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             gradient_clipping=config.gradient_clipping, param_order=self._param_order,
-            read_ahead=self.tier is Tier.NVME and config.overlap_step, submit=self._submit,
+            read_ahead=self.tier is Placement.NVME and config.overlap_step, submit=self._submit,
             ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
             on_block_complete=self.hooks.post_backward)   # every participant's post_backward
         holders.register(self)

@@ -31,15 +31,15 @@ the state dtype, int8 scales; a per-tensor rule's rows from the parameters' shap
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
 from offload import budgets, dtypes
 from offload.core import sharding
+from offload.placement import Placement
+from offload.units import PAGE
 
-PAGE = 4096
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -97,7 +97,7 @@ def state_chunks(config, numel: int, params: Sequence[tuple] = (), rule: Optiona
     whole = ((0, numel),)
     oc = config.offload_optimizer
     limit = getattr(oc, "state_chunk_bytes", None)
-    if oc.device != "nvme" or limit is None or numel <= CHUNK_ALIGN:
+    if oc.placement is not Placement.NVME or limit is None or numel <= CHUNK_ALIGN:
         return whole
     r, sd, hp = _rule_of(config, rule, state_dtype)
     if r.per_tensor or shard_state_bytes(config, numel, params, rule, state_dtype) <= limit:
@@ -126,12 +126,6 @@ def chunk_state_bytes(config, numel: int, chunks: Sequence[tuple], params: Seque
 def grad_bytes_per_param(config) -> int:
     """Host gradient element size (offload/dtypes.py ``grad_dtype``)."""
     return dtypes.grad_bytes(config.precision, config.gradient_accumulation_steps)
-
-
-class GradHome(enum.Enum):
-    DEVICE = "device"        # offload_optimizer none: grads next to the state, on the device
-    HOST = "host"            # every block's buffer in host memory (offload-host)
-    SPILL = "spill"          # lent from offload-grads; parked on NVMe between uses
 
 
 @dataclass(frozen=True)
@@ -181,7 +175,9 @@ class BlockPlan:
 class MemoryPlan:
     blocks: Tuple[BlockPlan, ...]
     pools: Tuple[Pool, ...]
-    grad_home: GradHome
+    grad_home: Placement                # DEVICE: next to the state (offload_optimizer none); HOST:
+                                        # every block's buffer in offload-host; NVME: lent from
+                                        # offload-grads, parked on NVMe between uses
     grad_bytes: int                     # element size of host gradient buffers
     nvme: Dict[str, int]                # bytes reserved per store: optimizer, params, grads
     device: int                         # device bytes of model states (budget for parameters)
@@ -206,11 +202,11 @@ def activation_host_bytes(config, host_available: Optional[int] = None) -> int:
     ``host_available`` for cpu (every copy of a forward waits there for its backward). Rounded
     down to the 4096-byte page: the pool never exceeds what was configured."""
     ac = config.offload_activations
-    if ac.device == "none":
+    if ac.placement is Placement.DEVICE:
         return 0
     if ac.host_bytes is not None:
         n = ac.host_bytes
-    elif ac.device == "nvme":
+    elif ac.placement is Placement.NVME:
         n = 2 * max(ac.lookahead_bytes, PAGE)
     else:
         if host_available is None:
@@ -220,23 +216,25 @@ def activation_host_bytes(config, host_available: Optional[int] = None) -> int:
     return n // PAGE * PAGE
 
 
-def param_home_device(config) -> str:
-    """ZeRO-3 keeps parameters as shards even without offload_param: at home on the host."""
-    d = config.offload_param.device
-    return "cpu" if d == "none" and config.zero_optimization.stage == 3 else d
+def param_home(config) -> Placement:
+    """Where parameter homes are. ZeRO-3 keeps parameters as shards even without
+    offload_param: at home on the host."""
+    home = config.offload_param.placement
+    return Placement.HOST if home is Placement.DEVICE and config.zero_optimization.stage == 3 else home
 
 
-def grad_home(config, grad_total: int, grad_largest: int) -> GradHome:
-    """Where gradient buffers live; see the module docstring."""
+def grad_home(config, grad_total: int, grad_largest: int) -> Placement:
+    """Where gradient buffers live (NVME: lent from a pool, parked on NVMe between uses); see
+    the module docstring."""
     oc = config.offload_optimizer
-    if oc.device == "none":
-        return GradHome.DEVICE
+    if oc.placement is Placement.DEVICE:
+        return Placement.DEVICE
     # step() commits the window: every block's gradients wait for it (and for the global
     # norm), so they either all stay in host memory or are parked on NVMe
     limit = getattr(oc, "grad_host_bytes", None)
     if limit is None:
-        return GradHome.SPILL if oc.device == "nvme" else GradHome.HOST
-    return GradHome.HOST if grad_total <= limit else GradHome.SPILL
+        return Placement.NVME if oc.placement is Placement.NVME else Placement.HOST
+    return Placement.HOST if grad_total <= limit else Placement.NVME
 
 
 def grad_pool_slots(config, n_blocks: int, grad_largest: int) -> int:
@@ -278,7 +276,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
     oc, pc = config.offload_optimizer, config.offload_param
     grad_sizes = [b.grad_numel * gb for b in trained]
     gh = grad_home(config, sum(grad_sizes), max(grad_sizes, default=0))
-    if gh is GradHome.SPILL and (world_size > 1 or stage >= 2):
+    if gh is Placement.NVME and (world_size > 1 or stage >= 2):
         # Parking is single-rank, stages 0-1. With ranks, a block's buffer is the operand of
         # its collective (stages 0-1: all-reduce / reduce-scatter of the full buffer at the
         # boundary; 2: the reduced shard added into it every backward), whose completion
@@ -288,37 +286,37 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         # which waits for a park in flight that itself waits for that finish. Both need the
         # collective's completion to hand the buffer to its park (and the commit to take
         # norms and updates block by block from parked sums): not done yet.
-        gh = GradHome.HOST
+        gh = Placement.HOST
     pools, nvme = [], {}
     host_slots = []
-    if gh is GradHome.SPILL:
+    if gh is Placement.NVME:
         n = grad_pool_slots(config, len(trained), max(grad_sizes))
         pools.append(Pool("offload-grads", (max(grad_sizes),) * n, "gradient buffers lent per block"))
         nvme["grads"] = sum(_page(n) for n in grad_sizes)
-    elif gh is GradHome.HOST:
+    elif gh is Placement.HOST:
         host_slots += grad_sizes
-    if oc.device == "cpu":
+    if oc.placement is Placement.HOST:
         host_slots += [b.state_bytes for b in trained]
     if getattr(oc, "update_ahead", False):
         # each block's update computed during backward (optim/ahead.py): a second state
         # buffer, and the new parameters staged until step() writes them back (none where
         # the parameters are resident fp32: they are copied from the master)
         host_slots += [b.state_bytes for b in trained]
-        if param_home_device(config) != "none" or config.precision != "fp32":
+        if param_home(config) is not Placement.DEVICE or config.precision != "fp32":
             host_slots += [(b.shard[1] - b.shard[0]) * p for b in trained]
     if host_slots:
         pools.append(Pool("offload-host", tuple(host_slots), "gradients of every block; cpu optimizer state"))
     swap_slots = max(oc.buffer_count, config.optimizer_workers + 1)
-    if oc.device == "nvme":
+    if oc.placement is Placement.NVME:
         nvme["optimizer"] = sum(_page(c) for b in trained for c in b.chunk_bytes)
         pools.append(Pool("offload-swap", (max(c for b in trained for c in b.chunk_bytes),) * swap_slots,
                           "optimizer state read ahead / written behind, a chunk at a time"))
     device = 0
-    if oc.device == "none":
+    if oc.placement is Placement.DEVICE:
         device += sum(b.state_bytes + b.grad_numel * 4 for b in trained)
     budget = None
-    home = param_home_device(config)
-    if home == "none":
+    home = param_home(config)
+    if home is Placement.DEVICE:
         device += sum(b.param_bytes for b in trained)
     else:
         sizes = [b.device_bytes for b in bps]
@@ -326,7 +324,7 @@ def plan(blocks: Sequence[BlockSize], config, world_size: int = 1, rank: int = 0
         budget = budgets.device_budget(pc.device_budget_bytes, largest, working_set)
         device += budget
         homes = [([b.home_bytes] if b.padded_numel else []) + list(b.frozen_home) for b in bps]
-        if home == "cpu":
+        if home is Placement.HOST:
             pools.append(Pool("offload-param-home", tuple(h for hs in homes for h in hs),
                               "parameter homes (trainable and frozen parts)"))
         else:

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.tier import HostArena, PoolBudgetError
+from offload.storage.pool import HostArena, PoolBudgetError
 
 
 class ReadWindow:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from offload.engine import build
-from offload.optim.state import Tier
+from offload.placement import Placement
 
 
 def engine_stats(snap: dict, *, blocks, master_params, tier, param_offload, activations, resources, scaler, comm,
@@ -25,7 +25,7 @@ def engine_stats(snap: dict, *, blocks, master_params, tier, param_offload, acti
     po = param_offload
     views = sum(blocks[i].param_flat.numel() * blocks[i].param_flat.element_size() for i in master_params)
     dev_bytes = resident - views + (po.prefetcher.device_bytes() if po is not None else 0)
-    if tier is Tier.DEVICE:
+    if tier is Placement.DEVICE:
         dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size() for b in blocks)
     res = resources.stats()
     if "source_bytes" in res:         # frozen parts read in place: the checkpoint's bytes

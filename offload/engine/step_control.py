@@ -50,7 +50,6 @@ import enum
 import math
 import signal
 import threading
-import time
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -63,7 +62,8 @@ from offload.dist.grad_sync import GradSync
 from offload.optim.state import BlockShard
 from offload.core.telemetry import Telemetry
 from offload.config import LossScalerConfig
-from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
+from offload.storage.pool import OwnedBuffer, Room
+from offload.storage.loan import LoanState, TierTimeout
 
 
 _POLL_S = 0.05        # a borrow waiting for a pool buffer re-checks whether any will come back this often
@@ -95,7 +95,7 @@ class GradBuffer:
     fresh allocation per parameter alive through the step.
 
     Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
-    ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state
+    ``b<i>.grad``'s ``Loan`` (storage/loan.py, the loaned-buffer state machine optimizer state
     and parameter homes use), so gradients that must outlive their buffer (the update waits for
     the global norm; the window spans several micro-steps) are parked on NVMe between uses::
 
@@ -216,24 +216,19 @@ class GradBuffer:
                 self._zero_unseen(segs)
 
     def _lend_when_free(self, read: bool) -> None:
-        """Wait for a pool buffer while work in flight will give one back, within the tier's
-        wait_timeout_s; when none will, lend the loan a buffer outside the pool."""
-        pool, deadline = self._loan.tier.pool, time.monotonic() + self._loan.tier.wait_timeout_s
-        while True:
-            if not self._has_jobs():
-                # every buffer is held by a block still collecting gradients: outside the pool
-                self._loan.lend(OwnedBuffer(self._nbytes), read)
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TierTimeout(f"buffer for {self._loan.what}: no gradient buffer came back after "
-                                  f"{self._loan.tier.wait_timeout_s} s (an update or park in flight is stuck)")
-            try:
-                buf = pool.acquire(self._nbytes, timeout=min(left, _POLL_S))
-            except TimeoutError:
-                continue
-            self._loan.lend(buf, read)
-            return
+        """Wait for a pool buffer while work in flight will give one back (the pool's one
+        bounded wait, within the tier's wait_timeout_s); when none will, lend the loan a
+        buffer outside the pool."""
+        tier = self._loan.tier
+        try:
+            buf = tier.pool.acquire(self._nbytes, tier.wait_timeout_s, holder=self._loan.what, poll_s=_POLL_S,
+                                    make_room=lambda: Room.WAIT if self._has_jobs() else Room.NEVER)
+        except TimeoutError as exc:
+            raise TierTimeout(f"buffer for {self._loan.what}: no gradient buffer came back after "
+                              f"{tier.wait_timeout_s} s (an update or park in flight is stuck; {exc})") from None
+        if buf is None:      # every buffer is held by a block still collecting gradients: outside the pool
+            buf = OwnedBuffer(self._nbytes)
+        self._loan.lend(buf, read)
 
     # ---- spilling ------------------------------------------------------------------------------
     @property

@@ -33,8 +33,9 @@ import torch
 
 from offload.io import checkpoint, origin
 from offload.params import quantized
-from offload.io.hf import (INDEX_FILE, TensorSpec, WeightsError, canonical_key, peft_adapter_key, plan_shards,
-                           read_header, shard_names, stale_weight_files, write_safetensors)
+from offload.io.peft_names import canonical_key, peft_adapter_key
+from offload.io.safetensors import (INDEX_FILE, TensorSpec, WeightsError, plan_shards, read_header, shard_names,
+                                    stale_weight_files, write_safetensors)
 
 LORA_LAYERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 

@@ -47,7 +47,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload.io.hf import ReadAhead, ReadGroup, WeightFiles, WeightsError, canonical_key
+from offload.io.peft_names import canonical_key
+from offload.io.safetensors import ReadAhead, ReadGroup, WeightFiles, WeightsError
 
 
 def checksum(t: torch.Tensor) -> Tuple[str, int]:

@@ -25,7 +25,7 @@ from typing import List, Optional
 
 import torch
 
-from offload.io.hf import WeightsError, read_header
+from offload.io.safetensors import WeightsError, read_header
 
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
              "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.tier import TierTimeout
+from offload.storage.loan import TierTimeout
 
 
 class Ahead(enum.Enum):

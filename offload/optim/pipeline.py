@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import math
 import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,9 +49,13 @@ from torch.optim import optimizer as _torch_optimizer
 from offload import device as dev
 from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
-from offload.optim.state import BlockShard, Residency, Tier
+from offload.optim.state import BlockShard
+from offload.placement import Placement
 from offload.core.telemetry import Telemetry, profiler_range
-from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
+from offload.storage.loan import DEFAULT_WAIT_S, LoanState, TierTimeout
+from offload.storage.pool import Room
+
+_JOB_POLL_S = 0.0005   # a job waiting for a swap buffer asks again this often whether a write can be reclaimed
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class StepPipeline:
         # the read-ahead's order of (block index, chunk index) and its byte window: the
         # read-ahead's chunk count in bytes of the largest NVMe chunk
         self._ahead = Lookahead("state_prefetch", telemetry)
-        nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Tier.NVME]
+        nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Placement.NVME]
         self._window_bytes = self.read_ahead * max(nvme, default=0)
         self._unreadable: set = set()             # chunks whose read failed to start (their job says why)
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
@@ -105,7 +108,7 @@ class StepPipeline:
     def _chunk_bytes(self, item: tuple) -> int:
         """What a chunk of the order takes of the read-ahead's window: its bytes on NVMe."""
         c = self.blocks[item[0]].state.chunks[item[1]]
-        return c.nbytes if c.tier is Tier.NVME else 0
+        return c.nbytes if c.tier is Placement.NVME else 0
 
     def prefetch(self) -> None:
         """Start reads of the NVMe chunks in the window ahead, while fewer than ``read_ahead``
@@ -115,12 +118,12 @@ class StepPipeline:
         with self._lock:
             self._reclaim(block=False)
             fetched = sum(1 for b in self.blocks for c in b.state.chunks
-                          if c.residency in (Residency.READING, Residency.READY))
+                          if c.state in (LoanState.READING, LoanState.READY))
             for item in self._ahead.window(self._chunk_bytes, self._window_bytes):
                 if fetched >= self.read_ahead:
                     break
                 st = self.blocks[item[0]].state.chunks[item[1]]
-                if st.tier is not Tier.NVME or st.in_memory or item in self._unreadable:
+                if st.tier is not Placement.NVME or st.in_memory or item in self._unreadable:
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
                     try:
@@ -145,7 +148,9 @@ class StepPipeline:
         while self._writing:
             b, st = self._writing[0]
             try:
-                done = st.reclaim(block=block, timeout=self.wait_timeout_s)
+                if block:
+                    st.finish_write(self.wait_timeout_s)
+                done = st.poll()
             except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
                 done = True
                 self._record(b, "state write" + st.where, exc)
@@ -158,17 +163,14 @@ class StepPipeline:
         return progressed
 
     def _fetch(self, st) -> None:
-        """A buffer for ``st`` and its read started, waiting for writes in flight to give
-        buffers back; raises TierTimeout when none comes back within the wait bound."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        while not st.fetch():
+        """A buffer for ``st`` and its read started: the pool's one bounded wait, returning the
+        buffers of writes in flight while none is free; raises TierTimeout naming the holders
+        when none comes back within ``wait_timeout_s``."""
+        def make_room() -> Room:
             with self._lock:
-                progressed = self._reclaim(block=True)
-            if not progressed:
-                if time.monotonic() > deadline:
-                    raise TierTimeout(f"no host buffer free for {st.what} after {self.wait_timeout_s} s: every "
-                                      "swap buffer is held by another block's job")
-                time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
+                return Room.MADE if self._reclaim(block=True) else Room.WAIT
+        # WAIT: the buffers are with other workers' jobs, whose commits add writes to reclaim
+        st.fetch(self.wait_timeout_s, make_room=make_room, poll_s=_JOB_POLL_S)
 
     # ---- failures --------------------------------------------------------------------------
     def _record(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
@@ -230,7 +232,7 @@ class StepPipeline:
         the device Adam, the parameter copy) is queued on the pipeline's stream behind the
         block's backward (``args.compute_done``); the host never waits for the device, and the
         next forward's compute stream waits on ``block.update_event``."""
-        if block.state.tier is not Tier.DEVICE or self._stream is None:
+        if block.state.tier is not Placement.DEVICE or self._stream is None:
             return self._run(block, args)
         dev.wait_event(self._stream, args.compute_done)
         with dev.use_stream(self._stream):
@@ -261,13 +263,13 @@ class StepPipeline:
         rule = args.rule
         for c in chunks:
             self._taken(block, c)
-            if c.residency is Residency.WRITING:  # this chunk's last write is still in flight (a
+            if c.state is LoanState.WRITING:  # this chunk's last write is still in flight (a
                 at[0] = "state write" + c.where   # busy disk): it completes before it is read
                 with self._lock:                  # no other thread reclaims it once it is off the list
                     self._writing = collections.deque(x for x in self._writing if x[1] is not c)
-                c.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
+                c.finish_write(self.wait_timeout_s)                 # the wait without the pipeline's lock
             at[0] = "state read" + c.where
-            if c.tier is Tier.NVME and not c.in_memory:
+            if c.tier is Placement.NVME and not c.in_memory:
                 self._fetch(c)
             with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
                 buf = c.acquire(timeout=self.wait_timeout_s)
@@ -298,7 +300,7 @@ class StepPipeline:
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
         block.stepped = args.step
         c = chunks[0]
-        if len(chunks) == 1 and c.tier is Tier.NVME:
+        if len(chunks) == 1 and c.tier is Placement.NVME:
             at[0] = "state write"
             with self.telemetry.span("offload::state_write"):
                 c.commit()
@@ -367,7 +369,7 @@ class StepPipeline:
             with self.telemetry.span("offload::ahead_copy"):
                 buf.copy_(slot.spare)             # the parameters are views of this master
         else:
-            slot.spare = c.trade(slot.spare)      # the old buffer is the next update's spare
+            slot.spare = c.replace_resident(slot.spare)      # the old buffer is the next update's spare
             buf = c.acquire(timeout=self.wait_timeout_s)
         master = c.views(buf)[0]
         slot.take()
@@ -391,7 +393,7 @@ class StepPipeline:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
         ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
         rule = args.rule
-        on_device = c.tier is Tier.DEVICE and dev.is_cuda(master.device)
+        on_device = c.tier is Placement.DEVICE and dev.is_cuda(master.device)
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)
@@ -437,9 +439,9 @@ class StepPipeline:
                 self._reclaim(block=True)
         for b in self.blocks:
             for c in b.state.chunks:
-                if c.tier is Tier.NVME and c.in_memory:
+                if c.tier is Placement.NVME and c.in_memory:
                     try:
-                        c.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
+                        c.release(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
                     except BaseException as exc:
                         self._record(b, "state read" + c.where, exc)
         with self._lock:

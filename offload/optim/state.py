@@ -23,19 +23,17 @@ as counted from the shard's, and a chunked update is bit-for-bit the unchunked o
 whose rows are per tensor (Adafactor) is never chunked (``memory_plan.state_chunks``).
 Every other shard has one chunk, ``[0, numel)``, whose layout and key are the shard's.
 
-Residency is each chunk's ``offload.storage.tier.Loan`` (the one loaned-buffer state
-machine, shared with the parameter homes)::
+Residency is each chunk's ``offload.storage.loan.Loan`` (the one loaned-buffer state
+machine, shared with the parameter homes, the gradients and the activations; its diagram is
+in storage/loan.py). A chunk's verbs are the loan's, with the same names and transitions:
+``fetch``, ``acquire``, ``commit``, ``finish_write``, ``poll``, ``release``, ``discard``,
+``overwrite`` and ``replace_resident``. ``release()`` of READY returns an unmodified buffer
+without writing it; a pool buffer on loan may be reused by another chunk only once the chunk
+is back ON_TIER. HOST and DEVICE states are always RESIDENT and every transition is a no-op.
+Every wait is bounded; a failed read or write gives its buffer back before its error (naming
+the block, the chunk, the operation, the file and the errno) is raised.
 
-    ON_TIER --fetch()--> READING --acquire()--> READY --commit()--> WRITING --reclaim()--> ON_TIER
-                                                  \\--drop()-----------------------------> ON_TIER
-
-``drop()`` returns an unmodified buffer without writing it. A pool buffer on loan may be
-reused by another chunk only after ``reclaim()`` (the write has completed) or ``drop()``.
-HOST and DEVICE states are always RESIDENT and every transition is a no-op. Every wait is
-bounded; a failed read or write gives its buffer back before its error (naming the block,
-the chunk, the operation, the file and the errno) is raised.
-
-The whole-shard verbs of ``OptimState`` (``acquire`` / ``views`` / ``drop``, ``overwrite``,
+The whole-shard verbs of ``OptimState`` (``acquire`` / ``views`` / ``release``, ``overwrite``,
 for checkpoints and ``full_state_dict``) act on the single chunk of an unchunked state; for
 a chunked one they assemble the shard's bytes in the whole layout in a transient buffer of
 ``nbytes`` outside the pools (chunk by chunk through the pool), so a checkpoint file holds
@@ -79,10 +77,10 @@ from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError
 from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
-from offload.storage.tier import Loan, NvmeTier, LoanState, TierKind
-
-Tier = TierKind             # where the state lives
-Residency = LoanState       # where it is now
+from offload.placement import Placement
+from offload.storage.loan import Loan, LoanState
+from offload.storage.tier import NvmeTier
+from offload.units import PAGE, round_up
 
 
 # ---- the block shard: its buffers and the update in flight -----------------------------------
@@ -176,13 +174,13 @@ class BlockShard:
 
 
 # ---- the byte layout of a shard's state ----------------------------------------------------
-ALIGN = 4096
+ALIGN = PAGE                     # every region starts on a page (O_DIRECT)
 _TORCH = {name: dtypes.state_storage_dtype(name) for name in dtypes.STATE_DTYPES}   # read at import, not per step
 _ITEM = {name: dtypes.element_size(t) for name, t in _TORCH.items()}
 
 
 def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    return round_up(n, ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +354,7 @@ def chunk_layout(layout: StateLayout, a: int, b: int) -> StateLayout:
 class StateChunk:
     """Elements ``[a, b)`` of one shard's state: ``layout``, ``nbytes``, one loan."""
 
-    def __init__(self, key: str, index: int, count: int, a: int, b: int, layout: StateLayout, tier: Tier, *,
+    def __init__(self, key: str, index: int, count: int, a: int, b: int, layout: StateLayout, tier: Placement, *,
                  tensor: Optional[torch.Tensor] = None, pool=None, store=None, what: str = "",
                  wait_timeout_s: Optional[float] = None):
         self.key, self.index, self.count, self.a, self.b = key, index, count, a, b
@@ -366,7 +364,7 @@ class StateChunk:
         # "" for the one chunk of an unchunked state: its errors read as before
         self.where = "" if count == 1 else f" (chunk {index + 1} of {count}, elements [{a}, {b}) of the shard)"
         self.what = f"optimizer state of {what or key}{self.where}"
-        if tier is Tier.NVME:
+        if tier is Placement.NVME:
             assert tensor is None and pool is not None and store is not None
             kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}
             self._loan = NvmeTier(store, pool, **kw).loan(key, self.nbytes, self.what)
@@ -396,36 +394,31 @@ class StateChunk:
         return self.layout.views(buf)
 
     @property
-    def residency(self) -> Residency:
+    def state(self) -> LoanState:
+        """Where the chunk's bytes are now: its loan's state."""
         return self._loan.state
 
     @property
     def in_memory(self) -> bool:
         return self._loan.in_memory
 
-    # ---- transitions ------------------------------------------------------------------------
-    def fetch(self) -> bool:
-        """Start reading from NVMe (ON_TIER -> READING) into a free pool buffer.
-        Returns False, with nothing started, when no pool buffer is free."""
-        return self._loan.fetch()
+    # ---- transitions: the loan's verbs (storage/loan.py) --------------------------------------
+    def fetch(self, timeout: Optional[float] = None, *, make_room=None, poll_s: Optional[float] = None) -> bool:
+        """Start reading from NVMe (ON_TIER -> READING) into a pool buffer: ``Loan.fetch``
+        (without ``timeout`` False, nothing started, when no pool buffer is free now)."""
+        return self._loan.fetch(timeout, make_room=make_room, poll_s=poll_s)
 
     def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
         """The chunk's bytes (flat uint8, ``nbytes``; ``views()`` splits them), resident in
         memory (waits for a read in flight; from ON_TIER, first waits for a pool buffer)."""
         return self._bytes(self._loan.acquire(timeout))
 
-    def overwrite(self, fill, timeout: Optional[float] = None) -> None:
-        """Replace the whole chunk: ``fill(buf)`` writes every byte (no read from NVMe
+    def overwrite(self, write, timeout: Optional[float] = None) -> None:
+        """Replace the whole chunk: ``write(buf)`` writes every byte (no read from NVMe
         first); the NVME tier then writes it back (-> WRITING)."""
-        buf = self._bytes(self._loan.fill(timeout))
-        try:
-            fill(buf)
-        except BaseException:
-            self._loan.release()
-            raise
-        self._loan.commit()
+        self._loan.overwrite(lambda data: write(self._bytes(data)), timeout)
 
-    def trade(self, data: torch.Tensor) -> torch.Tensor:
+    def replace_resident(self, data: torch.Tensor) -> torch.Tensor:
         """A HOST or DEVICE chunk's bytes become ``data`` (an update computed ahead into a
         second buffer, optim/ahead.py); returns the old buffer."""
         return self._loan.replace_resident(data)
@@ -434,36 +427,30 @@ class StateChunk:
         """The chunk was modified: start writing it back (READY -> WRITING)."""
         self._loan.commit()
 
-    def reclaim(self, block: bool = True, timeout: Optional[float] = None) -> bool:
-        """WRITING -> ON_TIER once the write has completed; the pool buffer goes back (a
-        failed write raises after that). With ``block=False`` returns False while the write
-        is still in flight."""
-        if self._loan.state is not Residency.WRITING:
-            return True
-        if not block:
-            return self._loan.poll()
-        self._loan.release(timeout)
-        return True
+    def finish_write(self, timeout: Optional[float] = None) -> None:
+        """WRITING -> ON_TIER once the write has completed (bounded wait); the pool buffer
+        goes back (a failed write raises after that). No-op in any other state."""
+        self._loan.finish_write(timeout)
 
-    def drop(self, timeout: Optional[float] = None) -> None:
-        """READY (or READING) -> ON_TIER without writing (the chunk was only read)."""
-        if self._loan.state in (Residency.READING, Residency.READY):
-            self._loan.release(timeout)
+    def poll(self) -> bool:
+        """Settle a finished read or write without waiting; True when nothing is in flight."""
+        return self._loan.poll()
+
+    def release(self, timeout: Optional[float] = None) -> None:
+        """Back to ON_TIER: READY (or READING) without writing (the chunk was only read), a
+        write in flight waited for."""
+        self._loan.release(timeout)
 
     def discard(self) -> None:
-        """After a failure: back to ON_TIER whatever the state (a write in flight is waited
-        for, its error swallowed: the caller is already raising one)."""
-        try:
-            self._loan.release()
-        except BaseException:   # noqa: BLE001 - the first error is the one reported
-            pass
+        """After a failure: back to ON_TIER whatever the state, errors swallowed."""
+        self._loan.discard()
 
 
 class OptimState:
     """The fp32 master and the rule's state rows of one block shard (``layout``), as
     ``chunks`` (one, unless the state is chunked on NVMe; see the module docstring)."""
 
-    def __init__(self, key: str, layout: StateLayout, tier: Tier, *, tensor: Optional[torch.Tensor] = None,
+    def __init__(self, key: str, layout: StateLayout, tier: Placement, *, tensor: Optional[torch.Tensor] = None,
                  pool=None, store=None, what: str = "", wait_timeout_s: Optional[float] = None,
                  chunks: Sequence[tuple] = ()):
         self.key = key
@@ -476,13 +463,13 @@ class OptimState:
         if ranges[0][0] != 0 or ranges[-1][1] != layout.numel or any(
                 x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
             raise ValueError(f"{self.what}: chunks {ranges} do not cover [0, {layout.numel}) in order")
-        if len(ranges) > 1 and tier is not Tier.NVME:
+        if len(ranges) > 1 and tier is not Placement.NVME:
             raise ValueError(f"{self.what}: only a state on NVMe is chunked (tier {tier.value})")
         self.chunks = [StateChunk(chunk_key(key, k, len(ranges)), k, len(ranges), a, b,
                                   chunk_layout(layout, a, b), tier, tensor=tensor, pool=pool, store=store,
                                   what=what or key, wait_timeout_s=wait_timeout_s)
                        for k, (a, b) in enumerate(ranges)]
-        self._whole: Optional[torch.Tensor] = None     # a chunked state assembled (acquire .. drop)
+        self._whole: Optional[torch.Tensor] = None     # a chunked state assembled (acquire .. release)
 
     @property
     def chunked(self) -> bool:
@@ -493,14 +480,14 @@ class OptimState:
         return self.layout.views(buf)
 
     @property
-    def residency(self) -> Residency:
-        """The one chunk's residency; a chunked state: READY while assembled, else the
-        first chunk that is not ON_TIER's, else ON_TIER."""
+    def state(self) -> LoanState:
+        """The one chunk's state; a chunked state: READY while assembled, else the first
+        chunk that is not ON_TIER's, else ON_TIER."""
         if not self.chunked:
-            return self.chunks[0].residency
+            return self.chunks[0].state
         if self._whole is not None:
-            return Residency.READY
-        return next((c.residency for c in self.chunks if c.in_memory), Residency.ON_TIER)
+            return LoanState.READY
+        return next((c.state for c in self.chunks if c.in_memory), LoanState.ON_TIER)
 
     @property
     def in_memory(self) -> bool:
@@ -515,11 +502,11 @@ class OptimState:
             part = master[c.a:c.b]
             sub = [(v, max(a, c.a) - c.a, min(b, c.b) - c.a) for v, a, b in ranges if max(a, c.a) < min(b, c.b)]
             c.overwrite(lambda buf, c=c, part=part, sub=sub: c.layout.init(buf, part.to(buf.device), sub))
-            c.reclaim(block=True)
+            c.finish_write()
 
     def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
         """The state's bytes (flat uint8, ``nbytes``, the whole layout), resident in memory;
-        ``drop()`` gives them back. A chunked state is assembled in a transient buffer."""
+        ``release()`` gives them back. A chunked state is assembled in a transient buffer."""
         if not self.chunked:
             return self.chunks[0].acquire(timeout)
         if self._whole is None:
@@ -528,32 +515,33 @@ class OptimState:
                 try:
                     self._copy(c, c.acquire(timeout), whole, into_whole=True)
                 finally:
-                    c.drop(timeout)
+                    c.release(timeout)
             self._whole = whole
         return self._whole
 
-    def drop(self, timeout: Optional[float] = None) -> None:
-        """READY (or READING) -> ON_TIER without writing (the state was only read)."""
+    def release(self, timeout: Optional[float] = None) -> None:
+        """Back to ON_TIER: READY (or READING) without writing (the state was only read)."""
         self._whole = None
         for c in self.chunks:
-            c.drop(timeout)
+            c.release(timeout)
 
-    def overwrite(self, fill, timeout: Optional[float] = None) -> None:
-        """Replace the whole state: ``fill(buf)`` writes every byte of the whole layout (no
+    def overwrite(self, write, timeout: Optional[float] = None) -> None:
+        """Replace the whole state: ``write(buf)`` writes every byte of the whole layout (no
         read from NVMe first); the NVME tier writes it back (-> WRITING; a chunked state's
         chunks are written one by one and waited for, -> ON_TIER)."""
         if not self.chunked:
-            return self.chunks[0].overwrite(fill, timeout)
+            return self.chunks[0].overwrite(write, timeout)
         self._whole = None
         whole = torch.empty(self.nbytes, dtype=torch.uint8)
-        fill(whole)
+        write(whole)
         for c in self.chunks:
             c.overwrite(lambda buf, c=c: self._copy(c, buf, whole, into_whole=False), timeout)
-            c.reclaim(block=True, timeout=timeout)
+            c.finish_write(timeout)
 
-    def reclaim(self, block: bool = True, timeout: Optional[float] = None) -> bool:
-        """Every chunk's write completed (see ``StateChunk.reclaim``)."""
-        return all([c.reclaim(block, timeout) for c in self.chunks])
+    def finish_write(self, timeout: Optional[float] = None) -> None:
+        """Every chunk's write completed (see ``StateChunk.finish_write``)."""
+        for c in self.chunks:
+            c.finish_write(timeout)
 
     def discard(self) -> None:
         self._whole = None

@@ -20,13 +20,14 @@ from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
 from offload.params import quantized
+from offload.placement import Placement
 
 
-def home_device(config, stage: int) -> str:
-    """Where parameter homes are: "none", "cpu" or "nvme". ZeRO-3 keeps parameters as shards
-    even without offload_param: at home on the host."""
-    pc = config.offload_param
-    return "cpu" if pc.device == "none" and stage == 3 else pc.device
+def home_device(config, stage: int) -> Placement:
+    """Where parameter homes are. ZeRO-3 keeps parameters as shards even without
+    offload_param: at home on the host."""
+    home = config.offload_param.placement
+    return Placement.HOST if home is Placement.DEVICE and stage == 3 else home
 
 
 def frozen_dtype(p: torch.Tensor, compute: torch.dtype) -> torch.dtype:
@@ -79,7 +80,7 @@ class ParamHomes:
                  weights, plan, units: list, in_place: Dict[int, list], codecs: Dict[int, object], resources,
                  on_write_failure: Callable[[int, BaseException], None]):
         self.device_kind = home_device(config, stage)
-        if self.device_kind == "none":
+        if self.device_kind is Placement.DEVICE:
             raise ValueError("ParamHomes without offloaded parameters")
         self._config, self._stage, self._comm = config, stage, comm
         self._dtype, self._device, self._telemetry = dtype, device, telemetry
@@ -90,7 +91,7 @@ class ParamHomes:
         self._store = self._stage_pool = self._write_pool = self._home_pool = self._source = None
         pc = config.offload_param
         pin = pc.pin_memory and dev.can_pin()
-        if self.device_kind == "cpu":
+        if self.device_kind is Placement.HOST:
             self._home_pool = resources.make_pool("offload-param-home", pin=pin)
             return
         self._store = resources.make_store("params", pc.nvme_path)
@@ -103,7 +104,7 @@ class ParamHomes:
                     swapped[key] = n
         self._store.reserve(swapped)
         if in_place:
-            from offload.io.hf import read_range
+            from offload.io.safetensors import read_range
             from offload.io.loader import checksum
             from offload.storage.source import SourceStore
             self._source = SourceStore(lambda b: checksum(b)[1], read_range, threads=2)
@@ -134,7 +135,7 @@ class ParamHomes:
                     return comm.all_gather(full, shard, what, async_op=True)
             gather = allgather
         kw = {"home_numel": n, "gather": gather}
-        if self.device_kind == "cpu":
+        if self.device_kind is Placement.HOST:
             home = self._home_pool.acquire(n * self._dtype.itemsize).view(self._dtype, n)
             return BlockParams(lay, self._dtype, self._device, home_buf=home, **kw)
         return BlockParams(lay, self._dtype, self._device, store=self._store, pool=self._stage_pool,
@@ -168,7 +169,7 @@ class ParamHomes:
             flat = buf.view(dtype, n)
             fill_flat(flat, part)
             return flat
-        if self.device_kind == "cpu":
+        if self.device_kind is Placement.HOST:
             home = fill(self._home_pool.acquire(nbytes))
             bp = BlockParams(part, dtype, self._device, home_buf=home, codec=codec, flats=self.flats)
         else:

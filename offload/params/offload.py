@@ -49,6 +49,7 @@ from offload.core.errors import BlockError, BudgetError
 from offload.core.lookahead import Lookahead
 from offload.core.telemetry import Telemetry
 from offload.params.residency import BlockParts, ParamState
+from offload.units import fmt_exact
 
 
 class DeviceBudgetError(RuntimeError, BudgetError):
@@ -62,10 +63,6 @@ class _Handle:
 
     def __init__(self, i: int, k: int, rel: int, shape: tuple, stride: tuple):
         self.i, self.k, self.rel, self.shape, self.stride = i, k, rel, shape, stride
-
-
-def _fmt(n: int) -> str:
-    return f"{n} bytes ({n / 2**30:.3f} GiB)"
 
 
 def working_set(model: nn.Module, owner: Dict[int, int], module_of: Sequence[nn.Module],
@@ -350,8 +347,8 @@ class ParamOffload:
                 self.overruns += 1
                 raise DeviceBudgetError(
                     f"offload_param.device_budget_bytes={self.budget} cannot hold block {bp_want.name!r} "
-                    f"({_fmt(nbytes)}) beside the blocks in use now "
-                    f"({', '.join(self.params[j].name for j in in_use)}): {_fmt(need)} are needed at once "
+                    f"({fmt_exact(nbytes)}) beside the blocks in use now "
+                    f"({', '.join(self.params[j].name for j in in_use)}): {fmt_exact(need)} are needed at once "
                     f"(a parameter read outside the modules of its block); raise the budget to at least {need}")
 
             def next_use(j):

@@ -42,10 +42,10 @@ import torch
 from offload import quantize as qz
 from offload.core.blocks import BlockLayout
 from offload.optim import quant as q8
+from offload.units import PAGE, round_up
 
 FORMATS = ("int8", "nf4")           # offload_param.frozen_dtype other than "compute"
 _ALIGN = 64                         # every piece of the blob starts on this byte boundary
-_PAGE = 4096                        # the blob's size unit (O_DIRECT homes)
 _CHUNK = 1 << 20                    # elements quantized at once (a multiple of 64 and of 256 * 64)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -112,7 +112,7 @@ class QuantizedPart:
                 pieces[piece] = (at, nbytes)
                 at = _align(at + nbytes)
             self.segments.append(SegmentCode(s.name, s.param, s.offset, s.numel, tuple(s.shape), kind, pieces))
-        self.nbytes = max(_align(at, _PAGE), _PAGE)
+        self.nbytes = max(round_up(at), PAGE)          # whole pages (O_DIRECT homes)
 
     @classmethod
     def for_part(cls, layout: BlockLayout, dtype: torch.dtype, fmt: str, double_quant: bool,

@@ -26,7 +26,7 @@ Transitions (guarded by assertions)::
     block is read only after its write: ``ensure()`` waits for it (bounded).
 
 The host side of an NVMe home (HOME / STAGING / STAGED / STAGED_WRITING / WRITING) is the
-key's ``offload.storage.tier.Loan`` (ON_TIER / READING / READY / WRITING_KEPT / WRITING), the
+key's ``offload.storage.loan.Loan`` (ON_TIER / READING / READY / WRITING_KEPT / WRITING), the
 same loaned-buffer state machine the optimizer state uses; this object adds only the device
 side (FETCHING, ON_DEVICE), and ``state`` is derived from the two, so there is one source of
 truth. Every wait on the host side is bounded; a failed read or write gives its buffer back
@@ -59,7 +59,9 @@ import torch
 from offload import device as dev
 from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError, block_error
-from offload.storage.tier import DEFAULT_WAIT_S, LoanState, NvmeTier
+from offload.storage.loan import DEFAULT_WAIT_S, LoanState
+from offload.storage.pool import Room
+from offload.storage.tier import NvmeTier
 
 
 class ParamState(enum.Enum):
@@ -706,23 +708,23 @@ class ParamWriteBack:
         return self._staging.current
 
     def _write_buffer(self, nbytes: int):
-        """A write-pool buffer: a free one, else the oldest write-back in flight is waited
-        for until one comes back (bounded by ``wait_timeout_s`` overall)."""
+        """A write-pool buffer: the pool's one bounded wait (``wait_timeout_s`` overall), the
+        oldest write-back in flight waited for while none is free."""
         timeout = self.wait_timeout_s if self.wait_timeout_s is not None else DEFAULT_WAIT_S
         deadline = time.monotonic() + timeout
-        while True:
-            buf = self._write_pool.try_acquire(nbytes)
-            if buf is not None:
-                return buf
+
+        def make_room() -> Room:
             with self._lock:
                 older = self._pool_writes.popleft() if self._pool_writes else None
             if older is None:           # every buffer is with another worker's job: it ends soon
-                return self._write_pool.acquire(nbytes, timeout=max(0.0, deadline - time.monotonic()))
+                return Room.WAIT
             with self.telemetry.span("offload::param_write_wait"):
                 try:
                     older.finish_write(max(0.0, deadline - time.monotonic()))
                 except BlockError:      # the written block's failure, recorded by its home
                     pass
+            return Room.MADE
+        return self._write_pool.acquire(nbytes, timeout, holder="a parameter write-back", make_room=make_room)
 
     def abort(self, block=None) -> None:
         """After a failed update on this worker: give back the write buffer it held (and

@@ -11,6 +11,7 @@ from typing import Optional
 
 from offload.planner import estimate as est
 from offload.planner import plan
+from offload.units import fmt_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,8 @@ def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_st
         ranked.sort(key=lambda r: (not r.fits, r.memory.param != "cpu"))   # stable: fastest first within
     base = plan.fits_without_offload(ranked) if frozen_dtype == "compute" else None
     if base is not None:
-        return Choice("none", "none", f"the model's states ({est_bytes(base.memory.device)}) fit on the device "
-                      f"({est_bytes(machine.device_bytes)}): offloading would only slow it down",
+        return Choice("none", "none", f"the model's states ({fmt_bytes(base.memory.device)}) fit on the device "
+                      f"({fmt_bytes(machine.device_bytes)}): offloading would only slow it down",
                       base.prediction.step_s)
     best = next((r for r in ranked if r.fits), None)
     if best is None:
@@ -55,19 +56,9 @@ def choose(model, tokens: int, precision: str = "fp32", gradient_accumulation_st
                                 "disk (--nvme-path), or a smaller model")
     p, m = best.prediction, best.memory
     device = ("device size unknown (no accelerator): assumed to have room" if machine.device_bytes is None
-              else f"device {est_bytes(m.device)} of {est_bytes(machine.device_bytes)}")
+              else f"device {fmt_bytes(m.device)} of {fmt_bytes(machine.device_bytes)}")
     return Choice(m.optimizer, m.param, f"fastest placement that fits: predicted {p.step_s * 1e3:.0f} ms per step, "
-                  f"bottleneck {p.bottleneck}; {device}, host {est_bytes(m.host_total)}, nvme {est_bytes(m.nvme)}",
+                  f"bottleneck {p.bottleneck}; {device}, host {fmt_bytes(m.host_total)}, nvme {fmt_bytes(m.nvme)}",
                   p.step_s)
 
 
-def est_bytes(n) -> str:
-    """1536 -> '1.5KiB'; None -> '?'."""
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.3g}{unit}"
-        n /= 1024
-    return f"{n:.3g}TiB"

@@ -44,6 +44,7 @@ import psutil
 TIERS = ("none", "cpu", "nvme")
 from offload.dtypes import BYTES_PER_PARAM  # noqa: F401 (offload estimate's p; planner/rss.py reads it here)
 from offload.core.errors import OffloadError
+from offload.units import round_up
 
 
 class EstimateError(ValueError, OffloadError):
@@ -308,7 +309,7 @@ def spec_blocks(spec: ModelSpec, precision: str = "bf16") -> list:
     out = []
     for i, n in enumerate(sizes):
         t = max(1, n * spec.trainable // total)
-        dev = (-(-(n - t) * p // 4096) * 4096,) if n > t else ()
+        dev = (round_up((n - t) * p),) if n > t else ()
         out.append(BlockSize(f"block{i}", t, dev, frozen_home=tuple(_quantized_home(n - t, spec.frozen_dtype, d)
                                                                    for d in dev)))
     return out
@@ -321,7 +322,7 @@ def _quantized_home(numel: int, frozen_dtype: str, compute_bytes: int) -> int:
     if frozen_dtype not in quantized.FORMATS:
         return compute_bytes
     rows = max(1, int(numel ** 0.5))
-    return -(-quantized.tensor_bytes((rows, -(-numel // rows)), frozen_dtype) // 4096) * 4096
+    return round_up(quantized.tensor_bytes((rows, -(-numel // rows)), frozen_dtype))
 
 
 def blocks_of_module(model, precision: str = "bf16", frozen_in_place: bool = False,

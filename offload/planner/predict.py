@@ -61,6 +61,7 @@ from offload import budgets, dtypes
 from offload.dtypes import BYTES_PER_PARAM
 from offload.planner.estimate import ModelSpec
 from offload.planner.measure import Compute, Profile
+from offload.placement import Placement
 
 
 def flops_compute(spec: ModelSpec, tokens: int, profile: Profile, precision: str = "fp32") -> Compute:
@@ -126,7 +127,7 @@ def predict(spec: ModelSpec, optimizer: str, param: str, profile: Profile, compu
     cfg = plan_config(optimizer, param, precision, gradient_clipping=1.0 if clipping else 0.0,
                       gradient_accumulation_steps=gas, update_ahead=update_ahead)
     S = mp.state_bytes_per_param(cfg, rule, state_dtype)
-    park = mp.grad_home(cfg, 1, 1) is mp.GradHome.SPILL
+    park = mp.grad_home(cfg, 1, 1) is Placement.NVME
     opt_nvme, prm_nvme = optimizer == "nvme", param == "nvme"
     g_park = Pt * mp.grad_bytes_per_param(cfg) * gas if park else 0
     budget = budgets.device_budget(device_budget_bytes, spec.largest_block * p)

@@ -80,18 +80,11 @@ from torch.profiler import record_function
 
 from offload import _native
 from offload._native import IO_PAGE, IO_READ, IO_WRITE, IoReq
-from offload.storage.tier import _fmt as _gib
 from offload.core.errors import BudgetError, OffloadError
+from offload.units import PAGE, fmt_exact, round_up
 
 
 # ---- the extent layout of a key ----------------------------------------------------------------
-
-PAGE = 4096
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    return -(-n // to) * to
-
 
 @dataclass(frozen=True)
 class Extent:
@@ -692,7 +685,7 @@ class NvmeStore:
         if not os.path.isdir(self.path):
             raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {self.path} is not a directory", self.path)
         for stale in find_stale_run_dirs(self.path):
-            warnings.warn(f"stale offload swap directory {stale} ({_gib(_dir_bytes(stale))} on disk): its run "
+            warnings.warn(f"stale offload swap directory {stale} ({fmt_exact(_dir_bytes(stale))} on disk): its run "
                           f"is gone (crashed or killed). It is not reused; remove it with: rm -rf {stale}",
                           StaleSwapDirWarning, stacklevel=2)
         run_dir = os.path.join(self.path, f"{RUN_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(4)}")
@@ -757,14 +750,14 @@ class NvmeStore:
         free = usage.free
         if usage.total and total > free:  # total 0: the filesystem does not say (ramfs)
             raise NvmeSpaceError(errno.ENOSPC, f"not enough free space under nvme_path {self.path} for the swap "
-                                 f"files: need {_gib(total)}, {_gib(free)} free; free some space, lower what is "
+                                 f"files: need {fmt_exact(total)}, {fmt_exact(free)} free; free some space, lower what is "
                                  "offloaded to NVMe, or point nvme_path at a larger disk")
         with self._lock:
             fpath = os.path.join(self.run_dir, f"{self.name}-{len(self._files):03d}.swap")
             try:
                 swap = _SwapFile(fpath, total, self.direct)
             except OSError as exc:
-                raise NvmeSpaceError(exc.errno, f"cannot preallocate {_gib(total)} for swap file {fpath} under "
+                raise NvmeSpaceError(exc.errno, f"cannot preallocate {fmt_exact(total)} for swap file {fpath} under "
                                      f"nvme_path {self.path}: {exc.strerror}") from exc
             self._files.append(swap)
             max_extents = {k: self.layout.max_extents(n) for k, n in new.items()}

@@ -31,7 +31,7 @@ class Resources:
         """The memory plan's pool ``name``, allocated now: a ``HostPool`` of its slots, or
         with ``arena`` a ``HostArena`` of its bytes (variable-size loans). None when the plan
         has no such pool. ``huge_pages``: unpinned memory asks for transparent huge pages."""
-        from offload.storage.tier import HostArena, HostPool
+        from offload.storage.pool import HostArena, HostPool
         if name in self.pools:
             raise ValueError(f"host pool {name!r} is made already")
         planned = self._plan.pool(name)

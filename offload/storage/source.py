@@ -34,8 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.core.errors import OffloadError
-
-PAGE = 4096
+from offload.units import PAGE
 
 
 class SourceChangedError(OSError, OffloadError):

@@ -1,6 +1,6 @@
 """The NVMe keys saved tensors are written to: reused by size, reserved in batches.
 
-The free list of the saved tensors' loans (storage/tier.py: a loan bound to a key at its
+The free list of the saved tensors' loans (storage/loan.py: a loan bound to a key at its
 write): a key holds one saved tensor's copy (or a direct write's head page) from its write
 until the loan retires; then it goes back to the free list of its size (a multiple of 4096
 bytes). A size with no free key reserves as many new keys again as it has so far:
@@ -13,7 +13,7 @@ import collections
 import threading
 from typing import Dict, List
 
-from offload.storage.tier import PAGE
+from offload.units import PAGE
 
 
 class SwapKeys:

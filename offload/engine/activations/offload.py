@@ -62,10 +62,15 @@ from offload.core.lookahead import Lookahead
 from offload.engine.activations.keys import SwapKeys
 from offload.engine.activations.saved import Saved, SavedState, direct_head, layout_of
 from offload.engine.read_window import ReadWindow
-from offload.storage.tier import PAGE, CallerBuffer, HostBuffer, LoanState, NvmeTier, PoolBudgetError
+from offload.storage.pool import CallerBuffer, HostBuffer, PoolBudgetError, Room
+from offload.storage.loan import LoanState
+from offload.placement import Placement
+from offload.storage.tier import NvmeTier
+from offload.units import PAGE, fmt_exact
 from offload.core.errors import BudgetError
 
 _POLL_S = 0.05        # a full pool waiting for another thread's graph to go: re-check this often
+_HOLDER = "saved activations"   # who holds the pool's ranges (named when a wait runs out)
 _HOST = torch.device("cpu")   # where the pool's copies live (telemetry's link names)
 
 
@@ -81,16 +86,12 @@ def _aligned_cpu_device(nbytes: int) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
-def _fmt(n: int) -> str:
-    return f"{n} bytes ({n / 2**20:.1f} MiB)" if n >= 2**20 else f"{n} bytes ({n / 2**10:.1f} KiB)"
-
-
 class ActivationOffload:
     """The activation side of the saved-tensor chain; ``saved_tensors`` is itself."""
 
-    def __init__(self, *, model: nn.Module, device: torch.device, tier: str, min_bytes: int,
+    def __init__(self, *, model: nn.Module, device: torch.device, tier: Placement, min_bytes: int,
                  lookahead_bytes: int, pool, store=None, telemetry, wait_timeout_s: float = 600.0):
-        assert tier in ("cpu", "nvme"), tier
+        assert tier in (Placement.HOST, Placement.NVME), tier
         self.model = model
         self.device = device
         self.tier = tier
@@ -104,7 +105,7 @@ class ActivationOffload:
         self.telemetry = telemetry
         self.saved_tensors = self
         # CPU device, nvme: dense tensors are written straight from device memory (_pack_direct)
-        self._direct = tier == "nvme" and device.type == "cpu"
+        self._direct = tier is Placement.NVME and device.type == "cpu"
         # ... and read back into a window of reused memory (read_window.py): no page faults
         self._window = ReadWindow() if self._direct else None
         self._d2h = dev.new_stream(device)
@@ -152,7 +153,7 @@ class ActivationOffload:
         coming back now (backward begins right after the forward, typically)."""
         self._pump(final=True)
         self._in_forward = False
-        if self.tier == "nvme" and self.device.type == "cpu":
+        if self.tier is Placement.NVME and self.device.type == "cpu":
             # every copy of this forward is on NVMe and backward reads straight into device
             # memory: the pool's pages leave the RSS until the next forward
             self._tier.settle_retired()
@@ -290,7 +291,7 @@ class ActivationOffload:
 
     def _write(self, rec: Saved) -> None:
         """nvme: commit the loans (each takes its key from the free list)."""
-        if self.tier != "nvme":
+        if self.tier is not Placement.NVME:
             return
         self._tier.settle_retired()                  # retired keys come back before new ones are reserved
         with self.telemetry.span("offload::act_nvme_write"):
@@ -342,28 +343,27 @@ class ActivationOffload:
         (``_make_room``); when nothing here can give a range back, wait for other threads'
         graphs to go, all within ``wait_timeout_s``; then raise ActivationHostBudgetError."""
         try:
-            buf = self.pool.try_acquire(nbytes)
+            buf = self.pool.try_acquire(nbytes, _HOLDER)
         except PoolBudgetError:
             raise self._budget_error(nbytes, t, single=True) from None
         if buf is not None or not wait:
             return self._lent(buf)
-        deadline = time.monotonic() + self.wait_timeout_s
+
+        def make_room() -> Room:
+            before = self.pool.in_use_bytes
+            self._tier.settle_retired()
+            if self.pool.in_use_bytes < before or self._make_room():
+                return Room.MADE
+            mine = self._forward_host_bytes()
+            if self.pool.in_use_bytes <= mine or mine + nbytes > self.pool.capacity_bytes:
+                raise self._budget_error(nbytes, t)      # this forward's own copies fill it
+            return Room.WAIT                             # ranges held by an earlier graph, freed on another thread
         with self.telemetry.span("offload::act_pool_wait"):
-            while buf is None:
-                self._tier.settle_retired()
-                buf = self.pool.try_acquire(nbytes)
-                if buf is not None or self._make_room():
-                    continue
-                mine = self._forward_host_bytes()
-                if self.pool.in_use_bytes <= mine or mine + nbytes > self.pool.capacity_bytes:
-                    raise self._budget_error(nbytes, t)      # this forward's own copies fill it
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._budget_error(nbytes, t, waited=True)
-                try:          # ranges held by an earlier graph, freed on another thread
-                    buf = self.pool.acquire(nbytes, timeout=min(left, _POLL_S))
-                except TimeoutError:
-                    pass
+            try:      # the pool's one bounded wait
+                buf = self.pool.acquire(nbytes, self.wait_timeout_s, holder=_HOLDER, make_room=make_room,
+                                        poll_s=_POLL_S)
+            except TimeoutError:
+                raise self._budget_error(nbytes, t, waited=True) from None
         return self._lent(buf)
 
     def _lent(self, buf):
@@ -396,25 +396,25 @@ class ActivationOffload:
                    if isinstance(loan.buffer, HostBuffer))
 
     def _budget_error(self, nbytes: int, t, single: bool = False, waited: bool = False) -> ActivationHostBudgetError:
-        what = f"a saved tensor of {_fmt(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
+        what = f"a saved tensor of {fmt_exact(nbytes)}" + (f" (shape {tuple(t.shape)}, {t.dtype})" if t is not None else "")
         cap = self.pool.capacity_bytes
         key = "offload_activations.host_bytes"
         if single:
             need = -(-nbytes // PAGE) * PAGE
             return ActivationHostBudgetError(
-                f"activation offload ({self.tier}): {what} does not fit in the host pool ({key}={_fmt(cap)}): "
+                f"activation offload ({self.tier}): {what} does not fit in the host pool ({key}={fmt_exact(cap)}): "
                 f"raise {key} to at least {need}, or raise offload_activations.min_bytes above {nbytes - 1} to "
                 "keep tensors this large on the device")
         if waited:
             return ActivationHostBudgetError(
-                f"activation offload ({self.tier}): no room for {what} in the host pool ({key}={_fmt(cap)}, "
-                f"{_fmt(self.pool.in_use_bytes)} in use) after {self.wait_timeout_s} s: the host copies of an "
+                f"activation offload ({self.tier}): no room for {what} in the host pool ({key}={fmt_exact(cap)}, "
+                f"{fmt_exact(self.pool.in_use_bytes)} in use) after {self.wait_timeout_s} s: the host copies of an "
                 "earlier forward are still alive (a loss not yet backwarded, a graph kept with retain_graph); "
                 f"free it before the next forward, or raise {key}")
         held = self._forward_host_bytes()
         return ActivationHostBudgetError(
             f"activation offload (cpu): the tensors this forward saves for backward need more than the host pool "
-            f"({key}={_fmt(cap)}): {_fmt(held)} are held already and {what} does not fit; raise {key}, set "
+            f"({key}={fmt_exact(cap)}): {fmt_exact(held)} are held already and {what} does not fit; raise {key}, set "
             "offload_activations.device to nvme (host copies go on to NVMe as the pool fills), raise "
             "offload_activations.min_bytes, or checkpoint activations (torch.utils.checkpoint)")
 
@@ -489,7 +489,7 @@ class ActivationOffload:
         read or reading (a cpu tier's host copy is at rest READY)."""
         if rec.state in (SavedState.COPYING_IN, SavedState.ON_DEVICE):
             return True
-        return (rec.state is SavedState.OFF_DEVICE and self.tier == "nvme" and not rec.writing
+        return (rec.state is SavedState.OFF_DEVICE and self.tier is Placement.NVME and not rec.writing
                 and all(loan.state in (LoanState.READING, LoanState.READY) for loan in rec.loans))
 
     def _fetch(self, rec: Saved, wait: bool = True) -> bool:
@@ -591,9 +591,9 @@ class ActivationOffload:
         self._device_hold(rec.nbytes)
         with self._lock:
             self.stats_["h2d_bytes"] += rec.nbytes
-        if self.tier == "nvme" and ev is None:
+        if self.tier is Placement.NVME and ev is None:
             rec.loans[0].release()                   # the range back; the NVMe copy remains for a second unpack
-        elif self.tier == "nvme":
+        elif self.tier is Placement.NVME:
             self._copying_in[id(rec)] = rec          # its range comes back when the copy ends
 
     def _empty_on_h2d(self, rec: Saved, shape, stride) -> torch.Tensor:
@@ -618,7 +618,7 @@ class ActivationOffload:
             compute = dev.current_stream(self.device)
             dev.wait_event(compute, rec.event)
             dev.mark_used(rec.restored, compute)
-            if self.tier == "nvme":
+            if self.tier is Placement.NVME:
                 dev.sync_event(rec.event)
                 rec.loans[0].release()
             rec.event = None

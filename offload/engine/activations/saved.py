@@ -1,7 +1,7 @@
 """One saved tensor that activation offload moved off the device (``Saved``): what it was
 (dtype, shape, strides, layout), the loans its bytes are on, and its device copies.
 
-Its host copy and NVMe copy are ``storage.tier.Loan``s of the activation tier (one, or two for
+Its host copy and NVMe copy are ``storage.loan.Loan``s of the activation tier (one, or two for
 a direct write: the body and the head page), moved by their verbs: lent a pool range (or the
 caller's memory, ``CallerBuffer``: the tensor itself, a read target in device memory),
 committed to a key the free list gives at the write (activations/keys.py), kept
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from offload.storage.tier import PAGE
+from offload.units import PAGE
 
 
 class SavedState(enum.Enum):

@@ -1,5 +1,6 @@
 """Hugging Face weight files in and out: safetensors extents read with O_DIRECT, torch
-state-dict files read through a memory map, streamed safetensors shards, PEFT key names.
+state-dict files read through a memory map, streamed safetensors shards (the key names PEFT
+writes are in io/peft_names.py).
 
 A ``WeightFiles`` opens a checkpoint the way ``from_pretrained`` finds one: a ``.safetensors``
 file, a sharded ``*.index.json``, a directory holding either (``model.safetensors``,
@@ -39,8 +40,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from offload.core.errors import OffloadError
+from offload.units import PAGE
 
-PAGE = 4096
 _MERGE_GAP = 1 << 20          # extents closer than this in one file are read as one range
 _CHUNK = 64 << 20             # the largest single read call
 
@@ -303,7 +304,7 @@ class ReadAhead:
     TIMEOUT = 600.0
 
     def __init__(self, files: "WeightFiles", slot_bytes: int):
-        from offload.storage.tier import HostPool
+        from offload.storage.pool import HostPool
         self.files = files
         self.slot = max(int(slot_bytes), PAGE)
         self.pool = HostPool([self.slot, self.slot], pin=False, name="offload-load")
@@ -358,7 +359,7 @@ class ReadAhead:
     @staticmethod
     def read_once(files: "WeightFiles", keys: Sequence[str]) -> ReadGroup:
         """An unscheduled read into a buffer of its own (the values are copied out of it)."""
-        from offload.storage.tier import HostPool
+        from offload.storage.pool import HostPool
         need = files.read_bytes_needed(keys)
         if not need:
             return files.read(keys)
@@ -560,27 +561,3 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> List[List[
         shards[-1].append(s)
         size += s.nbytes
     return [s for s in shards if s]
-
-
-# ---- key names -----------------------------------------------------------------------------
-_PEFT_PREFIX = "base_model.model."
-
-
-def canonical_key(key: str) -> str:
-    """A model's state_dict key without the wrappers PEFT adds: ``base_model.model.`` in
-    front, ``.base_layer.`` around a wrapped layer, ``.modules_to_save.<adapter>.`` around a
-    trained copy."""
-    if key.startswith(_PEFT_PREFIX):
-        key = key[len(_PEFT_PREFIX):]
-    key = key.replace(".base_layer.", ".")
-    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
-
-
-def peft_adapter_key(key: str, adapter: str, layer_names: Sequence[str]) -> Optional[str]:
-    """The key PEFT's ``save_pretrained`` writes for an adapter parameter (the adapter's name
-    removed), or None when ``key`` is not a parameter of ``adapter``."""
-    for ln in layer_names:
-        tag = f".{ln}.{adapter}"
-        if tag + "." in key or key.endswith(tag):
-            return key.replace(tag, f".{ln}")
-    return None
