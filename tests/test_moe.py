@@ -99,3 +99,200 @@ def test_experts_of_whole_blocks_have_the_whole_flats_codes():
     ref = qz.quantize_nf4(x[0], double_quant=True)
     assert torch.equal(one.absmax_q, ref.absmax_q) and torch.equal(one.absmax_scale, ref.absmax_scale)
     assert one.absmax_offset == ref.absmax_offset
+
+
+# ---- transformers' MoE families, trained ------------------------------------------------------
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               max_position_embeddings=32, output_router_logits=True)
+FAMILIES = {        # transformers' own classes at small sizes: fused experts [E, 2 x inter, hidden] and [E, ...]
+    "qwen3_moe": ("Qwen3Moe", dict(intermediate_size=64, moe_intermediate_size=16, head_dim=16, num_experts=4,
+                                   num_experts_per_tok=2)),
+    "mixtral": ("Mixtral", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOss", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                               sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                               rope_scaling=None)),
+    "deepseek_v3": ("DeepseekV3", dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                                       num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                       topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                       qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=2)),
+    "olmoe": ("Olmoe", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, eos_token_id=None,
+                            pad_token_id=None)),
+}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]     # PEFT target_parameters: the fused experts
+
+
+class MoELM(nn.Module):
+    """A transformers MoE causal LM with the (x, y) -> loss interface of the reference loop:
+    the loss with the router's load-balancing auxiliary term (``output_router_logits``)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x, y=None):
+        return self.m(input_ids=x, labels=x).loss
+
+
+def moe_model(family, mode, checkpointing=False, router=None, seed=0):
+    """``family``'s small model: ``mode`` full (fp32, everything trains), lora_attn (bf16 base,
+    LoRA on q/v), lora_experts (bf16 base, LoRA on the fused experts through PEFT's
+    ``target_parameters``); ``router`` trainable: the router's weight trains beside the
+    adapters, frozen: it is part of the base; None: as the mode leaves it (full: trains,
+    LoRA: frozen)."""
+    prefix, kw = FAMILIES[family]
+    conf = getattr(transformers, prefix + "Config")(**{**_COMMON, **kw})
+    torch.manual_seed(seed)
+    base = getattr(transformers, prefix + "ForCausalLM")(conf)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.train()
+    if mode == "full":
+        if router == "frozen":
+            for n, p in base.named_parameters():
+                if _is_router(n):
+                    p.requires_grad_(False)
+        return MoELM(base)
+    if router == "frozen":                     # a trainable router trains in fp32 (its base too)
+        base = base.to(torch.bfloat16)
+    targets = dict(target_modules=["q_proj", "v_proj"] if family != "deepseek_v3" else ["q_b_proj", "kv_b_proj"])
+    if mode == "lora_experts":
+        targets = dict(target_modules=[], target_parameters=EXPERTS)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **targets))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:                  # B is zero at init: make step one move A too
+                p.normal_(0, 0.02)
+    if router == "trainable":
+        for n, p in model.named_parameters():
+            if _is_router(n):
+                p.requires_grad_(True)
+    return MoELM(model)
+
+
+def _is_router(name):
+    return name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias"))
+
+
+def dequantized(model, fmt, double_quant=False):
+    """A copy of ``model`` whose frozen 2-D / 3-D tensors the engine quantizes hold their
+    round trip (per expert for 3-D): what the engine's forward sees."""
+    model = clone(model)
+    if fmt in quantized.FORMATS:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad and quantized.quantizes(p.shape, p.dtype, fmt, MIN_NUMEL):
+                    p.copy_(quantized.round_trip(p.data, fmt, double_quant))
+    return model
+
+
+def plain_run(model, data, fused=False, lr=1e-3, wd=0.01):
+    """The plain loop: AdamW (single-tensor or fused) on the trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **({"fused": True} if fused else {"foreach": False}))
+    snaps, losses = [], []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return snaps, losses
+
+
+def engine_run(model, data, config):
+    eng = offload.initialize(model, config)
+    snaps, losses = [], []
+    try:
+        for x, y in data:
+            loss = eng(x, y)
+            losses.append(loss.item())
+            eng.backward(loss)
+            eng.step()
+            snaps.append(dict(eng.full_state_dict()))
+        return snaps, losses, eng.stats()
+    finally:
+        eng.close()
+
+
+def qcfg(tmp_path, param, fmt, double_quant=False):
+    nvme = str(tmp_path) if param == "nvme" else None
+    return {"optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+            "offload_optimizer": {"device": "nvme" if param == "nvme" else "cpu", "nvme_path": nvme},
+            "offload_param": {"device": param, "nvme_path": nvme, "frozen_dtype": fmt,
+                              "frozen_double_quant": double_quant, "frozen_quant_min_numel": MIN_NUMEL}}
+
+
+# A covering array over (family) x (full, LoRA on attention, LoRA on experts) x (compute, nf4,
+# int8 base) x (parameters cpu, nvme) x (checkpointing off, on): every pair of mode, base,
+# tier and checkpointing that exists (a full fine-tune has no frozen base to quantize), every
+# family; one nf4 cell double-quantized.
+CELLS = [
+    ("qwen3_moe", "lora_experts", "nf4", "cpu", True),
+    ("mixtral", "lora_attn", "int8", "nvme", False),
+    ("gpt_oss", "lora_experts", "int8", "nvme", False),
+    ("deepseek_v3", "lora_attn", "nf4", "cpu", False),
+    ("olmoe", "full", "compute", "cpu", True),
+    ("qwen3_moe", "full", "compute", "nvme", False),
+    ("mixtral", "lora_experts", "nf4+dq", "nvme", True),
+    ("olmoe", "lora_attn", "int8", "cpu", True),
+]
+
+
+def check_trains_as_plain(base, fmt, param, tmp_path, steps=3):
+    """The engine trains ``base`` as a plain loop over the same (quantized, then dequantized)
+    base: losses (with the router's auxiliary loss) and the trained parameters within twice
+    torch's own single-tensor-vs-fused AdamW distance (plus 1e-6) at every step, the frozen
+    parameters handed back equal to the reference bit for bit, the trained ones really
+    moved, and every frozen fused expert tensor quantized (``stats()["frozen_quant"]``)."""
+    fmt, _, dq = fmt.partition("+")
+    data = batches(steps, batch=2, ctx=8, vocab=VOCAB)
+    ref_model = dequantized(base, fmt, bool(dq))
+    ref, ref_losses = plain_run(clone(ref_model), data)
+    fused, fused_losses = plain_run(clone(ref_model), data, fused=True)
+    got, losses, stats = engine_run(clone(base), data, qcfg(tmp_path, param, fmt, bool(dq)))
+    trainable = [k for k, v in ref_model.state_dict(keep_vars=True).items() if v.requires_grad]
+    assert trainable
+    pick = lambda snaps: [{k: s[k] for k in trainable} for s in snaps]     # noqa: E731
+    bounds = parity_bounds(pick(ref), pick(fused))
+    for step, (r, g, bound) in enumerate(zip(pick(ref), pick(got), bounds)):
+        d = max_diff(r, g)
+        assert d <= bound, f"step {step}: trained parameters differ from plain by {d}, bound {bound}"
+    for step, (a, b, c) in enumerate(zip(ref_losses, losses, fused_losses)):
+        assert abs(a - b) <= 2 * abs(a - c) + 1e-6, (step, a, b, c)
+    assert got[-1].keys() == ref[-1].keys()
+    for k in ref[-1]:
+        if k not in trainable:
+            assert torch.equal(got[-1][k].to(ref[-1][k].dtype), ref[-1][k]), k
+    moved = max_diff({k: got[-1][k] for k in trainable}, {k: base.state_dict()[k] for k in trainable})
+    assert moved > 10 * bounds[-1]
+    if fmt != "compute":
+        fq = stats["frozen_quant"]
+        experts = {n.removeprefix("m.") for n, p in base.named_parameters() if p.dim() == 3 and not p.requires_grad}
+        assert experts and experts <= {n.removeprefix("m.") for n in fq["per_tensor"]}, fq["per_tensor"].keys()
+    return ref, got
+
+
+@pytest.mark.parametrize("family,mode,fmt,param,checkpointing", CELLS, ids=["-".join(map(str, c)) for c in CELLS])
+def test_moe_family_trains_as_plain(family, mode, fmt, param, checkpointing, tmp_path):
+    """One cell of the covering array: ``check_trains_as_plain``."""
+    check_trains_as_plain(moe_model(family, mode, checkpointing), fmt, param, tmp_path)
+
+
+@pytest.mark.parametrize("mode,router,fmt", [("full", "frozen", "compute"), ("lora_experts", "trainable", "nf4")])
+def test_router_trainable_or_frozen(mode, router, fmt, tmp_path):
+    """The router as the user chooses: frozen in a full fine-tune (it stays as it was, the
+    rest trains as plain), trainable beside LoRA on the experts over an nf4 base (it trains
+    as plain); the loss carries the load-balancing auxiliary term in both."""
+    base = moe_model("qwen3_moe", mode, router=router)
+    x = batches(1, batch=2, ctx=8, vocab=VOCAB)[0][0]
+    inner = base.m
+    with_aux = inner(input_ids=x, labels=x).loss
+    without = inner(input_ids=x, labels=x, output_router_logits=False).loss
+    assert with_aux.item() != without.item()
+    ref, got = check_trains_as_plain(base, fmt, "cpu", tmp_path)
+    routers = [k for k in ref[-1] if _is_router(k)]
+    assert routers
+    for k in routers:
+        changed = not torch.equal(got[-1][k].float(), base.state_dict()[k].float())
+        assert changed == (router == "trainable"), k
