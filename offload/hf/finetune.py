@@ -47,7 +47,9 @@ class LoraSpec:
 
 
 def parse_lora(text: str) -> LoraSpec:
-    """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas)."""
+    """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas: module
+    names, fused expert tensors, the keywords ``attention`` and ``experts``,
+    offload/hf/lora_targets.py)."""
     fields: Dict[str, Any] = {}
     key = None
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -141,13 +143,15 @@ def check_model_dir(model_dir: str) -> None:
 def _lora_model(model, spec: LoraSpec):
     import peft
     versions.check("peft")
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in spec.targets if t not in names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise FinetuneError(f"--lora targets {missing} are not modules of this model: choose from {', '.join(linear)}")
-    cfg = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                          target_modules=list(spec.targets), task_type="CAUSAL_LM")
+    from offload.hf import lora_targets
+    try:
+        cfg = lora_targets.lora_config(model, list(spec.targets), r=spec.r, lora_alpha=spec.alpha,
+                                       lora_dropout=spec.dropout, task_type="CAUSAL_LM")
+    except lora_targets.LoraTargetError as exc:
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in spec.targets if t not in names and t not in lora_targets.KEYWORDS]
+        raise FinetuneError(f"--lora targets {missing or list(spec.targets)} are not modules of this model: "
+                            f"choose from {exc}") from None
     return peft.get_peft_model(model, cfg)
 
 
