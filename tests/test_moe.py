@@ -344,3 +344,56 @@ def test_estimate_device_window_follows_the_budget():
     assert d2 - d1 == pytest.approx(2 * 2 * spec.largest_block - one_block, rel=0.01)
     assert small["cpu", "cpu"].refused is None and d1 <= 8 * GiB
     assert "DeviceBudgetError" in too_small["cpu", "cpu"].refused
+
+
+# ---- the user's side: offload finetune on a MoE checkpoint directory ---------------------------------
+def test_finetune_lora_on_the_experts_of_a_moe_directory(tmp_path, capsys):
+    """`offload finetune DIR --lora ...,targets=experts` on a Qwen3-MoE directory written by
+    save_pretrained (transformers 5 writes its experts one by one): the experts get adapters
+    (PEFT target_parameters), train over an nf4 base (every fused expert tensor quantized),
+    and --merged-out writes the base with the adapter merged into the dequantized experts, in
+    the checkpoint's own layout (the base directory's tensor names), the experts moved."""
+    import json
+    import shutil
+    from safetensors import safe_open
+    from offload import cli
+    assert cli.main(["new-model", str(tmp_path / "tok"), "--hidden", "32", "--layers", "1", "--heads", "2",
+                     "--max-positions", "64"]) == 0
+    _, kw = FAMILIES["qwen3_moe"]
+    conf = transformers.Qwen3MoeConfig(**{**_COMMON, **kw, "vocab_size": 259, "max_position_embeddings": 64,
+                                          "output_router_logits": False})
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(conf).save_pretrained(tmp_path / "moe")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / f, tmp_path / "moe" / f)
+    (tmp_path / "text.txt").write_text(open(__file__).read()[:12000])
+    (tmp_path / "nf4.json").write_text(json.dumps({"offload_optimizer": {"device": "cpu"},
+                                                  "offload_param": {"device": "cpu", "frozen_dtype": "nf4",
+                                                                    "frozen_quant_min_numel": MIN_NUMEL}}))
+    out, merged = tmp_path / "out", tmp_path / "merged"
+    code = cli.main([str(a) for a in ["finetune", tmp_path / "moe", "--data", tmp_path / "text.txt", "--out", out,
+                                      "--steps", 3, "--batch-size", 2, "--seq-len", 32, "--lr", "2e-2",
+                                      "--warmup", 0, "--lora", "r=4,alpha=8,targets=experts", "--merged-out", merged,
+                                      "--config", tmp_path / "nf4.json", "--log-every", 0]])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "on experts" in text and "merged into the dequantized nf4 base" in text, text
+    summary = json.load(open(out / "finetune_summary.json"))
+    fq = summary["stats"]["frozen_quant"]["per_tensor"]
+    assert sum(k.endswith(("gate_up_proj", "down_proj")) and ".experts." in k for k in fq) == 4, fq.keys()
+    adapter = json.load(open(out / "adapter_config.json"))
+    assert set(adapter["target_parameters"]) == {"experts.gate_up_proj", "experts.down_proj"}
+
+    def keys(d):
+        with safe_open(str(d / "model.safetensors"), "pt") as h:
+            return {k: h.get_tensor(k) for k in h.keys()}
+    base, got = keys(tmp_path / "moe"), keys(merged)
+    assert set(got) == set(base) and "model.layers.0.mlp.experts.0.gate_proj.weight" in got
+    for k in base:                      # the base as the engine held it: nf4 round trips (per expert)
+        q = quantized.quantizes(base[k].shape, torch.float32, "nf4", MIN_NUMEL)
+        held = quantized.round_trip(base[k].float(), "nf4") if q else base[k].float()
+        if ".experts." in k:            # the adapter merged into the dequantized expert: moved from it
+            assert not torch.equal(got[k].float(), held), k
+            assert (got[k].float() - held).abs().max() < 0.5, k
+        else:                           # no adapter: the base as it trained
+            assert torch.equal(got[k].float(), held), k

@@ -121,6 +121,24 @@ def build_model(model_dir: str):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
 
 
+def streams_from(model_dir: str, model) -> bool:
+    """Whether the engine can stream ``model``'s weights from ``model_dir`` key by key: the
+    checkpoint's tensor names are the model's own. Not so where transformers converts a
+    checkpoint's layout while loading it (transformers 5 saves a mixture of experts' experts
+    one by one, ``experts.0.gate_proj.weight``, and fuses them into ``experts.gate_up_proj``)."""
+    import glob
+    from safetensors import safe_open
+    files = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    if not files:
+        return True                       # .bin checkpoints: the loader's own checks apply
+    keys = set()
+    for f in files:
+        with safe_open(f, "pt") as h:
+            keys.update(h.keys())
+    wanted = {k for k, _ in model.named_parameters()}
+    return wanted <= keys | {k for k in wanted if k.endswith("lm_head.weight")}
+
+
 def load_model(model_dir: str):
     """The whole model in host memory (fp32), for merging an adapter into it."""
     from transformers import AutoModelForCausalLM
@@ -214,6 +232,11 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
     model = build_model(spec.model_dir)
+    streamed = streams_from(spec.model_dir, model)
+    if not streamed:
+        say(f"model {spec.model_dir}: its checkpoint stores tensors in another layout than the model (a mixture "
+            "of experts' experts one by one, fused by transformers): loaded whole by transformers, not streamed")
+        model = load_model(spec.model_dir)
     if spec.lora is not None:
         model = _lora_model(model, spec.lora)
     n_all = sum(p.numel() for p in model.parameters())
@@ -238,7 +261,7 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
     deadline = Deadline(spec.max_minutes, job) if spec.max_minutes > 0 else None
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                       data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
-                      offload_config=offload_config, weights=spec.model_dir,
+                      offload_config=offload_config, weights=spec.model_dir if streamed else None,
                       callbacks=[deadline] if deadline else None)
     if progress is not None:             # in place of Trainer's own printer of log dicts
         trainer.remove_callback(PrinterCallback)
