@@ -397,3 +397,43 @@ def test_finetune_lora_on_the_experts_of_a_moe_directory(tmp_path, capsys):
             assert (got[k].float() - held).abs().max() < 0.5, k
         else:                           # no adapter: the base as it trained
             assert torch.equal(got[k].float(), held), k
+
+
+def test_checkpoint_of_quantized_experts_resumes_as_stored_and_exports(tmp_path):
+    """A LoRA-on-experts run over an nf4 base: the checkpoint keeps the fused experts as their
+    per-expert blobs (not values), a resumed engine (its model's weights zeroed) trains on bit
+    for bit, ``export_hf`` writes the adapter, and a merged export, which cannot merge
+    parameter adapters, says so instead of dropping them."""
+    from offload.io.hf import WeightsError
+    base = moe_model("mixtral", "lora_experts")
+    data = batches(3, batch=2, ctx=8, vocab=VOCAB)
+    cfg = lambda d: qcfg(tmp_path / d, "cpu", "nf4")       # noqa: E731
+    eng = offload.initialize(clone(base), cfg("a"))
+    eng.backward(eng(*data[0]))
+    eng.step()
+    ck = eng.save_checkpoint(str(tmp_path / "ck"))
+    want = []
+    for x, y in data[1:]:
+        eng.backward(eng(x, y))
+        eng.step()
+        want.append({k: v.clone() for k, v in eng.full_state_dict().items()})
+    eng.close()
+    extra = torch.load(f"{ck}/extra.pt", weights_only=False)
+    stored = {k for q in extra["quantized"] for k in q["keys"]}
+    assert any(k.endswith("experts.base_layer.base_layer.gate_up_proj") for k in stored), stored
+    model = clone(base)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    eng = offload.initialize(model, cfg("b"))
+    eng.load_checkpoint(ck)
+    for (x, y), w in zip(data[1:], want):
+        eng.backward(eng(x, y))
+        eng.step()
+        got = eng.full_state_dict()
+        assert all(torch.equal(w[k], got[k]) for k in w)
+    eng.close()
+    out = offload.export_hf(ck, str(tmp_path / "adapter"), peft="adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists(), out
+    with pytest.raises(WeightsError, match="target_parameters"):
+        offload.export_hf(ck, str(tmp_path / "merged"), peft="merged")
