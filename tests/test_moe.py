@@ -437,3 +437,20 @@ def test_checkpoint_of_quantized_experts_resumes_as_stored_and_exports(tmp_path)
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists(), out
     with pytest.raises(WeightsError, match="target_parameters"):
         offload.export_hf(ck, str(tmp_path / "merged"), peft="merged")
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"])   # dense first layers, shared
+def test_config_counts_price_compute_on_the_active_parameters(name):
+    """``--hf-config`` without ``--lora-rank`` (counted from config.json, no transformers):
+    the parameters and active parameters within 3% of the model transformers builds on the
+    meta device (MoE fields: routed / shared experts, dense first layers, top-k), and the
+    planner's compute is 6 x active x tokens at the measured rate."""
+    from offload.planner import estimate as est
+    from offload.planner import plan
+    from test_plan import profile
+    counted = est.spec_from_hf_config(str(FIXTURES / name))
+    built = _moe_spec(name)
+    assert counted.params == pytest.approx(built.params - built.trained, rel=0.03)     # less the adapters
+    assert counted.computed == pytest.approx(built.computed, rel=0.03)
+    c = plan.flops_compute(counted, 1000, profile(), "fp32")
+    assert c.forward_s + c.backward_s == pytest.approx(6 * counted.computed * 1000 / 100e12)

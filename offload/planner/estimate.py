@@ -315,7 +315,8 @@ def _llama_counts(c: dict, name: str) -> ModelSpec:
     experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 1)
     top_k = int(next((c[a] for a in _TOP_K if isinstance(c.get(a), int)), experts))
     moe_inter = int(c.get("moe_intermediate_size") or inter)
-    shared = int(c.get("n_shared_experts") or 0) * 3 * d * moe_inter
+    n_shared = int(c.get("n_shared_experts") or (1 if str(c.get("model_type", "")).startswith("llama4") else 0))
+    shared = n_shared * 3 * d * moe_inter                  # Llama 4: one shared expert in every MoE layer
     dense_layers = min(L, int(c.get("first_k_dense_replace") or 0)) if experts > 1 else L
     dense_mlp = 3 * d * (int(c.get("intermediate_size_mlp") or inter) if dense_layers < L else inter)
     moe_mlp = 3 * d * moe_inter * experts + d * experts + shared
@@ -329,7 +330,7 @@ def _llama_counts(c: dict, name: str) -> ModelSpec:
     active = None
     if experts > 1 and moe_layers:
         active = total - moe_layers * (moe_mlp - moe_active)
-    largest_layer = max(embed, d * inter, d * heads * hd, d * moe_inter * experts if experts > 1 else 0)
+    largest_layer = max(embed, d * inter, d * heads * hd, 2 * d * moe_inter * experts if experts > 1 else 0)
     return ModelSpec(total, largest_layer, max(per_layer, embed), name, L + (2 if tied else 3), exact,
                      active=active)
 
