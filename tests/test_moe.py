@@ -454,3 +454,30 @@ def test_config_counts_price_compute_on_the_active_parameters(name):
     assert counted.computed == pytest.approx(built.computed, rel=0.03)
     c = plan.flops_compute(counted, 1000, profile(), "fp32")
     assert c.forward_s + c.backward_s == pytest.approx(6 * counted.computed * 1000 / 100e12)
+
+
+def test_lora_target_keywords():
+    """``attention`` / ``experts`` resolve to what the model calls them: the attention's
+    linear layers (a leaf name shared with a non-attention module as its full path), a module
+    list's experts as modules, fused 3-D experts as PEFT target_parameters; a name that
+    matches nothing is named with the model's names."""
+    from offload.hf import lora_targets as lt
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = nn.ModuleDict(dict(q_a_proj=nn.Linear(4, 4), o_proj=nn.Linear(4, 4)))
+            self.mlp = nn.ModuleDict(dict(o_proj=nn.Linear(4, 4), experts=nn.ModuleList(
+                nn.ModuleDict(dict(w1=nn.Linear(4, 8), w2=nn.Linear(8, 4))) for _ in range(3))))
+            self.fused = nn.Module()
+            self.fused.experts = _Experts(3, 8, 4)
+
+    m = nn.ModuleList([Layer(), Layer()])
+    got = lt.resolve(m, ["attention"])
+    assert got == {"target_modules": ["q_a_proj", "0.self_attn.o_proj", "1.self_attn.o_proj"],
+                   "target_parameters": []}
+    got = lt.resolve(m, ["experts"])
+    assert got == {"target_modules": ["w1", "w2"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+    assert lt.resolve(m, ["experts.down_proj", "w1"])["target_parameters"] == ["experts.down_proj"]
+    with pytest.raises(lt.LoraTargetError, match="'q_proj' is not a module.*q_a_proj.*experts.gate_up_proj"):
+        lt.resolve(m, ["q_proj"])
