@@ -202,12 +202,48 @@ def _nf4_tensor(packed: torch.Tensor, absmax: torch.Tensor, x: torch.Tensor, blo
                 double_quant: bool) -> NF4Tensor:
     if not double_quant:
         return NF4Tensor(packed, absmax, x.shape, x.dtype, blocksize)
+    absmax_q = torch.empty(absmax.numel(), dtype=torch.uint8)
+    absmax_scale = torch.empty(q8.nblocks(absmax.numel()))
+    offset = double_quantize_absmax(absmax, 1, absmax_q, absmax_scale)
+    return NF4Tensor(packed, None, x.shape, x.dtype, blocksize, absmax_q, absmax_scale, offset)
+
+
+def double_quantize_absmax(absmax: torch.Tensor, experts: int, absmax_q: torch.Tensor,
+                           absmax_scale: torch.Tensor) -> float:
+    """QLoRA's double quantization of ``absmax`` (fp32, ``experts`` equal slices, one per
+    expert) into ``absmax_q`` (uint8, same numel) and ``absmax_scale`` (fp32, each expert's
+    ``ceil(nb / 256)`` scales): the groups of 256 restart at each expert, around one offset,
+    the mean of all the scales, which is returned. One expert (a 2-D tensor) is exactly
+    ``quantize_nf4(double_quant=True)``'s."""
     offset = absmax.mean()
+    nb = absmax.numel() // experts
+    ng = q8.nblocks(nb)
     centred = absmax - offset
-    absmax_q = torch.empty(centred.numel(), dtype=torch.uint8)
-    absmax_scale = torch.empty(q8.nblocks(centred.numel()))
-    q8.quantize(centred, absmax_q, absmax_scale, signed=True)
-    return NF4Tensor(packed, None, x.shape, x.dtype, blocksize, absmax_q, absmax_scale, float(offset))
+    for e in range(experts):
+        q8.quantize(centred[e * nb:(e + 1) * nb], absmax_q[e * nb:(e + 1) * nb], absmax_scale[e * ng:(e + 1) * ng],
+                    signed=True)
+    return float(offset)
+
+
+def quantize_nf4_experts(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool = False) -> list:
+    """A mixture-of-experts tensor ``x`` [E, ...] (CPU) as E NF4 tensors, each expert quantized
+    as its own tensor (no block straddles two experts, each dequantizes alone); with
+    ``double_quant`` each expert's scales are 8-bit quantized in groups of 256 of its own,
+    around the mean of all experts' scales (``double_quantize_absmax``). One expert equals
+    ``quantize_nf4`` of it; experts of a multiple of ``blocksize`` elements have together
+    the codes of ``quantize_nf4`` of the whole flat."""
+    if x.dim() < 2:
+        raise ValueError(f"quantize_nf4_experts takes [experts, ...], got shape {tuple(x.shape)}")
+    ts = [quantize_nf4(x[e], blocksize) for e in range(x.shape[0])]
+    if not double_quant:
+        return ts
+    absmax = torch.cat([t.absmax for t in ts])
+    absmax_q = torch.empty(absmax.numel(), dtype=torch.uint8)
+    nb, ng = ts[0].absmax.numel(), q8.nblocks(ts[0].absmax.numel())
+    absmax_scale = torch.empty(len(ts) * ng)
+    offset = double_quantize_absmax(absmax, len(ts), absmax_q, absmax_scale)
+    return [NF4Tensor(t.packed, None, t.shape, t.dtype, blocksize, absmax_q[e * nb:(e + 1) * nb],
+                      absmax_scale[e * ng:(e + 1) * ng], offset) for e, t in enumerate(ts)]
 
 
 def nf4_absmax(t: NF4Tensor) -> torch.Tensor:

@@ -138,8 +138,10 @@ def add_model_args(p, gpt_defaults: bool) -> None:
     f.add_argument("--lora-rank", type=int, metavar="R",
                    help="PEFT LoRA adapters of rank R on --lora-targets, the base frozen (with --hf-config, "
                         "needs transformers and peft; with --model, peft)")
-    f.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", metavar="NAMES",
-                   help="modules that get adapters, comma-separated (default: %(default)s)")
+    f.add_argument("--lora-targets", default="attention", metavar="NAMES",
+                   help="modules that get adapters, comma-separated: module names (q_proj), fused expert tensors "
+                        "(experts.gate_up_proj) or the keywords attention (every linear layer of the attention "
+                        "modules) and experts (a mixture of experts' routed experts) (default: %(default)s)")
     f.add_argument("--trainable-params", type=float, metavar="N",
                    help="only N parameters train, spread over the blocks (the rest frozen), e.g. 8.4e6")
     f.add_argument("--frozen-in-place", action="store_true",

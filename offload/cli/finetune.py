@@ -242,7 +242,8 @@ def register(sub) -> None:
                    help="held-out examples from FILE (the formats of --data) instead of an --eval-fraction share of "
                         "--data, which then trains whole")
     f.add_argument("--out", required=True, metavar="DIR", help="output directory (Hugging Face layout)")
-    f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj")
+    f.add_argument("--lora", metavar="SPEC", help="LoRA instead of a full fine-tune, e.g. r=16,alpha=32,targets=q_proj,v_proj; targets also take "
+                   "fused expert tensors (experts.gate_up_proj) and the keywords attention and experts")
     f.add_argument("--merge", action="store_true", help="with --lora: write the base with the adapter merged in")
     f.add_argument("--merged-out", metavar="DIR", default=None,
                    help="with --lora: also write the base with the adapter merged in to DIR (the adapter stays in "

@@ -222,9 +222,10 @@ class OffloadParamConfig:
     frozen_in_place: bool = True
     # How frozen parameters are stored in their home: "compute" (the kept dtype), or quantized
     # ("int8" per row, "nf4" blocks of 64 as QLoRA) and dequantized into the compute dtype when
-    # their block visits the device (offload/params/quantized.py). Only 2-D frozen tensors of at
-    # least frozen_quant_min_numel elements are quantized: norms, biases, small tensors and
-    # every trainable parameter stay in the compute dtype.
+    # their block visits the device (offload/params/quantized.py). Only 2-D frozen tensors and
+    # 3-D ones (a MoE's fused experts, quantized per expert) of at least frozen_quant_min_numel
+    # elements are quantized: norms, biases, small tensors and every trainable parameter stay in
+    # the compute dtype.
     frozen_dtype: str = "compute"
     frozen_double_quant: bool = False   # nf4: the block scales themselves 8-bit (QLoRA's double quant)
     frozen_quant_min_numel: int = 1 << 16

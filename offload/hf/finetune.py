@@ -49,7 +49,9 @@ class LoraSpec:
 
 
 def parse_lora(text: str) -> LoraSpec:
-    """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas)."""
+    """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas: module
+    names, fused expert tensors, the keywords ``attention`` and ``experts``,
+    offload/hf/lora_targets.py)."""
     fields: Dict[str, Any] = {}
     key = None
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -121,6 +123,24 @@ def build_model(model_dir: str):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
 
 
+def streams_from(model_dir: str, model) -> bool:
+    """Whether the engine can stream ``model``'s weights from ``model_dir`` key by key: the
+    checkpoint's tensor names are the model's own. Not so where transformers converts a
+    checkpoint's layout while loading it (transformers 5 saves a mixture of experts' experts
+    one by one, ``experts.0.gate_proj.weight``, and fuses them into ``experts.gate_up_proj``)."""
+    import glob
+    from safetensors import safe_open
+    files = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    if not files:
+        return True                       # .bin checkpoints: the loader's own checks apply
+    keys = set()
+    for f in files:
+        with safe_open(f, "pt") as h:
+            keys.update(h.keys())
+    wanted = {k for k, _ in model.named_parameters()}
+    return wanted <= keys | {k for k in wanted if k.endswith("lm_head.weight")}
+
+
 def load_model(model_dir: str):
     """The whole model in host memory (fp32), for merging an adapter into it."""
     from transformers import AutoModelForCausalLM
@@ -143,13 +163,15 @@ def check_model_dir(model_dir: str) -> None:
 def _lora_model(model, spec: LoraSpec):
     import peft
     versions.check("peft")
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in spec.targets if t not in names]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise FinetuneError(f"--lora targets {missing} are not modules of this model: choose from {', '.join(linear)}")
-    cfg = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                          target_modules=list(spec.targets), task_type="CAUSAL_LM")
+    from offload.hf import lora_targets
+    try:
+        cfg = lora_targets.lora_config(model, list(spec.targets), r=spec.r, lora_alpha=spec.alpha,
+                                       lora_dropout=spec.dropout, task_type="CAUSAL_LM")
+    except lora_targets.LoraTargetError as exc:
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in spec.targets if t not in names and t not in lora_targets.KEYWORDS]
+        raise FinetuneError(f"--lora targets {missing or list(spec.targets)} are not modules of this model: "
+                            f"choose from {exc}") from None
     return peft.get_peft_model(model, cfg)
 
 
@@ -212,6 +234,11 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
     model = build_model(spec.model_dir)
+    streamed = streams_from(spec.model_dir, model)
+    if not streamed:
+        say(f"model {spec.model_dir}: its checkpoint stores tensors in another layout than the model (a mixture "
+            "of experts' experts one by one, fused by transformers): loaded whole by transformers, not streamed")
+        model = load_model(spec.model_dir)
     if spec.lora is not None:
         model = _lora_model(model, spec.lora)
     n_all = sum(p.numel() for p in model.parameters())
@@ -236,7 +263,7 @@ def _finetune(spec: FinetuneSpec, offload_config: Any, progress: Optional[Callab
     deadline = Deadline(spec.max_minutes, job) if spec.max_minutes > 0 else None
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held,
                       data_collator=data_mod.PadCollator(pad), processing_class=tokenizer,
-                      offload_config=offload_config, weights=spec.model_dir,
+                      offload_config=offload_config, weights=spec.model_dir if streamed else None,
                       callbacks=[deadline] if deadline else None)
     if progress is not None:             # in place of Trainer's own printer of log dicts
         trainer.remove_callback(PrinterCallback)

@@ -167,6 +167,11 @@ def _export_model(src: _Source, out_dir: str, max_shard_bytes: int, dtype, merge
         seen.add(ident)
         out = canonical_key(k) if merge else k
         names[out] = k
+    unmerged = sorted(v["module"] for b, v in lora.items() if b not in names.values())
+    if unmerged:          # PEFT target_parameters (fused MoE experts): no base_layer.weight to merge into
+        raise WeightsError(f"{unmerged[0]}: its LoRA adapts parameters (PEFT target_parameters, e.g. fused "
+                           f"experts), which export_hf cannot merge; export with peft='adapter' and merge with "
+                           f"PEFT's merge_and_unload (offload finetune --merge does)")
     specs = []
     for out, k in names.items():
         dt, shape = src.spec(k)

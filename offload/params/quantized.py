@@ -4,17 +4,28 @@ A frozen part (core/blocks.py ``frozen_parts``: a block's frozen parameters, one
 kept in its home (a host pool slot, an NVMe extent) as one byte blob and materialized on the
 device as the usual flat of ``dtype`` values (the dtype the part is kept in), so everything
 downstream of ``BlockParams.ensure`` sees a plain frozen flat. Which tensors are quantized:
-2-D floating tensors of at least ``min_numel`` elements; the others (norms, biases, small
-tensors) are stored as their values in ``dtype`` beside them. Trainable parameters never reach
-this module (they are not frozen parts).
+2-D and 3-D floating tensors of at least ``min_numel`` elements; the others (norms, biases,
+small tensors) are stored as their values in ``dtype`` beside them. Trainable parameters never
+reach this module (they are not frozen parts).
+
+A 3-D tensor [E, R, C] is a mixture-of-experts layer's fused experts (transformers'
+``experts.gate_up_proj`` / ``experts.down_proj``): it is quantized per expert, each of its E
+slices as its own tensor, so no quantization block straddles two experts and expert e
+dequantizes without its neighbours (``dequantize_expert``): int8 rows are rows of one expert
+(the tensor as [E * R, C]); NF4 blocks restart at each expert (each expert ``ceil(R * C / 2)``
+packed bytes and ``ceil(R * C / 64)`` scales, so a tensor whose experts hold a multiple of 64
+elements has exactly the codes of the whole flat); the double quantization's groups of 256
+scales restart at each expert too, around one offset (the mean of the whole tensor's scales).
 
 Byte layout of the blob, each piece starting on a 64-byte boundary, segments in part order::
 
     raw   values  dtype [numel]
     int8  codes   int8 [rows * cols]      absmax fp32 [rows]                  (offload.quantize)
-    nf4   packed  uint8 [ceil(numel / 2)] absmax fp32 [ceil(numel / 64)]      (no double quant)
-    nf4   packed  uint8 [ceil(numel / 2)] absmax_q uint8 [nblocks] absmax_scale fp32 [ceil(nblocks / 256)]
+    nf4   packed  uint8 [E * ceil(n / 2)] absmax fp32 [E * nb]                (no double quant)
+    nf4   packed  uint8 [E * ceil(n / 2)] absmax_q uint8 [E * nb] absmax_scale fp32 [E * ceil(nb / 256)]
 
+with E experts (1 for a 2-D tensor), n = numel / E elements per expert, nb = ceil(n / 64),
+rows the product of all dimensions but the last;
 the blob rounded up to 4 KiB (O_DIRECT). The mean subtracted before the double quantization
 is one fp32 value per tensor, kept in this object (``SegmentCode.absmax_offset``).
 
@@ -56,19 +67,27 @@ def _align(n: int, unit: int = _ALIGN) -> int:
 
 def quantizes(shape, dtype: torch.dtype, fmt: str, min_numel: int) -> bool:
     """Whether a frozen tensor of ``shape`` / ``dtype`` is stored quantized under ``fmt``:
-    2-D floating tensors of at least ``min_numel`` elements (a norm, a bias, a small tensor
-    would gain little and lose precision where it matters most)."""
-    return fmt in FORMATS and len(shape) == 2 and dtype in _FLOATS and math.prod(shape) >= max(min_numel, 1)
+    2-D (a linear weight) and 3-D (a MoE layer's fused experts, quantized per expert)
+    floating tensors of at least ``min_numel`` elements (a norm, a bias, a small tensor would
+    gain little and lose precision where it matters most)."""
+    return fmt in FORMATS and len(shape) in (2, 3) and dtype in _FLOATS and math.prod(shape) >= max(min_numel, 1)
+
+
+def experts_of(shape) -> int:
+    """Slices quantized independently: a 3-D tensor's leading dimension (its experts), else 1."""
+    return int(shape[0]) if len(shape) == 3 else 1
 
 
 def tensor_bytes(shape, fmt: str, double_quant: bool = False) -> int:
     """Bytes a tensor of ``shape`` takes quantized under ``fmt`` (its pieces, unaligned):
-    nf4 n/2 + 4 n/64 (double quant: n/2 + n/64 + 4 n/(64 * 256)), int8 n + 4 rows."""
-    n = math.prod(shape)
+    nf4 n/2 + 4 n/64 (double quant: n/2 + n/64 + 4 n/(64 * 256)), int8 n + 4 rows; a 3-D
+    tensor per expert (each expert's n its own)."""
+    n, e = math.prod(shape), experts_of(shape)
     if fmt == "int8":
-        return n + 4 * shape[0]
-    nb = qz.nblocks_of(n)
-    return (n + 1) // 2 + (nb + 4 * q8.nblocks(nb) if double_quant else 4 * nb)
+        return n + 4 * (n // max(int(shape[-1]), 1) if n else 0)
+    per = n // e
+    nb = qz.nblocks_of(per)
+    return e * ((per + 1) // 2 + (nb + 4 * q8.nblocks(nb) if double_quant else 4 * nb))
 
 
 @dataclasses.dataclass
@@ -81,6 +100,7 @@ class SegmentCode:
     shape: Tuple[int, ...]
     fmt: str                                # "raw", "int8" or "nf4"
     pieces: Dict[str, Tuple[int, int]]      # piece -> (byte offset in the blob, bytes)
+    experts: int = 1                        # slices quantized independently (a 3-D tensor's first dim)
     absmax_offset: float = 0.0              # nf4 double quant: the mean subtracted
     max_abs_error: float = 0.0
     rel_rms_error: float = 0.0
@@ -108,10 +128,12 @@ class QuantizedPart:
         for s in layout.segments:
             kind = fmt if quantizes(s.shape, s.param.dtype, fmt, min_numel) else "raw"
             pieces = {}
-            for piece, nbytes in self._pieces(kind, s.numel, tuple(s.shape)):
+            experts = experts_of(s.shape) if kind != "raw" else 1
+            for piece, nbytes in self._pieces(kind, s.numel, tuple(s.shape), experts):
                 pieces[piece] = (at, nbytes)
                 at = _align(at + nbytes)
-            self.segments.append(SegmentCode(s.name, s.param, s.offset, s.numel, tuple(s.shape), kind, pieces))
+            self.segments.append(SegmentCode(s.name, s.param, s.offset, s.numel, tuple(s.shape), kind, pieces,
+                                             experts=experts))
         self.nbytes = max(round_up(at), PAGE)          # whole pages (O_DIRECT homes)
 
     @classmethod
@@ -124,15 +146,17 @@ class QuantizedPart:
             return None
         return cls(layout, dtype, fmt, double_quant, min_numel)
 
-    def _pieces(self, kind: str, n: int, shape) -> list:
+    def _pieces(self, kind: str, n: int, shape, experts: int) -> list:
         if kind == "raw":
             return [("values", n * self.dtype.itemsize)]
         if kind == "int8":
-            return [("codes", n), ("absmax", 4 * shape[0])]
-        nb = qz.nblocks_of(n)
+            return [("codes", n), ("absmax", 4 * (n // shape[-1]))]
+        per = n // experts
+        nb = qz.nblocks_of(per)
         if self.double_quant:
-            return [("packed", (n + 1) // 2), ("absmax_q", nb), ("absmax_scale", 4 * q8.nblocks(nb))]
-        return [("packed", (n + 1) // 2), ("absmax", 4 * nb)]
+            return [("packed", experts * ((per + 1) // 2)), ("absmax_q", experts * nb),
+                    ("absmax_scale", 4 * experts * q8.nblocks(nb))]
+        return [("packed", experts * ((per + 1) // 2)), ("absmax", 4 * experts * nb)]
 
     @property
     def quantized_bytes(self) -> int:
@@ -149,18 +173,31 @@ class QuantizedPart:
         off, nbytes = sc.pieces[name]
         return blob[off:off + nbytes].view(dtype)
 
-    def _nf4(self, blob: torch.Tensor, sc: SegmentCode) -> qz.NF4Tensor:
-        packed = self._piece(blob, sc, "packed")
+    def _nf4(self, blob: torch.Tensor, sc: SegmentCode, e: int = 0) -> qz.NF4Tensor:
+        """Expert ``e``'s NF4 codes (the whole tensor's for a 2-D one): its slices of the
+        pieces alone."""
+        per = sc.numel // sc.experts
+        nb, half = qz.nblocks_of(per), (per + 1) // 2
+        packed = self._piece(blob, sc, "packed")[e * half:(e + 1) * half]
         if self.double_quant:
-            return qz.NF4Tensor(packed, None, torch.Size((sc.numel,)), self.dtype, qz.NF4_BLOCK,
-                                self._piece(blob, sc, "absmax_q"), self._piece(blob, sc, "absmax_scale", torch.float32),
+            ng = q8.nblocks(nb)
+            return qz.NF4Tensor(packed, None, torch.Size((per,)), self.dtype, qz.NF4_BLOCK,
+                                self._piece(blob, sc, "absmax_q")[e * nb:(e + 1) * nb],
+                                self._piece(blob, sc, "absmax_scale", torch.float32)[e * ng:(e + 1) * ng],
                                 sc.absmax_offset)
-        return qz.NF4Tensor(packed, self._piece(blob, sc, "absmax", torch.float32), torch.Size((sc.numel,)),
-                            self.dtype)
+        return qz.NF4Tensor(packed, self._piece(blob, sc, "absmax", torch.float32)[e * nb:(e + 1) * nb],
+                            torch.Size((per,)), self.dtype)
 
-    def _int8(self, blob: torch.Tensor, sc: SegmentCode) -> qz.Int8RowTensor:
-        codes = self._piece(blob, sc, "codes", torch.int8).view(sc.shape)
-        return qz.Int8RowTensor(codes, self._piece(blob, sc, "absmax", torch.float32), self.dtype)
+    def _int8(self, blob: torch.Tensor, sc: SegmentCode, e: Optional[int] = None) -> qz.Int8RowTensor:
+        """The int8 rows of expert ``e`` (None: all rows of the tensor, as [rows, cols])."""
+        cols = sc.shape[-1]
+        rows = sc.numel // cols
+        codes = self._piece(blob, sc, "codes", torch.int8).view(rows, cols)
+        absmax = self._piece(blob, sc, "absmax", torch.float32)
+        if e is not None:
+            per = rows // sc.experts
+            codes, absmax = codes[e * per:(e + 1) * per], absmax[e * per:(e + 1) * per]
+        return qz.Int8RowTensor(codes, absmax, self.dtype)
 
     # ---- quantize into a home -----------------------------------------------------------
     def fill(self, blob: torch.Tensor, values: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
@@ -182,7 +219,7 @@ class QuantizedPart:
                 if sc.fmt == "raw":
                     self._piece(blob, sc, "values", self.dtype).copy_(src.reshape(-1))
                 elif sc.fmt == "int8":
-                    self._fill_int8(blob, sc, src.reshape(sc.shape))
+                    self._fill_int8(blob, sc, src.reshape(-1, sc.shape[-1]))
                 else:
                     self._fill_nf4(blob, sc, src.reshape(-1))
         return blob
@@ -190,7 +227,9 @@ class QuantizedPart:
     def _fill_int8(self, blob: torch.Tensor, sc: SegmentCode, x: torch.Tensor) -> None:
         codes = self._piece(blob, sc, "codes", torch.int8)
         absmax = self._piece(blob, sc, "absmax", torch.float32)
-        rows, cols = sc.shape
+        cols = sc.shape[-1]
+        rows = sc.numel // cols
+        x = x.reshape(rows, cols)
         step = max(1, _CHUNK // max(cols, 1))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
@@ -206,25 +245,28 @@ class QuantizedPart:
         sc.max_abs_error, sc.rel_rms_error = err.result()
 
     def _fill_nf4(self, blob: torch.Tensor, sc: SegmentCode, flat: torch.Tensor) -> None:
-        n, bs = sc.numel, qz.NF4_BLOCK
+        per, bs, E = sc.numel // sc.experts, qz.NF4_BLOCK, sc.experts
+        nb, half = qz.nblocks_of(per), (per + 1) // 2
         packed = self._piece(blob, sc, "packed")
-        absmax = torch.empty(qz.nblocks_of(n)) if self.double_quant else self._piece(blob, sc, "absmax", torch.float32)
-        for i in range(0, n, _CHUNK):
-            t = qz.quantize_nf4(flat[i:i + _CHUNK], bs)
-            packed[i // 2:i // 2 + t.packed.numel()].copy_(t.packed)
-            absmax[i // bs:i // bs + t.absmax.numel()].copy_(t.absmax)
-        if self.double_quant:     # over the whole tensor's absmax, as quantize_nf4 does
-            dq = qz._nf4_tensor(packed, absmax, torch.empty(n, dtype=flat.dtype, device="meta"), bs, True)
-            self._piece(blob, sc, "absmax_q").copy_(dq.absmax_q)
-            self._piece(blob, sc, "absmax_scale", torch.float32).copy_(dq.absmax_scale)
-            sc.absmax_offset = dq.absmax_offset
-        restored = qz.nf4_absmax(self._nf4(blob, sc))
+        absmax = torch.empty(E * nb) if self.double_quant else self._piece(blob, sc, "absmax", torch.float32)
+        for e in range(E):                  # each expert its own tensor; chunks of whole blocks
+            src, pk, am = flat[e * per:(e + 1) * per], packed[e * half:(e + 1) * half], absmax[e * nb:(e + 1) * nb]
+            for i in range(0, per, _CHUNK):
+                t = qz.quantize_nf4(src[i:i + _CHUNK], bs)
+                pk[i // 2:i // 2 + t.packed.numel()].copy_(t.packed)
+                am[i // bs:i // bs + t.absmax.numel()].copy_(t.absmax)
+        if self.double_quant:     # as quantize_nf4 / quantize_nf4_experts do
+            sc.absmax_offset = qz.double_quantize_absmax(absmax, E, self._piece(blob, sc, "absmax_q"),
+                                                         self._piece(blob, sc, "absmax_scale", torch.float32))
         err = _Error()
-        for i in range(0, n, _CHUNK):
-            m = min(n, i + _CHUNK) - i
-            sub = qz.NF4Tensor(packed[i // 2:i // 2 + (m + 1) // 2], restored[i // bs:i // bs + qz.nblocks_of(m)],
-                               torch.Size((m,)), self.dtype, bs)
-            err.add(flat[i:i + m], qz.dequantize_nf4(sub, torch.float32))
+        for e in range(E):
+            t = self._nf4(blob, sc, e)
+            restored = qz.nf4_absmax(t)
+            for i in range(0, per, _CHUNK):
+                m = min(per, i + _CHUNK) - i
+                sub = qz.NF4Tensor(t.packed[i // 2:i // 2 + (m + 1) // 2],
+                                   restored[i // bs:i // bs + qz.nblocks_of(m)], torch.Size((m,)), self.dtype, bs)
+                err.add(flat[e * per + i:e * per + i + m], qz.dequantize_nf4(sub, torch.float32))
         sc.max_abs_error, sc.rel_rms_error = err.result()
 
     # ---- dequantize from a home ---------------------------------------------------------
@@ -241,20 +283,53 @@ class QuantizedPart:
                 if sc.fmt == "raw":
                     dst.copy_(self._piece(blob, sc, "values", self.dtype))
                 elif sc.fmt == "int8":
-                    t = self._int8(blob, sc)
-                    if reference:
-                        dst.copy_(qz.dequantize_int8_rows_reference(t, self.dtype).reshape(-1))
-                    else:
-                        qz.dequantize_int8_rows(t, self.dtype, out=dst)
+                    self._dequantize_int8(self._int8(blob, sc), dst, reference)
                 else:
-                    t = self._nf4(blob, sc)
-                    if reference:
-                        dst.copy_(qz.dequantize_nf4_reference(t, self.dtype).reshape(-1))
-                    else:
-                        qz.dequantize_nf4(t, self.dtype, out=dst)
+                    per = sc.numel // sc.experts
+                    for e in range(sc.experts):
+                        self._dequantize_nf4(self._nf4(blob, sc, e), dst[e * per:(e + 1) * per], reference)
                 end = max(end, sc.offset + sc.numel)
             out[end:].zero_()
         return out
+
+    def _dequantize_int8(self, t: qz.Int8RowTensor, dst: torch.Tensor, reference: bool) -> None:
+        if reference:
+            dst.copy_(qz.dequantize_int8_rows_reference(t, self.dtype).reshape(-1))
+        else:
+            qz.dequantize_int8_rows(t, self.dtype, out=dst)
+
+    def _dequantize_nf4(self, t: qz.NF4Tensor, dst: torch.Tensor, reference: bool) -> None:
+        if reference:
+            dst.copy_(qz.dequantize_nf4_reference(t, self.dtype).reshape(-1))
+        else:
+            qz.dequantize_nf4(t, self.dtype, out=dst)
+
+    def dequantize_expert(self, blob: torch.Tensor, name: str, e: int, out: Optional[torch.Tensor] = None,
+                          reference: bool = False) -> torch.Tensor:
+        """Expert ``e`` of the 3-D tensor ``name`` (values of ``dtype``, shape ``shape[1:]``)
+        from ``blob``, reading that expert's codes and scales alone (into ``out`` when given:
+        contiguous, on the blob's device). Why: a layer materialized in expert chunks
+        dequantizes only the experts its tokens reach. A raw (unquantized) tensor gives its
+        stored slice."""
+        sc = next((c for c in self.segments if c.name == name), None)
+        if sc is None or len(sc.shape) != 3:
+            raise KeyError(f"{name!r} is not a 3-D tensor of this part: "
+                           f"{[c.name for c in self.segments if len(c.shape) == 3]}")
+        if not 0 <= e < sc.shape[0]:
+            raise IndexError(f"expert {e} of {name!r}: it has {sc.shape[0]}")
+        per = sc.numel // sc.shape[0]
+        if out is None:
+            out = torch.empty(per, dtype=self.dtype, device=blob.device)
+        dst = out.view(-1)
+        blob = blob.view(torch.uint8)
+        with torch.no_grad():
+            if sc.fmt == "raw":
+                dst.copy_(self._piece(blob, sc, "values", self.dtype)[e * per:(e + 1) * per])
+            elif sc.fmt == "int8":
+                self._dequantize_int8(self._int8(blob, sc, e), dst, reference)
+            else:
+                self._dequantize_nf4(self._nf4(blob, sc, e), dst, reference)
+        return out.view(sc.shape[1:])
 
     def values(self, blob: torch.Tensor) -> torch.Tensor:
         """A new host flat of the part's values (checkpoints, state dicts, hand-back)."""
@@ -415,12 +490,16 @@ def stats(parts, fmt: str) -> dict:
 
 
 def round_trip(t: torch.Tensor, fmt: str, double_quant: bool = False) -> torch.Tensor:
-    """``t`` (CPU, 2-D) through the codec's quantization and back, in its own dtype: the
-    values a frozen tensor had while the engine trained over it (a merge into the base it
-    trained against, a plain reference)."""
+    """``t`` (CPU, 2-D, or 3-D per expert) through the codec's quantization and back, in its
+    own dtype: the values a frozen tensor had while the engine trained over it (a merge into
+    the base it trained against, a plain reference)."""
     t = t.detach()
     if fmt == "int8":
-        return qz.dequantize_int8_rows(qz.quantize_int8_rows(t), t.dtype)
+        rows = t.reshape(-1, t.shape[-1])
+        return qz.dequantize_int8_rows(qz.quantize_int8_rows(rows), t.dtype).view(t.shape)
+    if t.dim() == 3:
+        return torch.stack([qz.dequantize_nf4(x, t.dtype).view(t.shape[1:])
+                            for x in qz.quantize_nf4_experts(t, double_quant=double_quant)])
     return qz.dequantize_nf4(qz.quantize_nf4(t, double_quant=double_quant), t.dtype)
 
 

@@ -17,8 +17,12 @@ S = ``memory_plan.state_bytes_per_param`` (12 for Adam: fp32 master + two moment
                    reduce-scatter), or a window of 2 blocks (streamed out to the host)
            state : S*P' (S-4 in fp32, where the parameter is the master) when the optimizer
                    stays on the device (ZeRO-1/2 sharding)
+           A model with frozen parameters (LoRA) counts its memory plan's blocks instead: the
+           parameter window is the plan's device budget (``--device-budget-bytes``, default two
+           blocks) plus its largest quantized frozen part (held while it is dequantized), the
+           gradient window two blocks' trainable parts
   pinned   2 blocks at p bytes per link direction (H2D params, D2H grads) whenever something is
-           offloaded, plus every host pool of the engine's memory plan (engine/memory_plan.py:
+           offloaded (frozen parts at their home bytes, quantized ones quantized), plus every host pool of the engine's memory plan (engine/memory_plan.py:
            optimizer state on cpu, gradient buffers -- the whole model's, or a pool when they
            are consumed at once or parked on NVMe --, NVMe swap slots, parameter homes and
            staging); ``host`` (pageable) is 0: the engine allocates nothing else per parameter
@@ -65,15 +69,23 @@ class ModelSpec:
                                 # frozen parts), when known from a module with frozen parameters
     precision: Optional[str] = None     # the compute dtype ``plan_blocks``' frozen bytes assume
     frozen_dtype: str = "compute"       # offload_param.frozen_dtype: how frozen parts are stored at home
+    active: Optional[int] = None        # parameters one token runs through (a MoE: its top-k experts
+                                        # of each layer, shared experts, dense layers); None: all
 
     @property
     def trained(self) -> int:
         return self.params if self.trainable is None else self.trainable
 
+    @property
+    def computed(self) -> int:
+        """Parameters whose matmuls run per token: the compute is priced on these."""
+        return self.params if self.active is None else self.active
+
     def describe(self) -> str:
         approx = "" if self.exact else " (approximate)"
         frozen = "" if self.trainable is None else f" ({human_count(self.trainable)} trainable, the rest frozen)"
-        return (f"{self.name}: {human_count(self.params)} parameters{approx}{frozen}, largest layer "
+        moe = "" if self.active is None else f", {human_count(self.active)} active per token"
+        return (f"{self.name}: {human_count(self.params)} parameters{approx}{moe}{frozen}, largest layer "
                 f"{human_count(self.largest_layer)}, largest block {human_count(self.largest_block)}, "
                 f"{self.n_blocks} blocks")
 
@@ -127,13 +139,53 @@ def spec_from_module(model, name: str = "model", precision: str = "bf16", frozen
         raise EstimateError(f"{name} has no parameters")
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    active = active_params(model)
     if trainable == sum(blocks):
-        return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks))
+        return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks),
+                         active=active)
     if not trainable:
         raise EstimateError(f"{name} has no trainable parameters (every requires_grad is False)")
     return ModelSpec(sum(blocks), largest_layer, max(blocks), name, len(blocks), True, tuple(blocks),
                      trainable, tuple(blocks_of_module(model, precision, frozen_in_place, frozen_dtype)), precision,
-                     frozen_dtype)
+                     frozen_dtype, active)
+
+
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
+
+
+def active_params(model) -> Optional[int]:
+    """Parameters one token runs through in a mixture-of-experts ``model`` (None: not a MoE,
+    or its top-k unknown): every parameter but the routed experts, of which top-k / E count.
+    Routed experts are a module list named ``experts`` (one module per expert) or the 3-D
+    tensors of a module named ``experts`` (transformers' fused [E, ...] experts); top-k is the
+    config's ``num_experts_per_tok`` (or a family's other name for it). Shared experts and
+    dense layers are not under ``experts`` and count whole."""
+    import torch
+    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)   # a PEFT model's too
+    if config is not None and not hasattr(config, _TOP_K[0]) and hasattr(config, "text_config"):
+        config = config.text_config
+    k = next((getattr(config, a) for a in _TOP_K if isinstance(getattr(config, a, None), int)), None)
+    if not k:
+        return None
+    seen, total, idle = set(), 0, 0.0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    done = set()
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        if isinstance(m, torch.nn.ModuleList) and len(m) > k:
+            n = sum(p.numel() for p in m.parameters() if id(p) not in done)
+            done.update(id(p) for p in m.parameters())
+            idle += n * (1 - k / len(m))
+            continue
+        for p in m.parameters():
+            if p.dim() >= 2 and id(p) not in done and p.shape[0] > k:
+                done.add(id(p))
+                idle += p.numel() * (1 - k / p.shape[0])
+    return int(total - idle) if done else None
 
 
 def with_trainable(spec: ModelSpec, trainable: float, precision: str = "bf16") -> ModelSpec:
@@ -166,21 +218,24 @@ def hf_model_on_meta(path: str):
 
 
 def apply_lora(model, rank: int, targets: Sequence[str], name: str = "model"):
-    """``model`` with PEFT LoRA adapters of ``rank`` on the modules named ``targets`` (the
-    base frozen, as ``peft.get_peft_model`` leaves it): needs ``peft``."""
+    """``model`` with PEFT LoRA adapters of ``rank`` on ``targets`` (module names, fused expert
+    tensors, the keywords ``attention`` / ``experts``: offload/hf/lora_targets.py), the base
+    frozen, as ``peft.get_peft_model`` leaves it: needs ``peft``."""
     if rank is None or rank < 1:
         raise EstimateError(f"--lora-rank={rank!r} must be >= 1, e.g. --lora-rank 8")
     try:
         import peft
     except ImportError:
         raise EstimateError("--lora-rank needs peft (pip install peft), or give --trainable-params N") from None
+    from offload.hf import lora_targets
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise EstimateError(f"--lora-targets {','.join(missing)}: {name} has no module of that name; its "
-                            f"linear layers are named {', '.join(sorted(_linear_names(model)))}")
-    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                      target_modules=list(targets)))
+    try:
+        cfg = lora_targets.lora_config(model, list(targets), r=rank, lora_alpha=2 * rank, lora_dropout=0.0)
+    except lora_targets.LoraTargetError as exc:
+        missing = [t for t in targets if t not in names and t not in lora_targets.KEYWORDS]
+        raise EstimateError(f"--lora-targets {','.join(missing) or ','.join(targets)}: {name} has no module of that "
+                            f"name ({exc})") from None
+    return peft.get_peft_model(model, cfg)
 
 
 def _linear_names(model) -> set:
@@ -257,14 +312,29 @@ def _llama_counts(c: dict, name: str) -> ModelSpec:
     attn = d * heads * hd + 2 * d * kv * hd + heads * hd * d
     if bias:
         attn += heads * hd + 2 * kv * hd
-    experts = int(c.get("num_local_experts") or c.get("num_experts") or 1)
-    mlp = 3 * d * inter * experts + (d * experts if experts > 1 else 0)
-    per_layer = attn + mlp + 2 * d
+    # mixture of experts: routed experts of moe_intermediate_size (else intermediate_size),
+    # shared experts, the first layers dense (first_k_dense_replace), top-k active per token
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 1)
+    top_k = int(next((c[a] for a in _TOP_K if isinstance(c.get(a), int)), experts))
+    moe_inter = int(c.get("moe_intermediate_size") or inter)
+    n_shared = int(c.get("n_shared_experts") or (1 if str(c.get("model_type", "")).startswith("llama4") else 0))
+    shared = n_shared * 3 * d * moe_inter                  # Llama 4: one shared expert in every MoE layer
+    dense_layers = min(L, int(c.get("first_k_dense_replace") or 0)) if experts > 1 else L
+    dense_mlp = 3 * d * (int(c.get("intermediate_size_mlp") or inter) if dense_layers < L else inter)
+    moe_mlp = 3 * d * moe_inter * experts + d * experts + shared
+    moe_active = 3 * d * moe_inter * top_k + d * experts + shared
     embed = V * d
     tied = bool(c.get("tie_word_embeddings", False))
-    total = embed + L * per_layer + d + (0 if tied else embed)
-    largest_layer = max(embed, d * inter, d * heads * hd)
-    return ModelSpec(total, largest_layer, max(per_layer, embed), name, L + (2 if tied else 3), exact)
+    moe_layers = L - dense_layers
+    per_layer = max(attn + dense_mlp + 2 * d if dense_layers else 0, attn + moe_mlp + 2 * d if moe_layers else 0)
+    body = dense_layers * (attn + dense_mlp + 2 * d) + moe_layers * (attn + moe_mlp + 2 * d)
+    total = embed + body + d + (0 if tied else embed)
+    active = None
+    if experts > 1 and moe_layers:
+        active = total - moe_layers * (moe_mlp - moe_active)
+    largest_layer = max(embed, d * inter, d * heads * hd, 2 * d * moe_inter * experts if experts > 1 else 0)
+    return ModelSpec(total, largest_layer, max(per_layer, embed), name, L + (2 if tied else 3), exact,
+                     active=active)
 
 
 # ---- the estimate ------------------------------------------------------------------------------
@@ -433,19 +503,43 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
     sbp = mp.state_bytes_per_param(cfg, rule, state_dtype)
     state = sbp if p < 4 else sbp - 4       # on-device optimizer: in fp32 the parameter is the master
     window = 2 * B * p                      # two blocks in flight on the device
+    h2d = d2h = window                      # two blocks per link direction
+    params_window, blob = window, 0
+    if spec.trainable is not None and plan.blocks:
+        h2d, d2h, blob = link_bytes(plan)
+        params_window = plan.param_budget or window
 
-    params_dev = P * p if param == "none" else window
+    params_dev = P * p if param == "none" else params_window + blob
     if optimizer == "none":
         grads_dev = Pt * p if param == "none" else shard * p
         state_dev = state * shard
     else:
-        grads_dev, state_dev = window, 0
+        grads_dev, state_dev = d2h, 0
     device = params_dev + grads_dev + state_dev
 
     offloaded = optimizer != "none" or param != "none"
-    pinned = (2 * window if offloaded else 0) + plan.host    # link staging + the engine's pools
-    return Placement(optimizer, param, int(device), int(pinned * W), 0, int(plan.nvme_total * W),
-                     placement_refusal(cfg))
+    pinned = (h2d + d2h if offloaded else 0) + plan.host    # link staging + the engine's pools
+    refused = placement_refusal(cfg)
+    largest_dev = max((b.device_bytes for b in plan.blocks), default=0)
+    if refused is None and param != "none" and device_budget_bytes and device_budget_bytes < largest_dev:
+        refused = (f"offload_param.device_budget_bytes={device_budget_bytes} is below the largest block's "
+                   f"{largest_dev} device bytes: initialize raises DeviceBudgetError")
+    return Placement(optimizer, param, int(device), int(pinned * W), 0, int(plan.nvme_total * W), refused)
+
+
+def link_bytes(plan) -> tuple:
+    """(h2d, d2h, blob) of a model with frozen parts (LoRA, a partly frozen model), from the
+    memory plan's blocks: two blocks per link direction, each as it travels (h2d: its
+    trainable part in the compute dtype and its frozen parts as stored at home, quantized ones
+    at their quantized bytes; d2h: the trainable part's gradients), and ``blob``, the largest
+    quantized frozen part, which a CUDA device holds beside its dequantized flat while it
+    dequantizes (params/quantized.py ``materialize``)."""
+    def trained(b):
+        return b.param_bytes if b.padded_numel else 0
+    h2d = 2 * max(trained(b) + sum(b.frozen_home or b.frozen) for b in plan.blocks)
+    d2h = 2 * max(trained(b) for b in plan.blocks)
+    blob = max((h for b in plan.blocks for h, f in zip(b.frozen_home, b.frozen) if h < f), default=0)
+    return h2d, d2h, blob
 
 
 def estimate(spec: ModelSpec, precision: str = "bf16", world_size: int = 1, buffer_count: int = 4,

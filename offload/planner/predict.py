@@ -66,9 +66,10 @@ from offload.placement import Placement
 
 def flops_compute(spec: ModelSpec, tokens: int, profile: Profile, precision: str = "fp32") -> Compute:
     """6 * params * tokens at the measured matmul rate in ``precision`` (an upper bound on
-    speed), split 1:2."""
+    speed), split 1:2; a mixture of experts counts its active parameters (``spec.computed``:
+    top-k of each layer's experts), since the experts no token routes to do no matmul."""
     rate = profile.tflops(precision)
-    total = 6.0 * spec.params * tokens / (rate * 1e12) if rate > 0 else float("inf")
+    total = 6.0 * spec.computed * tokens / (rate * 1e12) if rate > 0 else float("inf")
     return Compute(total / 3, 2 * total / 3, False, not profile.cuda)
 
 
