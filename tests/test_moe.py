@@ -404,7 +404,7 @@ def test_checkpoint_of_quantized_experts_resumes_as_stored_and_exports(tmp_path)
     per-expert blobs (not values), a resumed engine (its model's weights zeroed) trains on bit
     for bit, ``export_hf`` writes the adapter, and a merged export, which cannot merge
     parameter adapters, says so instead of dropping them."""
-    from offload.io.hf import WeightsError
+    from offload.io.safetensors import WeightsError
     base = moe_model("mixtral", "lora_experts")
     data = batches(3, batch=2, ctx=8, vocab=VOCAB)
     cfg = lambda d: qcfg(tmp_path / d, "cpu", "nf4")       # noqa: E731
@@ -461,7 +461,7 @@ def test_lora_target_keywords():
     linear layers (a leaf name shared with a non-attention module as its full path), a module
     list's experts as modules, fused 3-D experts as PEFT target_parameters; a name that
     matches nothing is named with the model's names."""
-    from offload.hf import lora_targets as lt
+    from offload.config import lora_targets as lt
 
     class Layer(nn.Module):
         def __init__(self):

@@ -51,7 +51,7 @@ class LoraSpec:
 def parse_lora(text: str) -> LoraSpec:
     """``"r=16,alpha=32,targets=q_proj,v_proj"`` (targets take the rest of the commas: module
     names, fused expert tensors, the keywords ``attention`` and ``experts``,
-    offload/hf/lora_targets.py)."""
+    offload/config/lora_targets.py)."""
     fields: Dict[str, Any] = {}
     key = None
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -163,7 +163,7 @@ def check_model_dir(model_dir: str) -> None:
 def _lora_model(model, spec: LoraSpec):
     import peft
     versions.check("peft")
-    from offload.hf import lora_targets
+    from offload.config import lora_targets
     try:
         cfg = lora_targets.lora_config(model, list(spec.targets), r=spec.r, lora_alpha=spec.alpha,
                                        lora_dropout=spec.dropout, task_type="CAUSAL_LM")

@@ -219,7 +219,7 @@ def hf_model_on_meta(path: str):
 
 def apply_lora(model, rank: int, targets: Sequence[str], name: str = "model"):
     """``model`` with PEFT LoRA adapters of ``rank`` on ``targets`` (module names, fused expert
-    tensors, the keywords ``attention`` / ``experts``: offload/hf/lora_targets.py), the base
+    tensors, the keywords ``attention`` / ``experts``: offload/config/lora_targets.py), the base
     frozen, as ``peft.get_peft_model`` leaves it: needs ``peft``."""
     if rank is None or rank < 1:
         raise EstimateError(f"--lora-rank={rank!r} must be >= 1, e.g. --lora-rank 8")
@@ -227,7 +227,7 @@ def apply_lora(model, rank: int, targets: Sequence[str], name: str = "model"):
         import peft
     except ImportError:
         raise EstimateError("--lora-rank needs peft (pip install peft), or give --trainable-params N") from None
-    from offload.hf import lora_targets
+    from offload.config import lora_targets
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     try:
         cfg = lora_targets.lora_config(model, list(targets), r=rank, lora_alpha=2 * rank, lora_dropout=0.0)

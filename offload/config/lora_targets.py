@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+from offload.config.errors import ConfigError
+
 KEYWORDS = ("attention", "experts")
 
 
-class LoraTargetError(ValueError):
+class LoraTargetError(ConfigError):
     """A LoRA target that names nothing in the model; the message lists what it has."""
 
 
