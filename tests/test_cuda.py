@@ -1,6 +1,6 @@
 """The engine on a CUDA device: streams, pinned buffers, D2H gradients, H2D parameters; the
-covering set of the CPU suite's one-rank configurations (tests/test_sim_device.py's cells,
-LoRA, the nf4 base) against plain torch / PEFT on the GPU; mixed precision with accumulation
+covering set of the CPU suite's one-rank configurations (tests/_cells.py, which
+tests/test_sim_device.py runs on a simulated device; LoRA, the nf4 base) against plain torch / PEFT on the GPU; mixed precision with accumulation
 on every stage; stream-ordering tests built to expose races; two ranks on NCCL where two GPUs
 exist. Skipped without CUDA (see conftest.py); benchmarks/gpu_check.sh runs them on a GPU
 machine."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import offload
-from _models import batches, clone, make_model
-from test_engine import check_parity, max_diff, reference_run
+from _models import Wide, batches, clone, make_model
+from _parity import check_parity, max_diff, reference_run
 
 pytestmark = pytest.mark.cuda
 
@@ -97,7 +97,6 @@ def test_cuda_bf16_trains(tmp_path):
 
 
 def test_cuda_device_memory_within_budget(tmp_path):
-    from test_param_offload import Wide
     torch.manual_seed(0)
     model = Wide(layers=20)
     block = (128 * 128 + 128) * 4
@@ -160,15 +159,14 @@ def test_cuda_device_adam_never_synchronises(tmp_path):
 
 
 # ---- every configuration of the CPU suite's covering sets, on one GPU ------------------------
-# The cells of tests/test_sim_device.py (accumulation, two backward() calls a step, clipping,
+# The cells of tests/_cells.py (accumulation, two backward() calls a step, clipping,
 # ZeRO 0-3 on one rank, every optimizer and parameter placement, update ahead, activation
 # offload), with the model on the GPU at initialize, against plain torch on the GPU.
-from test_sim_device import CELLS, LAYERS, STEPS, _config, check_against   # noqa: E402
-from test_sim_device import plain_run as _plain_run                         # noqa: E402
+from _cells import CELLS, LAYERS, STEPS, cell_config, plain_run as _plain_run   # noqa: E402
 
 
 def cuda_plain_run(model, data, **kw):
-    """test_sim_device's plain torch loop with model and batches on the GPU (fused AdamW
+    """_cells' plain torch loop with model and batches on the GPU (fused AdamW
     runs there)."""
     snaps = _plain_run(model.cuda(), on_cuda(data), **kw)
     return [{k: v.cpu() for k, v in s.items()} for s in snaps]
@@ -203,22 +201,22 @@ def test_cuda_cells_match_torch_on_the_gpu(cell, tmp_path):
     kw = dict(gas=gas, backwards=backwards, clip=c.get("clip", 0.0))
     ref = cuda_plain_run(clone(base), data, **kw)
     fused = cuda_plain_run(clone(base), data, fused=True, **kw)
-    got, stats = cuda_engine_run(clone(base), data, _config(c, tmp_path), backwards=backwards)
-    check_against(ref, fused, got)
+    got, stats = cuda_engine_run(clone(base), data, cell_config(c, tmp_path), backwards=backwards)
+    check_parity(ref, fused, got)
     if c.get("act", "none") != "none":
         assert stats["activations"]["bytes_moved"]["d2h"] > 0
 
 
-# tests/test_matrix.py's covering array (placements x LoRA / partly frozen x checkpointing x
+# tests/_matrix.py's covering array (tests/test_matrix.py's cells: placements x LoRA / partly frozen x checkpointing x
 # activation offload x fp32 / bf16 x accumulation, a 3-layer Llama) on the GPU
 try:
-    import test_matrix as _matrix
+    import _matrix
     MATRIX = _matrix.CELLS
 except BaseException:          # noqa: BLE001 - peft / transformers missing: pytest's skip is a BaseException
     _matrix, MATRIX = None, []
 
 
-@pytest.mark.parametrize("cell", MATRIX, ids=_matrix._cell_id if _matrix else None)
+@pytest.mark.parametrize("cell", MATRIX, ids=_matrix.cell_id if _matrix else None)
 def test_cuda_matrix_cell_matches_plain_torch_on_the_gpu(cell, tmp_path):
     _matrix.check_cell(cell, tmp_path, device="cuda")
 
@@ -229,7 +227,7 @@ def test_cuda_mixed_precision_with_accumulation_trains(precision, stage, tmp_pat
     """bf16 / fp16 (loss scaling) with accumulation on every stage of one rank: one batch
     repeated, the loss must fall (the accumulated landings of findings 1 and 4 run here)."""
     data = batches(1, seed=3) * 40
-    cfg = _config({"stage": stage, "opt": "cpu", "gas": 2, "clip": 0.5}, tmp_path)
+    cfg = cell_config({"stage": stage, "opt": "cpu", "gas": 2, "clip": 0.5}, tmp_path)
     cfg["precision"] = precision
     model = make_model(layers=LAYERS).cuda()
     eng = offload.initialize(model, cfg)
@@ -250,8 +248,7 @@ def test_cuda_lora_and_quantized_base_match_peft(param, tmp_path):
     """LoRA over a frozen base offloaded to the host, and over an nf4 base on NVMe, against
     plain PEFT on the GPU over the same (dequantized) base."""
     pytest.importorskip("peft")
-    from test_frozen_offload import cfg as lora_cfg, lora_llama
-    from test_frozen_quant import dequantized_base, qcfg
+    from _lora import dequantized_base, lora_cfg, lora_llama, qcfg
     base = lora_llama()
     data = batches(STEPS, vocab=97)
     quant = param == "nvme"
@@ -259,7 +256,7 @@ def test_cuda_lora_and_quantized_base_match_peft(param, tmp_path):
     ref = cuda_plain_run(clone(ref_model), data)
     fused = cuda_plain_run(clone(ref_model), data, fused=True)
     got, stats = cuda_engine_run(clone(base), data, qcfg(tmp_path, param, "nf4") if quant else lora_cfg(tmp_path, param))
-    check_against(ref, fused, got, keys=[k for k in ref[0] if "lora_" in k])
+    check_parity(ref, fused, got, keys=[k for k in ref[0] if "lora_" in k])
     if quant:
         assert stats["frozen_quant"]["tensors"] > 0
 
@@ -279,8 +276,8 @@ def _race_cell(tmp_path, **c):
     kw = dict(gas=gas, backwards=backwards)
     ref = cuda_plain_run(clone(base), data, **kw)
     fused = cuda_plain_run(clone(base), data, fused=True, **kw)
-    got, _ = cuda_engine_run(clone(base), data, _config(c, tmp_path), backwards=backwards)
-    check_against(ref, fused, got)
+    got, _ = cuda_engine_run(clone(base), data, cell_config(c, tmp_path), backwards=backwards)
+    check_parity(ref, fused, got)
 
 
 def _slow_optimizer_stream(monkeypatch):
@@ -349,7 +346,7 @@ def test_cuda_slow_gradient_finish_is_waited_for(monkeypatch, tmp_path):
 def test_cuda_two_ranks_nccl_without_clipping(stage, tier, tmp_path):
     """Two ranks on NCCL, one GPU each, no clipping (nothing synchronizes the streams for the
     engine): half batches on each rank match plain torch on the full batch."""
-    from test_zero import EPS, LR, TOL, WD, max_diff as zmax, spawn
+    from _zero import EPS, LR, TOL, WD, spawn
     jobs = [{"name": "j", "stage": stage, "tier": tier, "steps": 3, "eps": EPS, "clip": 0.0}]
     rcs, errs, res = spawn(jobs, 2, str(tmp_path), backend="nccl")
     assert rcs == [0, 0] and not errs, errs
@@ -363,4 +360,4 @@ def test_cuda_two_ranks_nccl_without_clipping(stage, tier, tmp_path):
         opt.zero_grad()
         ref.append({k: v.detach().clone() for k, v in m.state_dict().items()})
     for step, (r, g) in enumerate(zip(ref, res[0]["j"]["snaps"])):
-        assert zmax(r, g) <= TOL, (step, zmax(r, g))
+        assert max_diff(r, g) <= TOL, (step, max_diff(r, g))

@@ -9,48 +9,9 @@ import offload
 import _forked
 import _resume_worker
 from _models import batches, clone, make_model
+from _parity import check_parity, max_diff, reference_run
 
 TIERS = ["none", "cpu", "nvme"]
-
-
-def parity_bounds(ref, ref_fused):
-    """Per-step fp32 bound: twice the distance between torch's own single-tensor and fused
-    AdamW on the same run, plus 1e-6. One-ulp differences in an update grow through the
-    next steps' gradients, so the bound comes from torch's two implementations, not a fixed
-    number; a wrong update (no bias correction, wrong decay) falls far outside it."""
-    return [2 * max_diff(a, b) + 1e-6 for a, b in zip(ref, ref_fused)]
-
-
-def check_parity(ref, ref_fused, got):
-    assert len(got) == len(ref)
-    for step, (r, g, bound) in enumerate(zip(ref, got, parity_bounds(ref, ref_fused))):
-        assert list(r) == list(g)
-        d = max_diff(r, g)
-        assert d <= bound, f"step {step}: engine differs from torch by {d}, bound {bound}"
-
-
-def reference_run(model, data, *, lr=1e-3, wd=0.01, clip=0.0, gas=1, adamw=True, groups=None, sched=None,
-                  fused=False):
-    """Plain PyTorch: AdamW (foreach=False, or fused), clip_grad_norm_, loss / gas. Returns
-    the parameter snapshots after every optimizer step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    kind = {"fused": True} if fused else {"foreach": False}
-    opt = cls(groups(model) if groups else params, lr=lr, weight_decay=wd, **kind)
-    sch = sched(opt) if sched else None
-    snaps = []
-    for i, (x, y) in enumerate(data):
-        loss = model(x, y)
-        (loss / gas if gas > 1 else loss).backward()
-        if (i + 1) % gas == 0:
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if sch:
-                sch.step()
-            snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return snaps
 
 
 def engine_run(model, data, cfg, groups=None, sched=None, engine_out=None):
@@ -81,10 +42,6 @@ def cfg_for(tier, tmp_path, **kw):
         cfg["offload_optimizer"]["nvme_path"] = str(tmp_path)
     cfg.update(kw)
     return cfg
-
-
-def max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -310,15 +267,3 @@ def test_optimizer_step_hooks_run_as_torch_runs_them(tmp_path, ranges_entered):
         for h in handles:
             h.remove()
         eng.close()
-
-
-@pytest.mark.parametrize("opt,prm,backwards", [("cpu", "none", 1), ("cpu", "nvme", 2), ("none", "cpu", 1)])
-def test_landed_gradients_train_as_torch(opt, prm, backwards, tmp_path):
-    """Gradients land directly in each block's buffer (the first backward of a window
-    overwrites, a second adds to it): the weights follow torch's, with one or two
-    backwards a step, on every tier a landing reaches."""
-    from test_step import batches as step_batches, cfg as step_cfg, check, make_model as step_model, train
-    eng = offload.initialize(step_model(), step_cfg(opt, prm, 0.0, tmp_path))
-    losses = train(eng, step_batches(6), backwards=backwards)
-    check(torch.stack(losses), eng.full_state_dict(), 0.0, 6 // backwards, backwards=backwards)
-    eng.close()

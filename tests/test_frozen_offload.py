@@ -11,91 +11,10 @@ from torch import nn
 import offload
 from offload.params.offload import DeviceBudgetError
 from _models import batches, clone
-from test_engine import check_parity, reference_run
+from _lora import base_key_map, engine_run, lora_cfg, lora_llama, save_base
+from _parity import check_parity, reference_run
+from _probes import swap_bytes
 
-transformers = pytest.importorskip("transformers", reason="HF transformers is not installed")
-peft = pytest.importorskip("peft", reason="peft is not installed")
-
-
-class LoraLM(nn.Module):
-    """A PEFT LoRA Llama with the (x, y) -> loss interface of the reference loop."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x, y=None):
-        return self.m(input_ids=x, labels=x).loss
-
-
-def lora_llama(layers=3, seed=0):
-    conf = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    torch.manual_seed(seed)
-    base = transformers.LlamaForCausalLM(conf).to(torch.bfloat16)       # the frozen base: bf16
-    lcfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    model = peft.get_peft_model(base, lcfg)                                # adapters: fp32
-    with torch.no_grad():                                                   # B is zero at init: make
-        for n, p in model.named_parameters():                              # step one move A too
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
-    return LoraLM(model)
-
-
-def cfg(tmp_path, param, budget=None):
-    return {"optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-            "offload_optimizer": {"device": "nvme" if param == "nvme" else "cpu",
-                                  "nvme_path": str(tmp_path) if param == "nvme" else None},
-            "offload_param": {"device": param, "nvme_path": str(tmp_path) if param == "nvme" else None,
-                              "device_budget_bytes": budget}}
-
-
-class ParamBytesProbe:
-    """An independent measure of device parameter bytes (CPU device): the bytes of live
-    tensors the model's parameters hold, sampled in every module's forward pre/post hook and
-    in every trainable parameter's gradient hook (backward). Storage-free stubs (stride 0)
-    and empty placeholders hold nothing."""
-
-    def __init__(self, model):
-        self.model, self.peak, self.hooks = model, 0, []
-        for m in model.modules():
-            self.hooks.append(m.register_forward_pre_hook(lambda *a: self.sample()))
-            self.hooks.append(m.register_forward_hook(lambda *a: self.sample()))
-        for p in model.parameters():
-            if p.requires_grad:
-                self.hooks.append(p.register_hook(lambda g: self.sample()))
-
-    def sample(self):
-        seen, total = set(), 0
-        # outside torch-function handling: reading a parameter must not itself fetch its block
-        with torch._C.DisableTorchFunction():
-            for p in self.model.parameters():
-                if p.numel() == 0 or 0 in p.stride() or p.data_ptr() in seen:
-                    continue
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        self.peak = max(self.peak, total)
-
-    def remove(self):
-        for h in self.hooks:
-            h.remove()
-
-
-def engine_run(model, data, config, probe=False):
-    eng = offload.initialize(model, config)
-    pr = ParamBytesProbe(model) if probe else None
-    snaps, losses = [], []
-    for x, y in data:
-        loss = eng(x, y)
-        losses.append(loss.item())
-        eng.backward(loss)
-        eng.step()
-        snaps.append({k: v for k, v in eng.full_state_dict().items()})
-    stats = eng.stats()
-    if pr is not None:
-        pr.remove()
-    eng.close()
-    return snaps, stats, (pr.peak if pr else None), losses
 
 
 def block_bytes(model):
@@ -116,7 +35,7 @@ def test_lora_llama_matches_torch_within_budget(param, tmp_path):
     assert budget < sum(sizes.values())           # the base does not fit: offload must work
     ref = reference_run(clone(base), data)
     ref_fused = reference_run(clone(base), data, fused=True)
-    got, stats, probe_peak, _ = engine_run(clone(base), data, cfg(tmp_path, param, budget), probe=True)
+    got, stats, probe_peak, _ = engine_run(clone(base), data, lora_cfg(tmp_path, param, budget), probe=True)
     trainable = [k for k in ref[0] if "lora_" in k]
     check_parity([{k: s[k] for k in trainable} for s in ref], [{k: s[k] for k in trainable} for s in ref_fused],
                  [{k: s[k] for k in trainable} for s in got])
@@ -132,7 +51,7 @@ def test_lora_llama_matches_torch_within_budget(param, tmp_path):
 def test_frozen_base_lives_on_its_tier_in_its_dtype(tmp_path):
     model = lora_llama(layers=2)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    eng = offload.initialize(model, cfg(tmp_path, "nvme"))
+    eng = offload.initialize(model, lora_cfg(tmp_path, "nvme"))
     frozen = [u for u in eng.units if u.frozen]
     assert frozen and all(p.dtype == torch.bfloat16 for u in frozen for p in u.frozen)
     mixed = [u for u in eng.units if u.frozen and u.trainable is not None]
@@ -146,13 +65,13 @@ def test_frozen_base_lives_on_its_tier_in_its_dtype(tmp_path):
 def test_budget_too_small_fails_at_initialize_with_the_smallest_that_works(tmp_path):
     model = lora_llama(layers=2)
     with pytest.raises(DeviceBudgetError) as err:
-        offload.initialize(clone(model), cfg(tmp_path, "cpu", budget=4096))
+        offload.initialize(clone(model), lora_cfg(tmp_path, "cpu", budget=4096))
     msg = str(err.value)
     assert "device_budget_bytes=4096" in msg and "smallest budget that works is" in msg
     need = int(msg.split("smallest budget that works is ")[1].split(";")[0])
     assert need >= max(block_bytes(model).values())
     # exactly that budget trains, and stays within it
-    _, stats, probe_peak, _ = engine_run(clone(model), batches(2, vocab=97), cfg(tmp_path, "cpu", need), probe=True)
+    _, stats, probe_peak, _ = engine_run(clone(model), batches(2, vocab=97), lora_cfg(tmp_path, "cpu", need), probe=True)
     assert probe_peak <= stats["device_param_bytes_peak"] <= need
 
 
@@ -175,28 +94,13 @@ def test_runtime_overrun_is_an_error(tmp_path):
     torch.manual_seed(0)
     model = OutsideRead()
     one = 1024 * 4                                 # one block: the padded flat of one Linear, fp32
-    eng = offload.initialize(model, cfg(tmp_path, "cpu", budget=2 * one))
+    eng = offload.initialize(model, lora_cfg(tmp_path, "cpu", budget=2 * one))
     with pytest.raises(DeviceBudgetError, match="raise the budget to at least"):
         eng(torch.randn(2, 8))
     eng.close()
 
 
 # ---- the frozen base read in place from the checkpoint's own files ----------------------------
-def save_base(model, path):
-    """The bf16 base of ``lora_llama``'s model as save_pretrained writes it (several shards)."""
-    model.m.base_model.model.save_pretrained(path, max_shard_size="60KB")
-    return str(path)
-
-
-def base_key_map(k):
-    return "m.base_model.model." + k          # checkpoint keys -> the LoraLM wrapper's keys
-
-
-def swap_bytes(eng):
-    d = eng.swap_dirs()["params"]
-    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".swap"))
-
-
 @pytest.mark.parametrize("in_place", [True, False])
 def test_lora_base_read_in_place_matches_torch(in_place, tmp_path):
     """LoRA with the bf16 base read in place from its safetensors files trains as plain torch
@@ -206,7 +110,7 @@ def test_lora_base_read_in_place_matches_torch(in_place, tmp_path):
     data = batches(6, vocab=97)
     ref = reference_run(clone(base), data)
     ref_fused = reference_run(clone(base), data, fused=True)
-    c = cfg(tmp_path, "nvme")
+    c = lora_cfg(tmp_path, "nvme")
     c["offload_param"]["frozen_in_place"] = in_place
     eng = offload.initialize(clone(base), c, weights=ck, key_map=base_key_map)
     got = []
@@ -254,7 +158,7 @@ def test_backward_reads_each_frozen_block_at_most_once(tmp_path, monkeypatch):
     data = batches(6, vocab=97)
     ref = reference_run(clone(base), data)
     ref_fused = reference_run(clone(base), data, fused=True)
-    c = cfg(tmp_path, "nvme")
+    c = lora_cfg(tmp_path, "nvme")
     c["offload_optimizer"] = {"device": "cpu"}          # NVMe reads: the parameters' alone
     eng = offload.initialize(clone(base), c, weights=ck, key_map=base_key_map)
     base_bytes = eng.stats()["source_bytes"]
@@ -295,7 +199,7 @@ def test_backward_reads_each_frozen_block_at_most_once(tmp_path, monkeypatch):
 def test_checkpoint_changed_under_the_run_is_detected(how, tmp_path):
     base = lora_llama(layers=2)
     ck = save_base(base, tmp_path / "ck")
-    eng = offload.initialize(clone(base), cfg(tmp_path, "nvme"), weights=ck, key_map=base_key_map)
+    eng = offload.initialize(clone(base), lora_cfg(tmp_path, "nvme"), weights=ck, key_map=base_key_map)
     data = batches(4, vocab=97)
     x, y = data[0]
     eng.backward(eng(x, y))

@@ -7,7 +7,7 @@ import torch
 import offload
 from offload.engine.memory_plan import GradHome
 from _models import batches, clone, make_model
-from test_engine import check_parity, reference_run
+from _parity import check_parity, reference_run
 
 
 def nvme_cfg(tmp_path, **kw):

@@ -12,21 +12,17 @@ import torch
 
 import offload
 from _hf import args, dataset, snapshot, tiny_llama, train_logs, transformers
-from _models import RuleNet, rule_batches
+from _models import RuleNet, make_model, rule_batches
 
 from offload.hf import Trainer
 
 Adafactor = transformers.optimization.Adafactor
 VOCAB, D, STEPS, SAVE_AT, CLIP = 64, 32, 5, 2, 0.5
-
-
-def make_model():
-    torch.manual_seed(0)
-    return RuleNet(VOCAB, D)
+NET = dict(net=RuleNet, vocab=VOCAB, d=D)
 
 
 def plain(kw, clip):
-    model = make_model()
+    model = make_model(**NET)
     opt = Adafactor(model.parameters(), **kw)
     for x, y in rule_batches(STEPS, VOCAB):
         opt.zero_grad()
@@ -46,7 +42,7 @@ def engine(kw, clip, tier, tmp_path):
     data = rule_batches(STEPS, VOCAB)
 
     def start():
-        model = make_model()
+        model = make_model(**NET)
         return offload.initialize(model, cfg, param_groups=Adafactor(model.parameters(), **kw))
 
     eng = start()
@@ -77,7 +73,7 @@ def engine(kw, clip, tier, tmp_path):
 def test_engine_equals_transformers_adafactor(kw, clip, tier, tmp_path):
     want = plain(kw, clip)
     got = engine(kw, clip, tier, tmp_path)
-    moved = max((want[k] - make_model().state_dict()[k]).abs().max().item() for k in want)
+    moved = max((want[k] - make_model(**NET).state_dict()[k]).abs().max().item() for k in want)
     assert moved > 1e-6                     # it trained (warmup_init steps are 1e-6 * step)
     assert all(torch.equal(got[k], want[k]) for k in want), \
         max((got[k] - want[k]).abs().max().item() for k in want)
@@ -87,7 +83,7 @@ def test_factored_rows_and_lr_none_in_the_config():
     """A 2-D weight keeps its row and column statistics under transformers' names; lr=None
     without relative_step is refused naming the fix."""
     from offload.config import Config, ConfigError
-    eng = offload.initialize(make_model(), {"optimizer": {"type": "TransformersAdafactor"}})
+    eng = offload.initialize(make_model(**NET), {"optimizer": {"type": "TransformersAdafactor"}})
     try:
         rows = [dict(t.rows) for t in eng.blocks[1].state.layout.tensors]
         assert {"exp_avg_sq_row": D, "exp_avg_sq_col": D} in rows and {"exp_avg_sq": D} in rows

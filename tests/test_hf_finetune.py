@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 from offload import cli  # noqa: E402
 from offload.hf import data as data_mod  # noqa: E402
 from offload.hf.finetune import LoraSpec, parse_lora  # noqa: E402
-from conftest import AVX2_RATES  # noqa: E402
+from _profile import AVX2_RATES  # noqa: E402
 import _forked  # noqa: E402
 
 

@@ -6,19 +6,10 @@ import torch
 
 from offload.planner import estimate as est
 from offload.planner import measure, predict, rank, validate
-
-
-def profile(**kw):
-    base = dict(device="NVIDIA test", cpu_threads=2, adam_params_per_s=1e9, adam_backend="test",
-                device_adam_params_per_s=50e9, h2d_gbps=20.0, d2h_gbps=20.0, host_memcpy_gbps=10.0,
-                nvme_read_gbps=4.0, nvme_write_gbps=2.0, nvme_read_latency_s=0.0, nvme_write_latency_s=0.0,
-                nvme_duplex=0.0, io_backend="test", nvme_path="/tmp", matmul_tflops=100.0)
-    base.update(kw)
-    return measure.Profile(**base)
+from _profile import GPU, profile
 
 
 SPEC = est.ModelSpec(params=1_000_000_000, largest_layer=50_000_000, largest_block=100_000_000, n_blocks=10)
-GPU = measure.Compute(forward_s=1.0, backward_s=2.0, measured=True, shares_cpu=False)
 
 
 def test_no_offload_is_compute_plus_device_adam():

@@ -11,7 +11,7 @@ import torch
 from offload.planner import measure, precision, predict
 from offload.planner import estimate as est
 from _cli import run
-from conftest import AVX2_RATES
+from _profile import AVX2_RATES
 
 FAST_BF16 = {"fp32": 0.05, "bf16": 0.15, "fp16": 0.001}     # AVX-512 BF16, no native fp16
 

@@ -11,7 +11,8 @@ import torch
 
 import offload
 from _models import batches, clone, make_model
-from test_step import ahead_blocks
+from _parity import max_diff, noise_bound
+from _probes import ahead_blocks
 
 LR, WD = 1e-3, 0.01
 
@@ -72,21 +73,17 @@ def engine_run(base, data, precision, tmp_path, scaler=None, ahead=False):
     return torch.stack(losses), committed, sd, scales
 
 
-def diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def check(base, data, dtype, precision, tmp_path, scaler=None, ahead=False):
     ref_l, ref_c, ref_m, ref_s = reference(base, data, dtype, fused=False, scaler=scaler)
     fus_l, _, fus_m, _ = reference(base, data, dtype, fused=True, scaler=scaler)
     got_l, got_c, got_sd, got_s = engine_run(base, data, precision, tmp_path, scaler, ahead)
     assert got_c == ref_c and got_s == ref_s
-    loss_bound = 2 * (ref_l - fus_l).abs().max().item() + 1e-6
+    loss_bound = noise_bound(ref_l, fus_l)
     assert (got_l - ref_l).abs().max().item() <= loss_bound
-    master_bound = 2 * diff(ref_m, fus_m) + 1e-6
-    d = diff(ref_m, {k: got_sd[k] for k in ref_m})
+    master_bound = noise_bound(ref_m, fus_m)
+    d = max_diff(ref_m, {k: got_sd[k] for k in ref_m})
     assert d <= master_bound, f"fp32 masters differ from the reference by {d} (bound {master_bound})"
-    assert diff(ref_m, {k: v.float() for k, v in base.state_dict().items() if k in ref_m}) > 1e-3
+    assert max_diff(ref_m, {k: v.float() for k, v in base.state_dict().items() if k in ref_m}) > 1e-3
     return ref_c
 
 

@@ -17,19 +17,16 @@ import pytest
 import torch
 
 import offload
-from _models import RuleNet, resume_and_train, rule_batches
+from _models import RuleNet, make_model, resume_and_train, rule_batches
+from _parity import max_diff, noise_bound
 from offload.engine import memory_plan as mp
 from offload.optim import get_rule
 from offload.optim.rule import load_row, store_row
 
 VOCAB, D, STEPS, CHUNK = 512, 64, 4, 100_000
+NET = dict(net=RuleNet, vocab=VOCAB, d=D)
 HP = {"AdamW": dict(lr=1e-2, weight_decay=0.01), "SGD": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
       "Lion": dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)}
-
-
-def make_model():
-    torch.manual_seed(0)
-    return RuleNet(VOCAB, D)
 
 
 def batches(n, seed=1):
@@ -45,16 +42,12 @@ def cfg(rule, tmp_path, state_dtype="fp32", **kw):
     return c
 
 
-def max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def engine_run(config, data=None, check=None):
-    eng = offload.initialize(make_model(), config)
+    eng = offload.initialize(make_model(**NET), config)
     gas = eng.config.gradient_accumulation_steps
     try:
         if check is not None:
@@ -84,7 +77,7 @@ def chunked_as_planned(eng):
 
 
 def torch_run(rule, fused):
-    model = make_model()
+    model = make_model(**NET)
     params = list(model.parameters())
     opt = getattr(torch.optim, rule)(params, **HP[rule], **({"fused": True} if fused else {"foreach": False}))
     for x, y in batches(STEPS):
@@ -96,7 +89,7 @@ def torch_run(rule, fused):
 
 def dtype_loop(rule_name, state_dtype):
     """The rule per parameter in plain torch with ``state_dtype`` rows between steps."""
-    rule, model = get_rule(rule_name), make_model()
+    rule, model = get_rule(rule_name), make_model(**NET)
     group = dict(rule.defaults, **HP[rule_name])
     params = list(model.parameters())
     states = []
@@ -123,10 +116,10 @@ def dtype_loop(rule_name, state_dtype):
 def test_fp32_state_in_chunks_matches_torch(rule, tmp_path):
     got = engine_run(cfg(rule, tmp_path), check=chunked_as_planned)
     single, fused = torch_run(rule, False), torch_run(rule, True)
-    bound = 2 * max_diff(single, fused) + 1e-6
+    bound = noise_bound(single, fused)
     d = max_diff(got, single)
     assert d <= bound, f"{rule} in chunks: weights differ from torch by {d} (bound {bound})"
-    assert max_diff(single, make_model().state_dict()) > 1e-3
+    assert max_diff(single, make_model(**NET).state_dict()) > 1e-3
 
 
 @pytest.mark.parametrize("rule", ["AdamW", "Lion"])
@@ -144,9 +137,9 @@ def bf16_reference(data, fused, gas):
     parameters, each micro-step's loss divided by ``gas`` (the engine's convention, DeepSpeed's)
     and the bf16 model's gradients summed in fp32 over the ``gas`` micro-steps, clipped to 1.0,
     the result rounded to bf16. Returns the masters by state_dict key."""
-    model = make_model().to(torch.bfloat16)
+    model = make_model(**NET).to(torch.bfloat16)
     params = list(model.parameters())
-    master = [p.detach().clone() for p in make_model().parameters()]     # from the fp32 values
+    master = [p.detach().clone() for p in make_model(**NET).parameters()]     # from the fp32 values
     opt = torch.optim.AdamW(master, **HP["AdamW"], **({"fused": True} if fused else {"foreach": False}))
     for s in range(len(data) // gas):
         grads = [torch.zeros_like(m) for m in master]
@@ -167,10 +160,10 @@ def bf16_reference(data, fused, gas):
 
 def check_bf16(got, data, gas):
     single, fused = bf16_reference(data, False, gas), bf16_reference(data, True, gas)
-    bound = 2 * max_diff(single, fused) + 1e-6
+    bound = noise_bound(single, fused)
     d = max_diff(got, single)
     assert d <= bound, f"bf16: fp32 masters differ from torch by {d} (bound {bound})"
-    assert max_diff(single, make_model().state_dict()) > 1e-3
+    assert max_diff(single, make_model(**NET).state_dict()) > 1e-3
 
 
 def bf16_config(tmp_path, **kw):
@@ -216,7 +209,7 @@ def test_checkpoint_of_chunked_state_resumes_bit_exact(tmp_path):
     engine writes); it resumes bit-exactly into chunks and into whole blocks alike."""
     data = batches(5)
     full = engine_run(cfg("AdamW", tmp_path / "a", state_dtype="int8"), data=data)
-    eng = offload.initialize(make_model(), cfg("AdamW", tmp_path / "b", state_dtype="int8"))
+    eng = offload.initialize(make_model(**NET), cfg("AdamW", tmp_path / "b", state_dtype="int8"))
     for x, y in data[:3]:
         eng.backward(eng(x, y))
         eng.step()
@@ -227,7 +220,7 @@ def test_checkpoint_of_chunked_state_resumes_bit_exact(tmp_path):
     for chunk in (CHUNK, None):
         c = cfg("AdamW", tmp_path / f"c{chunk}", state_dtype="int8")
         c["offload_optimizer"]["state_chunk_bytes"] = chunk
-        eng = offload.initialize(make_model(), c)
+        eng = offload.initialize(make_model(**NET), c)
         assert (len(eng.blocks[0].state.chunks) > 1) == (chunk is not None)
         resumed = resume_and_train(eng, tmp_path / "ck", data[3:])
         for k in full:

@@ -11,61 +11,18 @@ and a wrong update (a missed average, a rank's shard not stepped) is off by > 1e
 """
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch
 
 import offload
-import _forked
-import _zero_worker
 from _models import batches, make_model
+from _parity import max_diff
+from _zero import CLIP, EPS, LR, STEPS, TOL, WD, spawn
 from offload.core import sharding
 
-STEPS = 3
 GAS_STEPS = 2      # optimizer steps of the accumulation jobs (two micro-steps each)
-EPS = 1e-6
-TOL = 1e-5
-LR, WD, CLIP = 1e-3, 0.01, 0.5
-
-
-def _port() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return str(p)
-
-
-def spawn(jobs, world, out, timeout=150, **spec_kw):
-    """Run ``jobs`` on ``world`` ranks; returns (exit codes, errors by rank, results by rank).
-    ``spec_kw``: backend="nccl", fake_nccl=True (see tests/_zero_worker.py)."""
-    os.makedirs(out, exist_ok=True)
-    spec = os.path.join(out, "spec.json")
-    with open(spec, "w") as f:
-        json.dump({"jobs": jobs, **spec_kw}, f)
-    port = _port()
-    procs = [_forked.start(_zero_worker.main, [str(r), str(world), port, out, spec]) for r in range(world)]
-    deadline = time.time() + timeout
-    rcs = []
-    for p in procs:
-        p.join(max(1, deadline - time.time()))
-        if p.is_alive():
-            for q in procs:
-                q.kill()
-            pytest.fail(f"ranks hung for {timeout} s (jobs {[j['name'] for j in jobs]})")
-        rcs.append(p.exitcode)
-    errs = {}
-    for r in range(world):
-        f = os.path.join(out, f"rank{r}.err")
-        if os.path.exists(f):
-            errs[r] = open(f).read()
-    res = []
-    for r in range(world):
-        f = os.path.join(out, f"rank{r}.pt")
-        res.append(torch.load(f, weights_only=False) if os.path.exists(f) else {})
-    return rcs, errs, res
 
 
 def reference(steps, batch=4, gas=1):
@@ -92,10 +49,6 @@ def engine_cfg(stage=0, tier="cpu", nvme=None):
     if tier == "nvme":
         cfg["offload_optimizer"]["nvme_path"] = nvme
     return cfg
-
-
-def max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 STAGE_TIERS = [(s, t, p) for s in (1, 2, 3) for t in ("none", "cpu", "nvme") for p in (None,)] + \

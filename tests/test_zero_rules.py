@@ -21,9 +21,10 @@ import torch
 
 import offload
 from _models import batches, make_model
+from _parity import max_diff
 from offload.core import sharding
 from offload.core import blocks as blk
-from test_zero import CLIP, EPS, STEPS, TOL, max_diff, spawn
+from _zero import CLIP, EPS, STEPS, TOL, spawn
 
 LR_AF = 1e-2
 INT8 = {"optimizer": {"type": "AdamW", "lr": 1e-3, "weight_decay": 0.01, "eps": EPS, "state_dtype": "int8"}}
