@@ -1,5 +1,5 @@
 """The one-rank covering set of the engine's configurations, run on a simulated device
-(tests/test_sim_device.py) and on CUDA (tests/test_cuda.py): the cells, the engine's config
+(tests/system/test_sim_device.py) and on CUDA (tests/system/test_cuda.py): the cells, the engine's config
 for one, and the plain torch loop (single-tensor or fused AdamW) they are compared with."""
 import torch
 

@@ -1,4 +1,4 @@
-"""The child side of the crash tests (tests/test_crash.py): runs one program (a list of calls
+"""The child side of the crash tests (tests/system/test_crash.py): runs one program (a list of calls
 on the public API) in a process of its own and checks the engine's contract after each call.
 
 ``python tests/_crash_worker.py serve`` imports torch, transformers, peft and the engine once,

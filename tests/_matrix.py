@@ -1,7 +1,7 @@
-"""The covering array of tests/test_matrix.py (run on the CPU there and on the GPU by
-tests/test_cuda.py): the factors and the cells, each cell's model (a 3-layer Llama, full,
+"""The covering array of tests/system/test_matrix.py (run on the CPU there and on the GPU by
+tests/system/test_cuda.py): the factors and the cells, each cell's model (a 3-layer Llama, full,
 LoRA or partly frozen, its checkpointing switched on), its data, its plain torch / PEFT
-reference, its engine run and ``check_cell``, the comparison (see tests/test_matrix.py)."""
+reference, its engine run and ``check_cell``, the comparison (see tests/system/test_matrix.py)."""
 import functools
 import itertools
 
@@ -202,7 +202,7 @@ def engine_run(cell: dict, tmp_path, device="cpu"):
 
 
 def check_cell(cell: dict, tmp_path, device="cpu") -> None:
-    """The cell on ``device`` (tests/test_cuda.py runs it on the GPU) against plain torch there."""
+    """The cell on ``device`` (tests/system/test_cuda.py runs it on the GPU) against plain torch there."""
     ref_losses, ref, frozen = reference(cell, fused=False, device=device)
     fus_losses, fus, _ = reference(cell, fused=True, device=device)
     losses, got, sd, stats, budget = engine_run(cell, tmp_path, device)

@@ -1,4 +1,4 @@
-"""The child of tests/test_hf_trainers_in_one_process.py: many offload.hf.Trainers in one
+"""The child of tests/hf/test_hf_trainers_in_one_process.py: many offload.hf.Trainers in one
 process, at every placement, the collector forced between them, as transformers' own Trainer
 test files run them. Exits 0 and prints nothing on stderr when the contract holds (the Trainers' logs go to stdout); a broken contract
 exits 3 saying which; a crash is the process's own death.

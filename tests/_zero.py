@@ -1,4 +1,4 @@
-"""Runs of several ranks for the multi-rank tests (tests/test_zero.py, test_zero_rules.py,
+"""Runs of several ranks for the multi-rank tests (tests/distributed/test_zero.py, test_zero_rules.py,
 test_cuda.py): ``spawn`` starts one child per rank (tests/_zero_worker.py, forked by
 tests/_forked.py) and collects what each wrote, and the hyper-parameters the ranks and the
 one-process references share."""

@@ -17,8 +17,8 @@ import threading
 
 import offload
 from _models import batches, make_model
+from _paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "offload") + os.sep
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 MAX_STEP_FILES = 14
@@ -150,7 +150,7 @@ def test_one_step_runs_the_files_the_design_doc_lists(tmp_path):
 
 
 if __name__ == "__main__":
-    # After a change to what a step runs: PYTHONPATH=. python tests/test_step_trace.py
+    # After a change to what a step runs: PYTHONPATH=.:tests python tests/design/test_step_trace.py
     # rewrites docs/design.md's list from a fresh trace (fill in the ROLE? of new files).
     import tempfile
     with tempfile.TemporaryDirectory() as d:

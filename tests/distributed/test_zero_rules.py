@@ -1,5 +1,5 @@
 """Update rules other than fp32 AdamW across ranks (gloo on the CPU, the ranks as in
-tests/test_zero.py): Adafactor at 2 ranks against plain torch on the full batch, and int8
+tests/distributed/test_zero.py): Adafactor at 2 ranks against plain torch on the full batch, and int8
 optimizer state re-sharded on load (2 ranks -> 1 and 1 -> 2).
 
 Adafactor: at stage 0 every rank holds whole tensors, so 2 ranks on half batches equal
@@ -7,7 +7,7 @@ Adafactor: at stage 0 every rank holds whole tensors, so 2 ranks on half batches
 keeps unfactored state for each rank's piece, its relative step and update clipping from
 that piece (README, offload/optim/adafactor.py): the reference is torch's Adafactor with each
 such piece as its own 1-D tensor (torch keeps 1-D tensors unfactored), whole tensors as they
-are. Tolerance: the reduction-order bound of tests/test_zero.py, or twice the distance between
+are. Tolerance: the reduction-order bound of tests/distributed/test_zero.py, or twice the distance between
 torch's single-tensor and foreach Adafactor on the same run where that is larger.
 
 int8 state: the bound is measured on the same run: twice the distance between a straight

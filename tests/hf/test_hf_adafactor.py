@@ -64,7 +64,7 @@ def engine(kw, clip, tier, tmp_path):
         eng.close()
 
 
-# lr=None with scale_parameter (the defaults) runs in tests/test_hf_accelerate.py, lr given with
+# lr=None with scale_parameter (the defaults) runs in tests/integrations/test_hf_accelerate.py, lr given with
 # relative_step and scale_parameter off in test_trainer_optim_adafactor below
 @pytest.mark.parametrize("kw, clip, tier", [
     ({"warmup_init": True}, True, "nvme"),

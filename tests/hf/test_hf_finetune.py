@@ -16,6 +16,7 @@ from offload import cli  # noqa: E402
 from offload.hf import data as data_mod  # noqa: E402
 from offload.hf.finetune import LoraSpec, parse_lora  # noqa: E402
 from _profile import AVX2_RATES  # noqa: E402
+from _paths import TESTS  # noqa: E402
 import _forked  # noqa: E402
 
 
@@ -286,7 +287,7 @@ def test_finetune_under_torchrun_rank_0_plans_prints_merges_and_writes(base, tmp
     """`torchrun --nproc_per_node 2 -m offload.cli finetune --lora --merge` (gloo): one planner
     run, every line printed once, the merged model written by rank 0 alone and loadable (two
     ranks merging at once deleted the adapter files the other was reading)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = TESTS
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     out = tmp_path / "merged"

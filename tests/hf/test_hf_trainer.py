@@ -14,6 +14,7 @@ from _hf import args, dataset, snapshot, tiny_llama, train_logs, transformers
 from _parity import max_diff, noise_bound
 from _profile import AVX2_RATES
 import _forked
+from _paths import TESTS
 
 from offload.config import ConfigError
 from offload.hf import Trainer
@@ -261,7 +262,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     weights as plain Trainer in one process on the full batch."""
     import subprocess
     import sys
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = TESTS
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_forked.free_port()),
@@ -343,7 +344,7 @@ def plain_run_cls(make, cls, **opt_kwargs):
 def test_optim_selects_the_engines_rule(optim, optim_args, cls, kwargs, tmp_path):
     """optim (and its optim_args) run the same rule as plain Trainer; the tolerance is the
     distance between torch's single-tensor and foreach implementations on the same run."""
-    ref = plain_run(tiny_llama, optim, optim_args=optim_args)     # adafactor: tests/test_hf_adafactor.py
+    ref = plain_run(tiny_llama, optim, optim_args=optim_args)     # adafactor: tests/hf/test_hf_adafactor.py
     other = plain_run_cls(tiny_llama, cls, foreach=True, **kwargs)
     logs, weights, ev, t = engine_run(tiny_llama, _placement("host", tmp_path), optim=optim, optim_args=optim_args)
     assert t.offload_config.optimizer.type == {"sgd": "SGD", "adagrad": "Adagrad"}[optim]

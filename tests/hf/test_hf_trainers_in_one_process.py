@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from _paths import TESTS
 
 pytest.importorskip("transformers")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS
 
 
 def test_many_trainers_in_one_process():

@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 from offload.hf import versions
+from _paths import ROOT
 
 pytestmark = pytest.mark.hf_versions
 
@@ -66,7 +67,7 @@ def test_test_dependencies_install_the_supported_range():
     """pyproject's test extras allow exactly versions.TESTED's range for each package, so that
     `make test` on a fresh machine installs the newest release offload.hf is tested with (an
     unpinned accelerate once came in one release past the tested range)."""
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")).read()
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
     extras = re.search(r"^test = \[(.*)\]", text, re.M).group(1)
     bounds = dict(re.findall(r'"([a-z]+)(>=[0-9.]+,<[0-9.]+)"', extras))
     assert bounds == {n: versions.requirement(n)[len(n):] for n in versions.TESTED}, (bounds, versions.TESTED)

@@ -19,6 +19,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from _accelerate import CLIP, fresh_state, make_model, run  # noqa: E402
 from _parity import max_diff, noise_bound  # noqa: E402
+from _paths import TESTS  # noqa: E402
 import _forked  # noqa: E402
 
 from offload.accelerate import Accelerator  # noqa: E402
@@ -172,7 +173,7 @@ def test_torchrun_two_ranks_match_plain_ddp(tmp_path):
     by default the window's local sum once: the reference is DDP with sync_each_batch and
     single-tensor AdamW, the bound the distance to DDP's default with fused AdamW (torch's
     own noise in both choices)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = TESTS
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_forked.free_port()),

@@ -18,8 +18,9 @@ import torch
 import offload
 from _models import batches, clone, make_model
 from _parity import max_diff, noise_bound
+from _paths import FIXTURES
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "ckpt_v2")
+FIXTURE = os.path.join(FIXTURES, "ckpt_v2")
 MODEL = dict(vocab=32, d=16, layers=2, heads=2, ctx=8, frozen_layer=1)
 CFG = {"optimizer": {"type": "AdamW", "lr": 1e-2, "weight_decay": 0.01}, "offload_optimizer": {"device": "cpu"}}
 

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from offload import cli  # noqa: E402
 from offload.io import gguf as gguf_mod  # noqa: E402
+from _paths import ROOT  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -239,7 +240,7 @@ def packaged() -> pathlib.Path:
     return pathlib.Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-DATA = pathlib.Path(__file__).resolve().parent.parent / "offload" / "data"
+DATA = pathlib.Path(ROOT) / "offload" / "data"
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch
 import offload
 from offload import _native
 from offload.optim import CPUAdam, adam_step, get_num_threads, reference, set_num_threads
+from _paths import ROOT, TESTS
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SIZES = [1, 7, 15, 17, 1023]
@@ -471,7 +472,7 @@ def test_pool_after_fork():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                           [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])))
+                           [ROOT, TESTS, os.environ.get("PYTHONPATH", "")])))
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 

@@ -166,7 +166,7 @@ def test_cpu_device_parameters_are_the_master(opt):
     """Resident fp32 parameters on a CPU device are the fp32 master itself, wherever the state
     lives in host memory (tier cpu, or none: the device's memory is the host's): the update
     writes them in place and no copy follows it. The training is torch's AdamW within torch's
-    own noise (twice single-tensor vs fused, plus 1e-6, as tests/test_matrix.py)."""
+    own noise (twice single-tensor vs fused, plus 1e-6, as tests/system/test_matrix.py)."""
     from _parity import max_diff, noise_bound
     g = torch.Generator().manual_seed(1)
     xs = torch.randint(0, VOCAB, (STEPS, 2, SEQ), generator=g)

@@ -271,7 +271,7 @@ def test_updated_blocks_stay_staged_for_the_next_forward(tmp_path):
     so that forward uses them without reading them from NVMe; the others are written through
     a write buffer, asynchronously, and read back; without prefetch every block is read back
     before its use. Training stays what plain torch AdamW computes (the tolerance of
-    tests/test_step.py: twice torch's own fused-vs-single distance)."""
+    tests/engine/test_step.py: twice torch's own fused-vs-single distance)."""
     torch.manual_seed(0)
     base = Wide(layers=8, d=64)
     g = torch.Generator().manual_seed(3)

@@ -34,15 +34,14 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, settings, strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test  # noqa: E402
+from _paths import FIXTURES, ROOT, TESTS  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-FOUND = os.path.join(HERE, "fixtures", "crash_found.jsonl")
+FOUND = os.path.join(FIXTURES, "crash_found.jsonl")
 CHILD_TIMEOUT_S = 180.0        # one sequence; every wait in the engine is bounded well below
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), PYTHONFAULTHANDLER="1")
     env.pop("PYTHONWARNINGS", None)
     return env
 
@@ -224,7 +223,7 @@ class Server:
     """tests/_crash_worker.py serve: forks one child per program (see its docstring)."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_crash_worker.py"), "serve"],
+        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_crash_worker.py"), "serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
         self.dir = tempfile.mkdtemp(prefix="offload-fuzz-")
         self.runs = 0

@@ -1,6 +1,6 @@
 """The engine on a CUDA device: streams, pinned buffers, D2H gradients, H2D parameters; the
 covering set of the CPU suite's one-rank configurations (tests/_cells.py, which
-tests/test_sim_device.py runs on a simulated device; LoRA, the nf4 base) against plain torch / PEFT on the GPU; mixed precision with accumulation
+tests/system/test_sim_device.py runs on a simulated device; LoRA, the nf4 base) against plain torch / PEFT on the GPU; mixed precision with accumulation
 on every stage; stream-ordering tests built to expose races; two ranks on NCCL where two GPUs
 exist. Skipped without CUDA (see conftest.py); benchmarks/gpu_check.sh runs them on a GPU
 machine."""
@@ -207,7 +207,7 @@ def test_cuda_cells_match_torch_on_the_gpu(cell, tmp_path):
         assert stats["activations"]["bytes_moved"]["d2h"] > 0
 
 
-# tests/_matrix.py's covering array (tests/test_matrix.py's cells: placements x LoRA / partly frozen x checkpointing x
+# tests/_matrix.py's covering array (tests/system/test_matrix.py's cells: placements x LoRA / partly frozen x checkpointing x
 # activation offload x fp32 / bf16 x accumulation, a 3-layer Llama) on the GPU
 try:
     import _matrix
