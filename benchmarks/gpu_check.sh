@@ -37,13 +37,13 @@ bench() {
 # the GPU). No fake-NCCL step: it is a CPU test (gloo groups cannot carry CUDA tensors).
 STEPS=(
   "build|70|$PY setup.py -q build_ext --inplace"
-  "engine_parity_cuda|100|$PY -m pytest -q -x -m cuda tests/test_cuda.py -k '(parity or cells or lora) and not matrix'"
-  "matrix_cells_cuda|70|$PY -m pytest -q -m cuda tests/test_cuda.py -k matrix"
-  "stream_races_precision_ranks|70|$PY -m pytest -q -m cuda tests/test_cuda.py -k '(slow or mixed or two_ranks or bf16 or budget or resume or synchron or bit_exact) and not matrix'"
+  "engine_parity_cuda|100|$PY -m pytest -q -x -m cuda tests/system/test_cuda.py -k '(parity or cells or lora) and not matrix'"
+  "matrix_cells_cuda|70|$PY -m pytest -q -m cuda tests/system/test_cuda.py -k matrix"
+  "stream_races_precision_ranks|70|$PY -m pytest -q -m cuda tests/system/test_cuda.py -k '(slow or mixed or two_ranks or bf16 or budget or resume or synchron or bit_exact) and not matrix'"
   "bench_adam|30|$(bench adam --size 64M --rounds 4)"
   "bench_prefetch|45|$(bench prefetch --rounds 2 -- step_vs_bound)"
   "bench_scale_7b_nf4|55|$(bench scale --size 7b --frozen-dtype nf4 --layers 4 --tokens 512 --steps 3 -- step_speedup_7b_nf4 param_wait_ratio_7b_nf4)"
-  "activation_offload|40|$PY -m pytest -q -x tests/test_activations.py -k 'bit_exact and gpt and not gpt2' && $(bench activations --device-check --rounds 3)"
+  "activation_offload|40|$PY -m pytest -q -x tests/engine/test_activations.py -k 'bit_exact and gpt and not gpt2' && $(bench activations --device-check --rounds 3)"
 )
 
 total=0

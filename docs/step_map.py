@@ -17,7 +17,7 @@ drained the work the step started; only this engine's threads and the calling th
 The generated block sits between the ``step-map`` markers in docs/design.md; the prose around
 it is the doc's. Each line keeps the role the doc gives its file; a file new to the map gets
 the first sentence of its module docstring (``ROLE?`` without one), to be edited in the
-doc. ``tests/test_step_trace.py`` runs ``trace_step`` and compares the files and their order
+doc. ``tests/design/test_step_trace.py`` runs ``trace_step`` and compares the files and their order
 with the doc's block. It lives beside the doc it maintains (not in the package:
 it is a maintainer's tool that runs the whole engine, above every layer; not under tests/: the
 command stays the same wherever the tests are grouped)."""

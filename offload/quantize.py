@@ -24,7 +24,7 @@ the correctly rounded quotient would move a code where ``x * f`` lands beside a 
 even, within [-127, 127] (an all-zero row stores zeros); its values are
 ``(q * absmax[r]) * fp32(1 / 127)``.
 
-Against bitsandbytes' CPU backend (tests/test_quantize.py): the same bits (codes, absmax,
+Against bitsandbytes' CPU backend (tests/params/test_quantize.py): the same bits (codes, absmax,
 offset and 8-bit scales of the double quantization, dequantized values) except (1) a short
 last NF4 block, which its torch op scales by ``x / max(absmax, 1e-38)`` and stores
 ``max(absmax, 1e-38)`` where its other blocks and its CUDA kernel, like this module, multiply
@@ -175,7 +175,7 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = NF4_BLOCK, double_quant: bool
     """``x`` (fp32 / bf16 / fp16, any shape, CPU) as NF4; ``double_quant``: the absmax values
     8-bit quantized as QLoRA does. Equals bitsandbytes' ``quantize_4bit(x, blocksize,
     quant_type="nf4", compress_statistics=double_quant)`` bit for bit but for the cases the
-    module docstring lists (tests/test_quantize.py).
+    module docstring lists (tests/params/test_quantize.py).
     The codes come from the native kernel when the library is in use, else from the torch
     reference (``quantize_nf4_reference``; the same bits)."""
     _check_nf4_args(x, blocksize)

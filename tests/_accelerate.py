@@ -1,5 +1,5 @@
 """One training loop written for Accelerate, run by plain ``accelerate.Accelerator`` and by
-``offload.accelerate.Accelerator`` (tests/test_hf_accelerate.py, tests/_accelerate_ddp_worker.py):
+``offload.accelerate.Accelerator`` (tests/integrations/test_hf_accelerate.py, tests/_accelerate_ddp_worker.py):
 accumulation, clipping, an LR scheduler, and optionally ``save_state`` after some micro-batches
 then a fresh Accelerator, model and optimizer that ``load_state`` and go on."""
 import torch

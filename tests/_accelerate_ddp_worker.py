@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_accelerate.py's torchrun test: the same loop (tests/_accelerate.py)
+"""One rank of tests/integrations/test_hf_accelerate.py's torchrun test: the same loop (tests/_accelerate.py)
 under plain Accelerate (DDP over gloo; single-tensor and fused AdamW) and under
 offload.accelerate.Accelerator (ZeRO-2 across the ranks), each rank on its shard of the
 data. argv: OUT."""

@@ -1,4 +1,4 @@
-"""The other processes of tests/test_checkpoint_safety.py: each function runs in a child forked
+"""The other processes of tests/io/test_checkpoint_safety.py: each function runs in a child forked
 by tests/_forked.py (a process of its own: its file-size limit, its pid in the save lock)."""
 import os
 import resource

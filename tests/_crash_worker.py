@@ -1,4 +1,4 @@
-"""The child side of the crash tests (tests/test_crash.py): runs one program (a list of calls
+"""The child side of the crash tests (tests/system/test_crash.py): runs one program (a list of calls
 on the public API) in a process of its own and checks the engine's contract after each call.
 
 ``python tests/_crash_worker.py serve`` imports torch, transformers, peft and the engine once,
@@ -38,6 +38,7 @@ import traceback
 import weakref
 
 import torch
+from _parity import FLOOR, max_diff
 
 VOCAB, SEQ = 64, 8
 
@@ -264,8 +265,8 @@ class World:
             m(input_ids=x, labels=x).loss.backward()
             opt.step()
             runs.append(state(m))
-        noise = max((runs[0][k] - runs[1][k]).abs().max().item() for k in runs[0])
-        tol = 4 * noise + 1e-6
+        noise = max_diff(runs[0], runs[1])
+        tol = 4 * noise + FLOOR
         for k, v in got.items():
             d = (v.float() - runs[0][k].float()).abs().max().item()
             if d > tol:

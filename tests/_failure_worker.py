@@ -1,4 +1,4 @@
-"""One failure-injection run, in its own process (tests/test_failures.py runs it under a timeout,
+"""One failure-injection run, in its own process (tests/system/test_failures.py runs it under a timeout,
 so a hang fails the test instead of hanging CI).
 
     python _failure_worker.py STAGE OPT_TIER PARAM_TIER CLIP NVME_DIR [chunked | noprefetch | ahead]

@@ -44,10 +44,5 @@ def snapshot(model):
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), set(a) ^ set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def clone(model):
     return copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_trainer.py's torchrun test: offload.hf.Trainer with ZeRO across
+"""One rank of tests/hf/test_hf_trainer.py's torchrun test: offload.hf.Trainer with ZeRO across
 ranks (gloo), as Trainer runs under torchrun with DeepSpeed. argv: OUT STAGE."""
 import os
 import sys

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_finetune.py's job test: offload.hf.job.Job across 2 gloo ranks
+"""One rank of tests/hf/test_hf_finetune.py's job test: offload.hf.job.Job across 2 gloo ranks
 started from torchrun's environment variables."""
 import contextlib
 import io

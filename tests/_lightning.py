@@ -83,11 +83,6 @@ def weights(module):
     return {k: v.detach().clone().float() for k, v in module.state_dict().items()}
 
 
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def fabric_run(fabric, impl="single", *, data=None, accumulate=2, clip=0.05, save_at=None, save_to=None,
                resume_from=None, net=None):
     """A plain Fabric loop, the way Fabric's docs write one: accumulation with no_backward_sync,

@@ -1,4 +1,4 @@
-"""One rank of tests/test_lightning.py's two-rank tests (gloo), Fabric's and the Trainer's:
+"""One rank of tests/integrations/test_lightning.py's two-rank tests (gloo), Fabric's and the Trainer's:
 plain DDP twice (torch's single-tensor and fused AdamW: the noise bound) and the engine, on
 the same seed and this rank's share of the batches. Lightning is imported in the child, not
 by the fork server."""

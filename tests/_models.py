@@ -1,5 +1,6 @@
 """Small models for engine tests: a GPT-style stack with tied embeddings and a frozen layer;
-a plain residual stack (``RuleNet``) whose blocks hold 2-D weights, for the update-rule tests."""
+a stack of wide linear blocks with tiny activations (``Wide``); a plain residual stack
+(``RuleNet``) whose blocks hold 2-D weights, for the update-rule tests."""
 import copy
 
 import torch
@@ -47,9 +48,11 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def make_model(seed=0, **kw):
+def make_model(seed=0, net=None, **kw):
+    """``net(**kw)`` (a ``TinyGPT`` by default) built right after ``torch.manual_seed(seed)``:
+    every run of a test, the plain reference and the engine's, starts from the same weights."""
     torch.manual_seed(seed)
-    return TinyGPT(**kw)
+    return (net or TinyGPT)(**kw)
 
 
 def batches(n, batch=4, ctx=16, vocab=64, seed=1):
@@ -59,6 +62,21 @@ def batches(n, batch=4, ctx=16, vocab=64, seed=1):
         x = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
+
+
+class Wide(nn.Module):
+    """Low arithmetic density: big parameter blocks, tiny activations (long transfers, quick
+    compute), so a race between prefetch, update and use shows up as a wrong value."""
+
+    def __init__(self, layers=10, d=128):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers))
+
+    def forward(self, x, y=None):
+        for layer in self.layers:
+            x = x + layer(x)
+        out = x.pow(2).mean()
+        return out if y is None else out + 0 * y.sum()
 
 
 class RuleLayer(nn.Module):

@@ -1,4 +1,4 @@
-"""The process of its own for tests/test_nvme.py's write-error case: a child forked by
+"""The process of its own for tests/storage/test_nvme.py's write-error case: a child forked by
 tests/_forked.py, so that its file-size limit is its own."""
 import resource
 import signal

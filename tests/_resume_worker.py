@@ -1,4 +1,4 @@
-"""One leg of a resume test (tests/test_engine.py, tests/test_param_offload.py), in a process of
+"""One leg of a resume test (tests/engine/test_engine.py, tests/params/test_param_offload.py), in a process of
 its own (tests/_forked.py): train steps [start, stop) of the shared batches, optionally after
 loading a checkpoint and optionally saving one, and save the consolidated state to ``out``."""
 import torch

@@ -1,4 +1,4 @@
-"""The child of tests/test_hf_trainers_in_one_process.py: many offload.hf.Trainers in one
+"""The child of tests/hf/test_hf_trainers_in_one_process.py: many offload.hf.Trainers in one
 process, at every placement, the collector forced between them, as transformers' own Trainer
 test files run them. Exits 0 and prints nothing on stderr when the contract holds (the Trainers' logs go to stdout); a broken contract
 exits 3 saying which; a crash is the process's own death.
@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from _hf import args, dataset, snapshot, tiny_llama, transformers
+from _parity import max_diff, noise_bound
 from offload.hf import Trainer
 
 PLACEMENTS = {
@@ -82,7 +83,7 @@ def main():
     # (initialize's advice on the precision it chose; anything else said on stderr fails the test)
     warnings.filterwarnings("ignore", message="precision fp32 .none asked for.")
     ref, other = plain(False), plain(True)
-    noise = max((ref[k] - other[k]).abs().max().item() for k in ref)
+    noise = max_diff(ref, other)
     base = None
     for name in PLACEMENTS:
         root = tempfile.mkdtemp(prefix=f"offload-trainers-{name}-")
@@ -96,8 +97,8 @@ def main():
         del first                                  # dropped without close(): closed when collected
         base = settled(root, base)
         got = snapshot(model)
-        d = max((got[k] - ref[k]).abs().max().item() for k in ref)
-        if d > 2 * noise + 1e-6:
+        d = max_diff(got, ref)
+        if d > noise_bound(ref, other):
             fail(f"{name}: the model after a dropped Trainer is {d:.3g} from plain Trainer (noise {noise:.3g})")
         second = Trainer(model=model, args=args(max_steps=1), train_dataset=dataset(seed=3),
                          offload_config=config(name, root))

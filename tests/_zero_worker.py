@@ -1,5 +1,5 @@
 """One rank of a multi-rank test: main(argv) in a child forked by tests/_forked.py (started by
-tests/test_zero.py), or
+tests/distributed/test_zero.py), or
 
     python _zero_worker.py RANK WORLD PORT OUTDIR SPEC.json
 

@@ -27,10 +27,6 @@ def ranges_entered(monkeypatch):
     return entered
 
 
-# The matmul rates (TFLOP/s) of a CPU without native bf16 / fp16 (AVX2): bf16 45x slower than fp32.
-AVX2_RATES = {"fp32": 0.9, "bf16": 0.02, "fp16": 0.03}
-
-
 @pytest.fixture
 def matmul_rates(monkeypatch):
     """``use(table)``: offload.planner.precision reads its matmul rates per precision from

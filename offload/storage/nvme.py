@@ -20,7 +20,7 @@ Extents are the unit of I/O and of checksums: each has a crc32c, computed by the
 that writes it and checked by the worker that reads it. The store sizes its reservations and
 checksum arrays and locates failed extents from this description; the portable backend
 moves exactly these extents; the native engine (native/aio.c) implements the same geometry
-in C from the same ``block_size`` (``tests/test_tier.py`` checks that the two agree on the
+in C from the same ``block_size`` (``tests/storage/test_tier.py`` checks that the two agree on the
 extent count and the bytes at every offset). The native request struct
 (``offload._native.IoReq``) carries ``nbytes`` (the body) and ``tail_len``.
 
