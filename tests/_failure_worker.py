@@ -167,7 +167,7 @@ def run(argv):
         pass
     if eng.param_offload is not None:
         eng.param_offload.wait_writes()     # parameter write-backs in flight: their buffers come back
-        out["kept"] = eng.param_offload.keeps_staged(TARGET)
+        out["kept"] = eng.param_offload.write_through.keeps_staged(TARGET)
     out["in_use"] = {p.name: p.stats()["in_use_bytes"]
                      for p in map(eng.resources.pool, ("offload-swap", "offload-param-write")) if p is not None}
     t0 = time.monotonic()

@@ -137,7 +137,7 @@ def check_windows(windows, got_losses, got_sd, *, clip=0.0, loss_div=1, before_s
 def ahead_blocks(eng) -> int:
     """The blocks whose updates update_ahead computes during backward: every one, the first
     (whose gradients land last) included, on every device."""
-    slots = [b.ahead is not None for b in eng.blocks]
+    slots = [b.update.ahead is not None for b in eng.blocks]
     assert slots == [True] * len(slots), slots
     return sum(slots)
 
@@ -415,8 +415,8 @@ def test_ctrl_c_during_the_commit_waits_for_the_whole_step(tmp_path, monkeypatch
     assert seen == [target.index]
     assert eng.global_step == 1
     eng.synchronize()
-    assert [b.stepped for b in eng.blocks] == [1] * len(eng.blocks)   # every update, once
-    assert all(b.pending is None or b.pending.exception() is None for b in eng.blocks)
+    assert [b.update.step for b in eng.blocks] == [1] * len(eng.blocks)   # every update, once
+    assert all(b.update.future is None or b.update.future.exception() is None for b in eng.blocks)
     eng.zero_grad()
     for idx, tgt in batches(3, seed=2):      # the next calls work: nothing re-raises the interrupt
         eng.backward(eng(idx, tgt))

@@ -36,11 +36,11 @@ block's update starts as the block completes, computed into a second state buffe
 staged parameter copy (optim/ahead.py); the commit then queues, per block, the swap and the
 parameter write-back instead of the update. A further backward() in the window, zero_grad()
 and a checkpoint load drop what was computed ahead (``_drop_ahead``), as does a
-hyper-parameter changed before step() (the engine's ``_submit``); the commit then computes
+hyper-parameter changed before step() (``StepControl._submit``); the commit then computes
 those blocks' updates itself.
 
 Synchronization: the commit's jobs read the gradient buffers until they finish; the next
-backward() waits for every job in flight before it lands anything (``BlockShard.wait_update``),
+backward() waits for every job in flight before it lands anything (``Block.wait_update``),
 and for the updates computed ahead before it adds to their gradients (``_drop_ahead``).
 """
 from __future__ import annotations
@@ -60,8 +60,10 @@ from offload import device as dev
 from offload.core import sharding
 from offload.dist.comm import Comm
 from offload.dist.grad_sync import GradSync
-from offload.optim.state import BlockShard
+from offload.core.block import Block, BlockPhase
 from offload.core.telemetry import Telemetry
+from offload.optim.pipeline import StepArgs, hyperparams
+from offload.params.residency import ParamState
 from offload.config import LossScalerConfig
 from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
 
@@ -370,32 +372,29 @@ class UpdateAndGrads:
     """The engine's part of each block's lifecycle (a participant of core/hooks.py): a
     block's update lands before any module reads its parameters (its own module and modules
     sharing a tied parameter); each parameter's gradient leaves the device as it accumulates,
-    and a block whose gradients are all in is complete (StepControl is told; it tells the hook
-    owner's post_backward). ``engine`` is read at each call, not at construction: its
-    ``control`` is made after the hooks are installed."""
+    and a block whose gradients are all in is complete (``control`` is told; it tells the hook
+    owner's post_backward)."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.d2h = dev.new_stream(engine.device)    # the gradients' copies off the device
+    def __init__(self, control: "StepControl", telemetry: Telemetry, device: torch.device):
+        self.control = control
+        self.telemetry = telemetry
+        self.d2h = dev.new_stream(device)    # the gradients' copies off the device
 
-    def pre_forward(self, i: int) -> None:
-        if i >= len(self.engine.blocks):
-            return                           # a block of frozen parameters only: no update
-        self.engine.blocks[i].wait_update_before_use(self.engine.telemetry)
+    def pre_forward(self, block: Block) -> None:
+        if block.trains:                     # a block of frozen parameters only has no update
+            block.wait_update_before_use(self.telemetry)
 
-    def grad_accumulated(self, i: int, k: int, param: torch.Tensor) -> None:
-        e = self.engine
-        block = e.blocks[i]
+    def grad_accumulated(self, block: Block, k: int, param: torch.Tensor) -> None:
         seg = block.layout.segments[k]
         grad = param.grad
-        buf = block.landing or block.grad    # full-size either way: land at the flat offset
+        buf = block.landing or block.grads    # full-size either way: land at the flat offset
         # d2h from an accelerator; h2h on a CPU device, whose landing is a copy within host memory
-        with e.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
-                              grad.numel() * grad.element_size()):
+        with self.telemetry.span("offload::grad_d2h", dev.link(grad.device, buf.device),
+                                 grad.numel() * grad.element_size()):
             buf.land(k, seg.offset, grad, self.d2h)
         param.grad = None   # device gradient memory is freed (the D2H holds it: record_stream)
         if buf.complete:
-            e.control.on_block_complete(block)
+            self.control.on_block_complete(block)
 
 
 class LossScaler:
@@ -439,22 +438,32 @@ class Window(enum.Enum):
 
 
 class StepControl:
-    """Owns the window state, the step counters, the clipping and the fp16 loss scale.
+    """Owns the window state, the step counters, the clipping and the fp16 loss scale, and
+    queues each block's update on ``pipeline`` (optim/pipeline.py) at the commit.
 
-    ``submit(block, grad_scale)`` queues one block's update (the engine builds the job);
-    ``on_block_complete(index)``, if given, is told when a block's gradients of a backward
-    are all in (parameter offload releases the block). ``grad_sync`` is None where no
-    gradient crosses ranks or buffers (one rank, stages 0 and 1): a one-rank step then runs
-    nothing in dist/."""
+    ``blocks``: the trained blocks. ``on_block_complete(block)``, if given, is told when a
+    block's gradients of a backward are all in (the hook owner's post_backward: parameter
+    offload releases the block). ``grad_sync`` is None where no gradient crosses ranks or
+    buffers (one rank, stages 0 and 1): a one-rank step then runs nothing in dist/.
+    ``gatherer``: the ZeRO-1/2 parameter all-gather after each update (dist/param_gather.py),
+    or None. ``update_ahead``: each block's update starts as its gradients of the window's
+    last backward are in (optim/ahead.py); ``param_offload`` then releases the staged copy
+    the update replaces."""
 
-    def __init__(self, *, blocks: Sequence[BlockShard], pipeline, grad_sync: Optional[GradSync], comm: Comm,
-                 scaler: LossScaler, telemetry: Telemetry, gradient_accumulation_steps: int,
-                 gradient_clipping: float, param_order: dict, read_ahead: bool,
-                 submit: Callable[[BlockShard, float], None],
-                 on_block_complete: Optional[Callable[[int], None]] = None,
-                 ahead: Optional[Callable[[BlockShard], None]] = None):
+    def __init__(self, *, blocks: Sequence[Block], pipeline, grad_sync: Optional[GradSync], comm: Comm,
+                 scaler: LossScaler, telemetry: Telemetry, device: torch.device, rule, optimizer,
+                 gradient_accumulation_steps: int, gradient_clipping: float, param_order: dict, read_ahead: bool,
+                 gatherer=None, param_offload=None, update_ahead: bool = False, wait_timeout_s: float = 60.0,
+                 on_block_complete: Optional[Callable[[Block], None]] = None):
         self.blocks = list(blocks)
         self.pipeline = pipeline
+        self.device = device
+        self.rule = rule
+        self.optimizer = optimizer
+        self._gatherer = gatherer
+        self._param_offload = param_offload
+        self._wait_timeout_s = wait_timeout_s
+        self._commit_inputs: tuple = ((), None)   # (hyper-parameters, compute-done event) of this commit
         self.grad_sync = grad_sync
         self.comm = comm
         self.distributed = comm.active        # fixed for the engine's life: read once
@@ -464,9 +473,8 @@ class StepControl:
         self.clip = gradient_clipping
         self._param_order = param_order       # id(param) -> position in model.parameters()
         self._read_ahead = read_ahead         # optimizer state on NVMe: read it during backward
-        self._submit = submit
         self._on_complete = on_block_complete
-        self._ahead = ahead                   # update_ahead: start a block's update as it completes
+        self._update_ahead = update_ahead     # start a block's update as it completes
         self.state = Window.EMPTY
         self.global_step = 0                  # commits (fp16 overflow skips excluded)
         self.micro_step = 0                   # step() calls
@@ -506,7 +514,7 @@ class StepControl:
         if self.state is Window.COMMITTING:
             raise RuntimeError("backward() called while step() commits the window")
         for b in self.blocks:
-            if b.pending is not None:         # the last commit's jobs still read the grad buffers
+            if b.update.future is not None:         # the last commit's jobs still read the grad buffers
                 b.wait_update()
         self._drop_ahead()                    # computed from gradients this backward adds to
         if self.state is Window.ACCUMULATED:  # another backward joins this micro-step
@@ -525,9 +533,9 @@ class StepControl:
         if self.grad_sync is not None:
             self.grad_sync.begin(self._boundary)
         for b in self.blocks:
-            (b.landing or b.grad).begin_backward()
+            (b.landing or b.grads).begin_backward()
         if self._boundary and self._read_ahead:   # the commit will queue blocks in forward order
-            self.pipeline.set_order([b.index for b in self.blocks])
+            self.pipeline.set_order(self.blocks)
         scaled = loss / self.gas if self.gas > 1 and scale_wrt_gas else loss
         if self.scaler.enabled:
             scaled = scaled * self.scaler.scale
@@ -538,26 +546,26 @@ class StepControl:
         finally:
             self.state = Window.ACCUMULATED   # a failed backward leaves partial gradients
         for b in self.blocks:                 # parameters that took no part in this backward
-            buf = b.landing or b.grad
+            buf = b.landing or b.grads
             if not buf.complete:
                 buf.arrived = buf.num_segments
                 self.on_block_complete(b)
         if not self._boundary and self.grad_sync is not None:
             self.grad_sync.wait_all()         # summed in place before the next backward lands
 
-    def on_block_complete(self, block: BlockShard) -> None:
+    def on_block_complete(self, block: Block) -> None:
         """All of ``block``'s gradients of this backward have landed (from its grad hook)."""
         self._arrival.append(block.index)
         if self._on_complete is not None:
-            self._on_complete(block.index)
+            self._on_complete(block)
         # collectives issued in the fixed block order; without them each block as it completes
         ready = self.grad_sync.ready(block) if self.grad_sync is not None else (block,)
         for b in ready:
             norm = self._boundary and self.needs_norm and not self.distributed
-            if b.grad.spills:
+            if b.grads.spills:
                 # the window's sum waits for step() or the next micro-step on NVMe (GradBuffer),
                 # parked on a worker right after its norm is taken
-                fut = b.grad.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None,
+                fut = b.grads.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None,
                                         fail=lambda stage, exc, b=b: self.pipeline.record_failure(b, stage, exc))
                 if norm:
                     self._norms.append(fut)
@@ -565,8 +573,8 @@ class StepControl:
                 # the global norm needs every block: compute this block's share now, on a
                 # worker, while backward goes on (read-only; dropped if another backward comes)
                 self._norms.append(self.pipeline.run(self._block_norms, b))
-            elif self._ahead is not None and self._boundary:
-                self._ahead(b)                # its update, computed now, committed by step()
+            elif self._update_ahead and self._boundary:
+                self._submit_ahead(b)         # its update, computed now, committed by step()
 
     # ---- step ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -574,6 +582,11 @@ class StepControl:
         an update was committed (False inside the window and on an fp16 overflow skip)."""
         if self.state in (Window.BACKWARD, Window.COMMITTING):
             raise RuntimeError(f"step() called during {self.state.value}: call it after backward() returns")
+        if self.at_boundary():
+            # what every block's update of this commit shares (_submit): the hyper-parameters
+            # as the groups hold them now, and the point of the compute stream after the
+            # gradients are final (recorded by the first _submit)
+            self._commit_inputs = (hyperparams(self.optimizer), None)
         committed = self._commit() if self.at_boundary() else False
         self.micro_step += 1
         self._backwards = 0
@@ -603,9 +616,8 @@ class StepControl:
                 self.telemetry.count("skipped_steps")
                 return False
             self.scaler.update(False)
-            order = [b.index for b in self.blocks]   # the next forward's order
-            if self._read_ahead:
-                self.pipeline.set_order(order)
+            if self._read_ahead:              # the next forward's order
+                self.pipeline.set_order(self.blocks)
             # the updates run under the next forward. From the first submit on the step is
             # committed whole: a Ctrl-C waits for the last submit and global_step, then comes
             # from step() (a worker's job cannot be cut short either, and a half-submitted
@@ -617,6 +629,56 @@ class StepControl:
             return True
         finally:
             self.state = Window.EMPTY
+
+    def _submit(self, block: Block, grad_scale: float) -> None:
+        """Queue ``block``'s update of this commit (IDLE -> COMMITTING -> UPDATING, or back to
+        IDLE when the window gave it no gradient)."""
+        block.close_window()
+        try:
+            self._queue(block, grad_scale)
+        finally:
+            if block.phase is BlockPhase.COMMITTING:
+                block.skip_update()           # nothing queued (no gradient, or the submit raised)
+
+    def _queue(self, block: Block, grad_scale: float) -> None:
+        if not self.distributed and not block.grads.close_window(block.layout.segments):
+            block.grads.reset_window()    # no gradient at all: torch skips such parameters
+            return                        # (nor was an update computed ahead: _submit_ahead)
+        groups, done = self._commit_inputs
+        if done is None:
+            # recorded at the commit's first submit, after the commit waited for every
+            # gradient collective: their finishing kernels (the division by the world size, the
+            # shard added into its buffer) run on the compute stream after backward, and the
+            # update's stream waits on this event alone
+            done = dev.record_event(dev.current_stream(self.device))
+            self._commit_inputs = (groups, done)
+        args = StepArgs(step=block.update.step + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
+                        compute_done=done)
+        ahead = block.update.ahead
+        if ahead is not None and ahead.pending_for(args.step, args.groups) is None:
+            # an update computed ahead that failed (since step() began: an earlier failure is
+            # raised before the commit) is raised as it is, not met again by a second try
+            self.pipeline.raise_failure()
+            # computed ahead with other hyper-parameters (set between backward and step):
+            # dropped, and the update runs now
+            ahead.drop(self._wait_timeout_s, block.name)
+        fut = self.pipeline.submit(block, args)
+        if self._gatherer is not None:    # then every rank's updated shard to every rank
+            block.update.future = self._gatherer.submit(block, fut)
+
+    def _submit_ahead(self, block: Block) -> None:
+        """``offload_optimizer.update_ahead``: ``block``'s gradients of the window's last
+        backward are in; its update starts now, into its ahead slot (optim/ahead.py)."""
+        ahead = block.update.ahead
+        if ahead.out_lent and self._param_offload is not None:
+            self._param_offload.release_before_update(block)
+        if ahead.out_lent and block.trainable.state is not ParamState.WRITING:
+            return                        # its home's staged copy is in use: step() updates it
+        # (WRITING: the buffer comes back once the last write-back completes; the job waits)
+        if not block.grads.close_window(block.layout.segments):
+            return                        # no gradient: step() skips the block, as torch does
+        self.pipeline.submit_ahead(block, StepArgs(step=block.update.step + 1, groups=hyperparams(self.optimizer),
+                                                   rule=self.rule))
 
     # ---- discarding ---------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -635,14 +697,14 @@ class StepControl:
         if self.grad_sync is not None:
             self.grad_sync.discard()
         for b in self.blocks:
-            b.grad.reset_window()
+            b.grads.reset_window()
             if b.landing is not None:
                 b.landing.reset_window()
 
     def _drop_ahead(self) -> None:
         for b in self.blocks:                 # updates computed ahead (optim/ahead.py): discarded
-            if b.ahead is not None:
-                b.ahead.drop(self.pipeline.wait_timeout_s, f"block {b.index} ({b.name})")
+            if b.update.ahead is not None:
+                b.update.ahead.drop(self.pipeline.wait_timeout_s, f"block {b.index} ({b.name})")
 
     def _drop_norms(self) -> None:
         norms, self._norms = self._norms, []
@@ -650,7 +712,7 @@ class StepControl:
             fut.result()
 
     # ---- norm, clipping, loss scale --------------------------------------------------------------
-    def _block_norms(self, block: BlockShard):
+    def _block_norms(self, block: Block):
         """(parameter order, norm) of each parameter of ``block`` that got a gradient in
         this window, as torch.nn.utils.clip_grad_norm_ computes them on fp32 master gradients
         (it skips grad None): in fp32 also where the window's gradients are bf16 (no
@@ -660,10 +722,10 @@ class StepControl:
                 self.grad_sync.wait(block)
         except BaseException as exc:      # named for its block, raised from step()
             raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
-        block.grad.wait_landed()
+        block.grads.wait_landed()
         g = block.grad_shard()
         items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])
-                 for i, s in enumerate(block.layout.segments) if block.grad.seen(i)]
+                 for i, s in enumerate(block.layout.segments) if block.grads.seen(i)]
         if not items:
             return []
         norms = torch._foreach_norm([g for _, g in items], 2.0, dtype=torch.float32)
@@ -684,7 +746,7 @@ class StepControl:
             per_param = []
             partitioned = self.grad_sync.stage >= 1   # each rank holds the grads of its shard
             for b in self.blocks:
-                b.grad.wait_landed()
+                b.grads.wait_landed()
                 s0, s1 = b.shard
                 g = b.grad_shard()
                 for s in b.layout.segments:

@@ -122,7 +122,7 @@ class Subject(Protocol):
 
 
 def _io_error(op: str, path: str, exc: OSError, block=None, during: str = "save") -> CheckpointIOError:
-    """``block``: a BlockShard, or a block's name as the checkpoint records it."""
+    """``block``: a Block, or a block's name as the checkpoint records it."""
     if block is None:
         what = ""
     elif isinstance(block, str):
@@ -300,7 +300,7 @@ def _meta(subject: Subject, tmp: str, shards: list) -> dict:
     for b in subject.blocks:
         lay = b.layout
         blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "padded_numel": lay.padded_numel,
-                       "stepped": b.stepped,
+                       "stepped": b.update.step,
                        "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
                        "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
                                      "shape": list(s.shape)} for s in lay.segments]})

@@ -50,7 +50,8 @@ from torch.optim import optimizer as _torch_optimizer
 from offload import device as dev
 from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
-from offload.optim.state import BlockShard, Residency, Tier
+from offload.core.block import Block
+from offload.optim.state import Residency, Tier
 from offload.core.telemetry import Telemetry, profiler_range
 from offload.storage.tier import DEFAULT_WAIT_S, TierTimeout
 
@@ -68,7 +69,7 @@ class StepArgs:
 
 
 class StepPipeline:
-    def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
+    def __init__(self, blocks: Sequence[Block], *, workers: int, slots: int, telemetry: Telemetry,
                  compute_device: torch.device, params, grad_sync=None,
                  wait_timeout_s: float = DEFAULT_WAIT_S):
         self.blocks = list(blocks)
@@ -78,7 +79,7 @@ class StepPipeline:
         self.read_ahead = max(0, slots - workers)  # chunks fetched ahead at most (module docstring)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-step")
         self._lock = threading.RLock()
-        # the read-ahead's order of (block index, chunk index) and its byte window: the
+        # the read-ahead's order of (block, chunk index) and its byte window: the
         # read-ahead's chunk count in bytes of the largest NVMe chunk
         self._ahead = Lookahead("state_prefetch", telemetry)
         nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Tier.NVME]
@@ -94,17 +95,17 @@ class StepPipeline:
         self._nvme_state = bool(nvme)
 
     # ---- read-ahead ----------------------------------------------------------------------
-    def set_order(self, order: Sequence[int]) -> None:
-        """The block indices in the order their jobs are expected; starts reading ahead
-        (each block's chunks in order)."""
+    def set_order(self, order: Sequence[Block]) -> None:
+        """The blocks in the order their jobs are expected; starts reading ahead (each
+        block's chunks in order)."""
         with self._lock:
-            self._ahead.set_order([(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))])
+            self._ahead.set_order([(b, k) for b in order for k in range(len(b.state.chunks))])
             self._unreadable.clear()
         self.prefetch()
 
     def _chunk_bytes(self, item: tuple) -> int:
         """What a chunk of the order takes of the read-ahead's window: its bytes on NVMe."""
-        c = self.blocks[item[0]].state.chunks[item[1]]
+        c = item[0].state.chunks[item[1]]
         return c.nbytes if c.tier is Tier.NVME else 0
 
     def prefetch(self) -> None:
@@ -119,7 +120,7 @@ class StepPipeline:
             for item in self._ahead.window(self._chunk_bytes, self._window_bytes):
                 if fetched >= self.read_ahead:
                     break
-                st = self.blocks[item[0]].state.chunks[item[1]]
+                st = item[0].state.chunks[item[1]]
                 if st.tier is not Tier.NVME or st.in_memory or item in self._unreadable:
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
@@ -132,11 +133,11 @@ class StepPipeline:
                     break
                 fetched += 1
 
-    def _taken(self, block: BlockShard, chunk) -> None:
+    def _taken(self, block: Block, chunk) -> None:
         """A job takes ``chunk`` of ``block``: the read-ahead's window moves past it."""
         if self._nvme_state:
             with self._lock:
-                self._ahead.advance((block.index, chunk.index))
+                self._ahead.advance((block, chunk.index))
 
     def _reclaim(self, block: bool) -> bool:
         """Return pool buffers of completed writes; with ``block``, wait for the oldest
@@ -171,7 +172,7 @@ class StepPipeline:
                 time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
 
     # ---- failures --------------------------------------------------------------------------
-    def _record(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
+    def _record(self, block: Block, stage: str, exc: BaseException) -> BaseException:
         err = block_error(f"{block.index} ({block.name})", stage, exc)
         if isinstance(err, BlockError):
             with self._lock:
@@ -179,7 +180,7 @@ class StepPipeline:
                     self._failures.append(err)
         return err
 
-    def record_failure(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
+    def record_failure(self, block: Block, stage: str, exc: BaseException) -> BaseException:
         """Record a failure of other per-block work (a parameter all-gather); returns the
         error to raise."""
         return self._record(block, stage, exc)
@@ -196,21 +197,21 @@ class StepPipeline:
             err.reported = True
             raise err
 
-    def _ahead_failure(self, block: BlockShard) -> Optional[BlockError]:
+    def _ahead_failure(self, block: Block) -> Optional[BlockError]:
         """The recorded failure of ``block``'s update computed ahead, or None (a failed job
         leaves its slot idle: optim/ahead.py)."""
         where = f"{block.index} ({block.name})"
         with self._lock:
             return next((e for e in self._failures if e.block == where and e.stage.endswith("(update ahead)")), None)
 
-    def _abort(self, block: BlockShard) -> None:
+    def _abort(self, block: Block) -> None:
         """After a failed job: give back everything the job held."""
         with self._lock:
             self._writing = collections.deque(x for x in self._writing if x[0] is not block)
         block.state.discard()
         self._params.abort(block)                 # this worker's write-back buffer
         try:
-            block.grad.reset_window()
+            block.grads.reset_window()
         except Exception:   # noqa: BLE001 - the job's own error is the one reported
             pass
 
@@ -219,25 +220,24 @@ class StepPipeline:
         """Run other per-block work (gradient norms) on the optimizer workers, in order."""
         return self._pool.submit(fn, *args)
 
-    def submit(self, block: BlockShard, args: StepArgs) -> Future:
-        """Queue ``block``'s update job; its future is also ``block.pending``."""
-        assert block.pending is None, f"block {block.name} already has an update in flight"
-        fut = block.pending = self._pool.submit(self._job, block, args)
-        return fut
+    def submit(self, block: Block, args: StepArgs) -> Future:
+        """Queue ``block``'s update job; its future is the block's update in flight
+        (``Block.start_update``: COMMITTING -> UPDATING)."""
+        return block.start_update(lambda: self._pool.submit(self._job, block, args))
 
-    def _job(self, block: BlockShard, args: StepArgs) -> None:
+    def _job(self, block: Block, args: StepArgs) -> None:
         """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
         the device Adam, the parameter copy) is queued on the pipeline's stream behind the
         block's backward (``args.compute_done``); the host never waits for the device, and the
-        next forward's compute stream waits on ``block.update_event``."""
+        next forward's compute stream waits on ``block.update.event``."""
         if block.state.tier is not Tier.DEVICE or self._stream is None:
             return self._run(block, args)
         dev.wait_event(self._stream, args.compute_done)
         with dev.use_stream(self._stream):
             self._run(block, args)
-            block.update_event = dev.record_event(self._stream)   # every kernel of the job
+            block.update.event = dev.record_event(self._stream)   # every kernel of the job
 
-    def _run(self, block: BlockShard, args: StepArgs) -> None:
+    def _run(self, block: Block, args: StepArgs) -> None:
         at = ["state read"]                      # the stage the job is in, for its error
         try:
             self._update(block, args, at)
@@ -249,9 +249,9 @@ class StepPipeline:
             raise err from exc
         self.prefetch()
 
-    def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        if block.ahead is not None:
-            if block.ahead.pending_for(args.step, args.groups) is not None:
+    def _update(self, block: Block, args: StepArgs, at: list) -> None:
+        if block.update.ahead is not None:
+            if block.update.ahead.pending_for(args.step, args.groups) is not None:
                 return self._commit_ahead(block, args, at)
             err = self._ahead_failure(block)
             if err is not None:                   # raised as it is, not met again by a second try
@@ -276,12 +276,13 @@ class StepPipeline:
                     at[0] = "gradient collective"
                     self._grad_sync.wait(block)
                 at[0] = "gradient landing"
-                block.grad.wait_landed()
+                block.grads.wait_landed()
                 grad = block.grad_shard()
                 # the parameter side says where the new copy goes; with chunks fp32
                 # parameters too, filled from each chunk's master (never whole)
                 out = self._params.target(block, whole_master=len(chunks) == 1)
-                assert out is not None or len(chunks) == 1, f"block {block.name}: chunked state, no target"
+                if out is None and len(chunks) != 1:
+                    raise RuntimeError(f"block {block.name}: chunked state, no write-back target")
             master, rows = c.views(buf)
             at[0] = "adam" + c.where              # the stage's name in errors (any rule)
             with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
@@ -296,7 +297,7 @@ class StepPipeline:
                 self.prefetch()
         at[0] = "parameter write-back"
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
-        block.stepped = args.step
+        block.update.step = args.step
         c = chunks[0]
         if len(chunks) == 1 and c.tier is Tier.NVME:
             at[0] = "state write"
@@ -305,15 +306,15 @@ class StepPipeline:
             with self._lock:
                 self._writing.append((block, c))
         at[0] = "gradient reset"
-        block.grad.reset_window()
+        block.grads.reset_window()
 
     # ---- updates computed ahead (optim/ahead.py) ------------------------------------------
-    def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
+    def submit_ahead(self, block: Block, args: StepArgs) -> None:
         """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
         backward: its gradients of the window are all in). Nothing committed changes."""
-        block.ahead.start(args.step, args.groups, self._pool.submit(self._ahead_job, block, args))
+        block.update.ahead.start(args.step, args.groups, self._pool.submit(self._ahead_job, block, args))
 
-    def _ahead_job(self, block: BlockShard, args: StepArgs) -> None:
+    def _ahead_job(self, block: Block, args: StepArgs) -> None:
         at = ["gradient landing (update ahead)"]
         try:
             self._compute_ahead(block, args, at)
@@ -323,21 +324,21 @@ class StepPipeline:
                 raise
             raise err from exc
 
-    def _compute_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
+    def _compute_ahead(self, block: Block, args: StepArgs, at: list) -> None:
         """The rule's step from the committed state into the slot's spare buffer (the
         kernel reads one and writes the other in its one pass); the new parameters into the
         slot's staged copy (``out``)."""
-        slot, rule = block.ahead, args.rule
+        slot, rule = block.update.ahead, args.rule
         c, = block.state.chunks                  # a HOST state: one chunk, always resident
         if slot.out_lent:                        # the home's last write-back from it (engine._submit_ahead)
             at[0] = "parameter write-back"
             with self.telemetry.span("offload::param_write_wait"):
-                block.params.finish_write(self.wait_timeout_s)
+                block.trainable.finish_write(self.wait_timeout_s)
             if slot.out_lent:
                 raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
-                                   f"its home's after the write-back (state {block.params.state.value})")
+                                   f"its home's after the write-back (state {block.trainable.state.value})")
             at[0] = "gradient landing (update ahead)"
-        block.grad.wait_landed()
+        block.grads.wait_landed()
         grad = block.grad_shard()
         at[0] = "state read (update ahead)"
         src_master, src_rows = c.views(c.acquire(timeout=self.wait_timeout_s))
@@ -351,10 +352,10 @@ class StepPipeline:
                               param_copy=None if slot.out is None else slot.out[a:b],
                               grad_scale=args.grad_scale, shape=shape, src=(src_master[a:b], src_state))
 
-    def _commit_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
+    def _commit_ahead(self, block: Block, args: StepArgs, at: list) -> None:
         """step()'s half of an update computed ahead: the slot's state becomes the block's,
         its staged parameters are written back."""
-        slot = block.ahead
+        slot = block.update.ahead
         at[0] = "adam (update ahead)"
         with self.telemetry.span("offload::wait_ahead"):
             err = slot.settle(self.wait_timeout_s, f"block {block.index} ({block.name})")
@@ -374,7 +375,7 @@ class StepPipeline:
         self.telemetry.count("updates_ahead")
         at[0] = "parameter write-back"
         out = slot.out
-        if out is None or block.params is None:
+        if out is None or block.trainable is None:
             self._params.commit(block, master, out, args.compute_done)
         elif self._params.adopt(block, slot):
             self.telemetry.count("ahead_params_adopted")    # the home took the slot's buffer
@@ -383,11 +384,11 @@ class StepPipeline:
             with self.telemetry.span("offload::ahead_params"):
                 target.copy_(out)
             self._params.commit(block, master, target, args.compute_done)
-        block.stepped = args.step
+        block.update.step = args.step
         at[0] = "gradient reset"
-        block.grad.reset_window()
+        block.grads.reset_window()
 
-    def _step_chunk(self, block: BlockShard, c, master, rows: dict, grad, out, args: StepArgs) -> None:
+    def _step_chunk(self, block: Block, c, master, rows: dict, grad, out, args: StepArgs) -> None:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
         ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
         rule = args.rule
@@ -408,7 +409,7 @@ class StepPipeline:
             rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
                           param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
 
-    def _pieces(self, block: BlockShard, chunk, rows: dict) -> list:
+    def _pieces(self, block: Block, chunk, rows: dict) -> list:
         """``_pieces`` below, kept per chunk while its ``rows`` are the same objects (a chunk's
         cached views, optim/state.py): the slices are built once, not at every step."""
         key = (block.index, chunk.index)
@@ -427,9 +428,9 @@ class StepPipeline:
                 b.wait_update()
             except BaseException as exc:  # keep draining; re-raise the first error
                 err = err or exc
-            if b.ahead is not None:       # computed ahead: kept for the commit, its error recorded
+            if b.update.ahead is not None:       # computed ahead: kept for the commit, its error recorded
                 try:
-                    b.ahead.settle(self.wait_timeout_s, f"block {b.index} ({b.name})")
+                    b.update.ahead.settle(self.wait_timeout_s, f"block {b.index} ({b.name})")
                 except TierTimeout as exc:
                     err = err or exc
         with self._lock:
@@ -457,14 +458,15 @@ class StepPipeline:
             self._pool.shutdown(wait=True)
 
 
-def _pieces(block: BlockShard, chunk, rows: dict):
+def _pieces(block: Block, chunk, rows: dict):
     """(group, a, b, shape, state rows) of each range the rule steps at once, in the
     coordinates of ``chunk`` (elements [chunk.a, chunk.b) of the shard): each param group's
     range for an elementwise rule; each tensor piece for a per-tensor rule (Adafactor: its
     shape when the shard holds the whole tensor; never chunked)."""
     layout = chunk.layout
     if layout.tensors:
-        assert (chunk.a, chunk.b) == (0, layout.numel), "a per-tensor state is not chunked"
+        if (chunk.a, chunk.b) != (0, layout.numel):
+            raise RuntimeError("a per-tensor state is not chunked")
         for k, t in enumerate(layout.tensors):
             yield t.group, t.start, t.start + t.numel, t.shape, layout.tensor_state(rows, k)
         return

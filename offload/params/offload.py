@@ -2,8 +2,8 @@
 
 This is a participant of the engine's hook owner (core/hooks.py), which installs every
 hook and calls the verbs below. Uses are found three ways, all ending in ``materialize(block)``:
-  * ``pre_forward(i)``: a module that owns (or shares, for tied weights) a block's parameters
-    starts; ``post_forward(i)`` releases the block unless the trace uses it again soon;
+  * ``pre_forward(block)``: a module that owns (or shares, for tied weights) a block's parameters
+    starts; ``post_forward(block)`` releases the block unless the trace uses it again soon;
   * the saved-tensor chain (``pack`` / ``unpack``): autograd does not keep a device parameter
     (or a view of one) from forward to backward; it keeps a handle, and backward
     materializes the block again;
@@ -19,8 +19,8 @@ handler is innermost (core/hooks.py): parameters saved inside ``torch.utils.chec
 regions and by their recomputation (reentrant or not) are handles too, so a block re-entered
 by recomputation stays on the device from the recompute until the backward that reads what
 it saved is done; a block evicted meanwhile (the budget holds) is fetched again by the
-unpack. A block is a ``BlockParts``: its trainable part and its frozen parts (one per dtype)
-move together.
+unpack. A block (core/block.py ``Block``) has its trainable part and its frozen parts (one
+per dtype), moved together.
 
 The device budget is a contract on the bytes of offloaded parameters on the device,
 prefetches in flight included: blocks not in use are evicted furthest-next-use first, and
@@ -44,11 +44,12 @@ import torch
 from torch import nn
 
 from offload import device as dev
+from offload.core.block import Block
 from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.errors import BlockError
 from offload.core.lookahead import Lookahead
 from offload.core.telemetry import Telemetry
-from offload.params.residency import BlockParts, ParamState
+from offload.params.residency import ParamState
 
 
 class DeviceBudgetError(RuntimeError):
@@ -96,33 +97,39 @@ def working_set(model: nn.Module, owner: Dict[int, int], module_of: Sequence[nn.
 class ParamOffload:
     innermost = True      # its saved-tensor handler claims parameters inside checkpoint's contexts too
 
-    def __init__(self, engine, params: List[Optional[BlockParts]], *, budget: int, device_lookahead: int,
-                 host_lookahead: int, prefetch: bool):
-        self.engine = engine
-        self.params = params
+    def __init__(self, blocks: Sequence[Block], *, failures, telemetry: Telemetry, device: torch.device,
+                 one_rank: bool, deterministic: bool, budget: int, device_lookahead: int, host_lookahead: int,
+                 prefetch: bool, write_through):
+        """``blocks``: the engine's blocks (``blocks[i].index == i``); those with ``parts`` are
+        offloaded. ``failures``: the optimizer pipeline, whose recorded failure is raised at
+        every use. ``write_through``: the commit's ``WriteThrough`` plan, which this object
+        makes (``plan_write_through``) and the parameter write-back reads.
+        ``deterministic``: ZeRO-3 across ranks (``Prefetcher``)."""
+        self.blocks = list(blocks)
+        self.offloaded = [b for b in self.blocks if b.parts]
+        self.failures = failures
+        self.telemetry = telemetry
         self.budget = budget
         self.busy = False
-        self._h2d = dev.new_stream(engine.device)
-        self._one_rank = not engine.comm.active   # fixed: read once, not on the step's path
-        self._owner: Dict[int, int] = {id(s.param): i for i, bp in enumerate(params) if bp is not None
-                                       for _, s in bp.segments}
-        self.prefetcher = Prefetcher(params, budget=budget, device_lookahead=device_lookahead,
+        self._h2d = dev.new_stream(device)
+        self._one_rank = one_rank
+        self.write_through = write_through
+        self._owner: Dict[int, Block] = {id(s.param): b for b in self.offloaded for _, s in b.segments}
+        self.prefetcher = Prefetcher(self.offloaded, budget=budget, device_lookahead=device_lookahead,
                                      host_lookahead=host_lookahead, enabled=prefetch,
-                                     telemetry=engine.telemetry, h2d_stream=self._h2d,
-                                     blocked=self._update_in_flight,
-                                     deterministic=engine.comm.active and engine.stage == 3)
+                                     telemetry=telemetry, h2d_stream=self._h2d,
+                                     blocked=self._update_in_flight, deterministic=deterministic)
         self.resident_bytes = 0          # parameters that always stay on the device
         self.peak_step = 0               # peak device parameter bytes in the current step
         self.peak_last = 0               # ... in the last completed step
         self.peak_all = 0                # ... in any completed step
         self.overruns = 0
-        self._by_storage: Dict[int, List[int]] = {}   # storage address -> blocks bound in it
-        self._keep: frozenset = frozenset()           # blocks written through (plan_write_through)
+        self._by_storage: Dict[int, List[Block]] = {}   # storage address -> blocks bound in it
         # block -> its parameter handles packed since the last root forward began and still
         # alive (autograd drops a handle once its node has run): post_backward keeps a block
         # while any is, in ``_kept`` until the last goes
-        self._live: Dict[int, weakref.WeakSet] = {}
-        self._kept: set = set()
+        self._live: Dict[Block, weakref.WeakSet] = {}
+        self._kept: set = set()                       # of Blocks
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
 
     # ---- lifecycle verbs (called by core/hooks.py) ---------------------------------------
@@ -132,143 +139,129 @@ class ParamOffload:
             self._kept.clear()
             self.rewind()
 
-    def _saved_alive(self, i: int) -> bool:
-        live = self._live.get(i)
+    def _saved_alive(self, block: Block) -> bool:
+        live = self._live.get(block)
         return live is not None and len(live) > 0
 
-    def pre_forward(self, i: int) -> None:
-        if self.params[i] is None:
+    def pre_forward(self, block: Block) -> None:
+        if not block.parts:
             return
-        self.materialize(i)
-        self.params[i].users += 1
+        self.materialize(block)
+        block.users += 1
 
-    def post_forward(self, i: int) -> None:
-        bp = self.params[i]
-        if bp is None:
+    def post_forward(self, block: Block) -> None:
+        if not block.parts:
             return
-        bp.users = max(0, bp.users - 1)
-        if bp.users == 0 and not in_backward() and \
-                not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
-            self._release(i)
+        block.users = max(0, block.users - 1)
+        if block.users == 0 and not in_backward() and \
+                not self.prefetcher.next_use_within(block, self.prefetcher.device_lookahead):
+            self._release(block)
 
-    def grad_ready(self, i: int, k: int) -> None:
+    def grad_ready(self, block: Block, k: int) -> None:
         """AccumulateGrad lays a new gradient out like its parameter, so while it runs a
         released parameter wears a shape-only stub (stride-0, one element); right after
         (``grad_accumulated``), it is the empty placeholder again."""
-        bp = self.params[i]
-        part = bp.trainable if bp is not None else None
+        part = block.trainable
         if part is not None and part.state is not ParamState.ON_DEVICE:
             seg = part.layout.segments[k]
             seg.param.data = torch.zeros((), dtype=part.dtype, device=part.device).expand(seg.shape)
 
-    def grad_accumulated(self, i: int, k: int, param) -> None:
-        bp = self.params[i]
-        part = bp.trainable if bp is not None else None
+    def grad_accumulated(self, block: Block, k: int, param) -> None:
+        part = block.trainable
         if part is not None and part.state is not ParamState.ON_DEVICE:
             param.data = part.placeholder
 
-    def post_backward(self, i: int) -> None:
-        bp = self.params[i]
+    def post_backward(self, block: Block) -> None:
         # kept while handles of its saved parameters live (frozen weights used for the input
         # gradient after the last adapter's gradient landed; a recomputed block's saves), or
         # when the trace uses it again soon; a kept block is evicted like any other under
         # the budget, and released by a later sweep once its handles are gone
-        if bp is not None and bp.users == 0:
-            if self._saved_alive(i):
-                self._kept.add(i)
-            elif not self.prefetcher.next_use_within(i, self.prefetcher.device_lookahead):
-                self._release(i)
+        if block.parts and block.users == 0:
+            if self._saved_alive(block):
+                self._kept.add(block)
+            elif not self.prefetcher.next_use_within(block, self.prefetcher.device_lookahead):
+                self._release(block)
         self._sweep_kept()
 
     def end_backward(self) -> None:
         self._sweep_kept()
 
-    def _sweep_kept(self, but: int = -1) -> None:
+    def _sweep_kept(self, but: Optional[Block] = None) -> None:
         """Release the blocks kept past their backward whose saved handles are all gone."""
-        for j in [j for j in self._kept if j != but and not self._saved_alive(j)]:
-            self._kept.discard(j)
-            if self.params[j].users == 0 and not self.prefetcher.next_use_within(j, self.prefetcher.device_lookahead):
-                self._release(j)
+        for b in [b for b in self._kept if b is not but and not self._saved_alive(b)]:
+            self._kept.discard(b)
+            if b.users == 0 and not self.prefetcher.next_use_within(b, self.prefetcher.device_lookahead):
+                self._release(b)
 
-    def release_before_update(self, i: int) -> None:
-        """Block ``i``'s gradients are all in and its update is about to be computed ahead
+    def release_before_update(self, block: Block) -> None:
+        """``block``'s gradients are all in and its update is about to be computed ahead
         (optim/ahead.py), into the buffer its home may hold as the staged copy: that copy,
         stale once the update is committed, goes now unless something still uses it. Never
         waits: a write-back still in flight keeps the buffer until it completes (WRITING),
         which the update's job waits for on its worker."""
-        bp = self.params[i]
-        if bp is None or bp.users or self._saved_alive(i):
+        if not block.parts or block.users or self._saved_alive(block):
             return
-        if bp.writing:
+        if block.writing:
             try:
-                bp.poll_write()
+                block.poll_write()
             except BlockError:             # recorded by its home: raised from the next call
                 pass
-        self._release(i)
+        self._release(block)
 
     def param_read(self, p: nn.Parameter):
         """A parameter reached a torch function outside its module's forward: its block on
         the device, held until the op returns (``param_read_done`` with what this returns)."""
         if self.busy:
             return None
-        i = self._owner.get(id(p))
-        if i is None:
+        b = self._owner.get(id(p))
+        if b is None:
             return None
-        if self.params[i].state is not ParamState.ON_DEVICE:
+        if b.residency is not ParamState.ON_DEVICE:
             self.telemetry.count("param_reads_outside_forward")
-            self.materialize(i)
-        self.params[i].users += 1
-        return i
+            self.materialize(b)
+        b.users += 1
+        return b
 
     def param_read_done(self, held) -> None:
-        for i in held:
-            if i is not None:
-                self.params[i].users -= 1
+        for b in held:
+            if b is not None:
+                b.users -= 1
 
     # ---- the saved-tensor chain: parameters (and views of them) become handles ----------------
     def pack(self, t: torch.Tensor):
-        if not self.params or t.layout is not torch.strided or t.device.type == "meta":
+        if not self.offloaded or t.layout is not torch.strided or t.device.type == "meta":
             return NOT_MINE
         ptr = t.untyped_storage().data_ptr()
-        for i in self._by_storage.get(ptr, ()):       # blocks materialized in this storage
-            for k, part in enumerate(self.params[i].parts):
+        for b in self._by_storage.get(ptr, ()):       # blocks materialized in this storage
+            for k, part in enumerate(b.parts):
                 buf = part.device_buf
                 if buf is not None and buf.untyped_storage().data_ptr() == ptr and buf.dtype == t.dtype:
                     rel = t.storage_offset() - buf.storage_offset()
                     if 0 <= rel < part.numel:
-                        h = _Handle(i, k, rel, tuple(t.shape), tuple(t.stride()))
-                        self._live.setdefault(i, weakref.WeakSet()).add(h)
+                        h = _Handle(b.index, k, rel, tuple(t.shape), tuple(t.stride()))
+                        self._live.setdefault(b, weakref.WeakSet()).add(h)
                         return h
         return NOT_MINE
 
     def unpack(self, h: _Handle) -> torch.Tensor:
         """The saved parameter from the block's current device copy (fetched again if it was
         evicted); the block stays while ``h`` lives, i.e. until the node reading it has run."""
-        self._sweep_kept(but=h.i)
-        self.materialize(h.i)
-        buf = self.params[h.i].parts[h.k].device_buf
+        b = self.blocks[h.i]
+        self._sweep_kept(but=b)
+        self.materialize(b)
+        buf = b.parts[h.k].device_buf
         return buf.as_strided(h.shape, h.stride, buf.storage_offset() + h.rel)
 
-    @property
-    def telemetry(self):
-        return self.engine.telemetry
-
     # ---- residency ----------------------------------------------------------------------------
-    def _block(self, i: int):
-        """The engine's block i (its optimizer side), or None for a frozen-only block."""
-        blocks = self.engine.blocks
-        return blocks[i] if i < len(blocks) else None
-
-    def _update_in_flight(self, i: int) -> bool:
-        block = self._block(i)
-        fut = block.pending if block is not None else None
+    def _update_in_flight(self, block: Block) -> bool:
+        fut = block.update.future
         if self.prefetcher.deterministic:      # queued, whether or not done: timing-free
             return fut is not None
         # a failed update stays pending: its home copy is not to be read (the use raises it)
         return fut is not None and (not fut.done() or fut.exception() is not None)
 
-    def materialize(self, i: int) -> None:
-        """Block ``i`` (every part) on the device, current (waits for its update and its copies). An
+    def materialize(self, block: Block) -> None:
+        """``block`` (every part) on the device, current (waits for its update and its copies). An
         earlier failure of any block's update or write-back is raised here first, naming that
         block.
 
@@ -276,96 +269,95 @@ class ParamOffload:
         parameter of it that backward unpacks: most of a step's uses) of a block on
         the device fetches nothing: the write-backs are settled, the lookahead windows
         advanced and the peak noted only at a new use or a fetch, each a walk over the blocks."""
-        bp = self.params[i]
-        new_use = self.prefetcher.request(i)
+        bp = block
+        new_use = self.prefetcher.request(block)
         if new_use:
             self.poll_writes()
-        self.engine.pipeline.raise_failure()
+        self.failures.raise_failure()
         self.busy = True
         try:
-            block = self._block(i)
-            if block is not None and block.pending is not None:
+            if block.update.future is not None:
                 with self.telemetry.span("offload::wait_update"):
                     block.wait_update()
             if bp.stale:
-                self._release(i)             # the optimizer wrote the home copy since
+                self._release(block)         # the optimizer wrote the home copy since
             for part in bp.parts:
                 if part.state is ParamState.WRITING:
                     with self.telemetry.span("offload::param_write_wait"):
                         part.finish_write()  # read back once written (bounded)
-            fetch = bp.state is not ParamState.ON_DEVICE
+            fetch = bp.residency is not ParamState.ON_DEVICE
             if fetch:
-                self._make_room(i, bp.nbytes - bp.device_bytes)
+                self._make_room(block, bp.nbytes - bp.device_bytes)
                 self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
                 with self.telemetry.span("offload::param_fetch", "h2d") as span:
                     span.moved(bp.ensure(self._h2d))
                 for buf in bp.device_bufs():
                     holders = self._by_storage.setdefault(buf.untyped_storage().data_ptr(), [])
-                    if i not in holders:
-                        holders.append(i)      # for pack; entries are checked on use
+                    if block not in holders:
+                        holders.append(block)  # for pack; entries are checked on use
             if new_use or fetch:
                 self.prefetcher.issue()
                 self._note_peak()
         finally:
             self.busy = False
 
-    def _make_room(self, want: int, nbytes: int) -> None:
+    def _make_room(self, want: Block, nbytes: int) -> None:
         """Evict unused blocks, furthest next use first, until ``want`` fits in the device
         budget and (NVMe home) holds a host staging buffer (its read started)."""
-        bp_want = self.params[want]
+        bp_want = want
         while True:
             self.poll_writes()
             over = self.resident_bytes + self.prefetcher.device_bytes() + nbytes > self.budget
-            no_slot = bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.slot_free()
+            no_slot = bp_want.on_nvme and bp_want.residency is ParamState.HOME and not bp_want.slot_free()
             if not over and not no_slot:
                 # the slot is taken now (its read starts): a worker's write-through could
                 # otherwise take it before the fetch, which would then wait for a buffer that
                 # only this thread's polls give back
-                if bp_want.on_nvme and bp_want.state is ParamState.HOME and not bp_want.stage():
+                if bp_want.on_nvme and bp_want.residency is ParamState.HOME and not bp_want.stage():
                     continue
                 return
             upcoming = self.prefetcher.upcoming()
             # a block whose update is in flight may be filling its staging buffer (write-through)
-            held = [j for j, bp in enumerate(self.params) if bp is not None and j != want and bp.users == 0
-                    and bp.state not in (ParamState.HOME, ParamState.WRITING)]
-            waiting = [j for j in held if self._update_in_flight(j)]
-            victims = [j for j in held if j not in waiting and (self.params[j].device_bytes > 0 or not over)]
+            held = [b for b in self.offloaded if b is not want and b.users == 0
+                    and b.residency not in (ParamState.HOME, ParamState.WRITING)]
+            waiting = [b for b in held if self._update_in_flight(b)]
+            victims = [b for b in held if b not in waiting and (b.device_bytes > 0 or not over)]
             if not victims and waiting:
                 with self.telemetry.span("offload::wait_update"):
-                    self._block(waiting[0]).wait_update()    # bounded: the job's waits are
+                    waiting[0].wait_update()    # bounded: the job's waits are
                 continue
             # released, their staging buffers come back once their write-backs complete
-            writing = [j for j, bp in enumerate(self.params) if bp is not None and bp.state is ParamState.WRITING]
+            writing = [b for b in self.offloaded if b.residency is ParamState.WRITING]
             if not victims and no_slot and writing:
                 with self.telemetry.span("offload::param_write_wait"):
-                    self.params[writing[0]].finish_write()   # bounded
+                    writing[0].finish_write()   # bounded
                 continue
             if not victims:
                 if no_slot:
                     raise DeviceBudgetError(
                         f"no host staging buffer is free for block {bp_want.name!r}: every buffer holds a "
                         f"block in use; raise offload_param.device_budget_bytes or prefetch.host_lookahead_bytes")
-                in_use = [j for j, bp in enumerate(self.params) if bp is not None and bp.device_bytes > 0]
-                need = sum(self.params[j].device_bytes for j in in_use) + nbytes + self.resident_bytes
+                in_use = [b for b in self.offloaded if b.device_bytes > 0]
+                need = sum(b.device_bytes for b in in_use) + nbytes + self.resident_bytes
                 self.overruns += 1
                 raise DeviceBudgetError(
                     f"offload_param.device_budget_bytes={self.budget} cannot hold block {bp_want.name!r} "
                     f"({_fmt(nbytes)}) beside the blocks in use now "
-                    f"({', '.join(self.params[j].name for j in in_use)}): {_fmt(need)} are needed at once "
+                    f"({', '.join(b.name for b in in_use)}): {_fmt(need)} are needed at once "
                     f"(a parameter read outside the modules of its block); raise the budget to at least {need}")
 
-            def next_use(j):
-                return upcoming.index(j) if j in upcoming else math.inf
+            def next_use(b):
+                return upcoming.index(b) if b in upcoming else math.inf
             self._release(max(victims, key=next_use))
 
-    def _release(self, i: int) -> None:
+    def _release(self, block: Block) -> None:
         self.busy = True
         try:
-            for buf in self.params[i].device_bufs():
+            for buf in block.device_bufs():
                 holders = self._by_storage.get(buf.untyped_storage().data_ptr())
-                if holders and i in holders:
-                    holders.remove(i)
-            self.params[i].release()
+                if holders and block in holders:
+                    holders.remove(block)
+            block.release()
         finally:
             self.busy = False
 
@@ -386,7 +378,7 @@ class ParamOffload:
 
     def plan_write_through(self) -> None:
         """Before a commit queues the updates: the blocks whose new parameters stay staged in
-        host memory after their write-back (``keeps_staged``), so the next forward reads
+        host memory after their write-back (``write_through``), so the next forward reads
         them without an NVMe read. Those the next forward uses first, within the device
         budget plus the host lookahead (what the staging pool holds beside its spare slot:
         the blocks the forward would have on the device and staged ahead), when prefetch
@@ -399,35 +391,27 @@ class ParamOffload:
         keep = set()
         # device copies the commit makes stale go now, not after the updates are queued: an
         # update that finds its block on the device cannot keep the new copy staged
-        for i, bp in enumerate(self.params):
-            if bp is not None and bp.users == 0 and bp.device_bytes and bp.trainable is not None:
-                self._release(i)
+        for b in self.offloaded:
+            if b.users == 0 and b.device_bytes and b.trainable is not None:
+                self._release(b)
         order = pf.next_order()
         if pf.enabled and order is not None and self._one_rank:
             seen = 0
-            for i in order:
-                if i in keep:
+            for b in order:
+                if b.index in keep:
                     continue
-                bp = self.params[i]
-                seen += bp.nbytes
+                seen += b.nbytes
                 if seen > self.budget + pf.host_lookahead:
                     break
-                if bp.on_nvme:
-                    keep.add(i)
-        self._keep = frozenset(keep)
-
-    def keeps_staged(self, i: int) -> bool:
-        """Whether block ``i``'s write-back keeps the new home copy staged (worker threads
-        read this; the main thread sets it before the updates are queued)."""
-        return i in self._keep
+                if b.on_nvme:
+                    keep.add(b.index)
+        self.write_through.keep = frozenset(keep)
 
     def after_step(self) -> None:
         """Updates are queued: drop device copies they make stale, prefetch the next forward."""
-        for i, bp in enumerate(self.params):
-            block = self._block(i)
-            if bp is not None and bp.users == 0 and bp.device_bytes and block is not None \
-                    and block.pending is not None:
-                self._release(i)
+        for b in self.offloaded:
+            if b.users == 0 and b.device_bytes and b.update.future is not None:
+                self._release(b)
         self.prefetcher.rewind()
         self.prefetcher.issue()
 
@@ -436,10 +420,10 @@ class ParamOffload:
         return max(self.peak_all, self.peak_step)
 
     def _frozen_parts(self):
-        """``(block index, part)`` of every offloaded frozen part."""
-        for i, bp in enumerate(self.params):
-            for part in (bp.frozen if bp is not None else ()):
-                yield i, part
+        """``(block, part)`` of every offloaded frozen part."""
+        for b in self.offloaded:
+            for part in b.frozen:
+                yield b, part
 
     def read_frozen(self, wanted=None) -> Dict[int, torch.Tensor]:
         """``id(param) -> host tensor`` of every offloaded frozen parameter (those in
@@ -459,11 +443,11 @@ class ParamOffload:
         with no entry keep theirs (in a part stored quantized, only the tensors given are
         quantized, the others keep their stored bytes). Device copies become stale and are
         refetched on use."""
-        for i, part in self._frozen_parts():
+        for b, part in self._frozen_parts():
             mine = [s for s in part.layout.segments if id(s.param) in values]
             if not mine:
                 continue
-            self._release(i)
+            self._release(b)
             if part.codec is not None:
                 home = part.codec.fill(part.read_home(raw=True), {id(s.param): values[id(s.param)] for s in mine})
             else:
@@ -489,19 +473,18 @@ class ParamOffload:
         quantized again. False (nothing written) where no part of this engine has those
         parameters laid out and coded as ``code`` says (another ``frozen_dtype``, another
         grouping): the caller restores the values instead."""
-        for i, part in self._frozen_parts():
+        for b, part in self._frozen_parts():
             if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
                 continue
             if not part.codec.adopt(code):
                 return False
-            self._release(i)
+            self._release(b)
             part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
             return True
         return False
 
     def frozen_ids(self) -> set:
-        return {id(s.param) for bp in self.params if bp is not None for part in bp.frozen
-                for s in part.layout.segments}
+        return {id(s.param) for b in self.offloaded for part in b.frozen for s in part.layout.segments}
 
     def poll_writes(self) -> None:
         """Settle the parameter write-backs that completed (their buffers go back); never
@@ -514,25 +497,23 @@ class ParamOffload:
         self._settle_writes(wait=True)
 
     def _settle_writes(self, wait: bool) -> None:
-        for bp in self.params:
-            if bp is not None and bp.writing:
+        for b in self.offloaded:
+            if b.writing:
                 try:
-                    bp.finish_write() if wait else bp.poll_write()
+                    b.finish_write() if wait else b.poll_write()
                 except BlockError:
                     pass
 
     def release_all(self) -> None:
-        for i, bp in enumerate(self.params):
-            if bp is not None:
-                self._release(i)
+        for b in self.offloaded:
+            self._release(b)
 
     def close(self) -> None:
         """Every block released and every buffer back: write-backs in flight are waited for
         (bounded; their failures were recorded or are moot now), never raised from here."""
         self.wait_writes()
-        for bp in self.params:
-            if bp is not None:
-                bp.release()
+        for b in self.offloaded:
+            b.release()
         for _, part in self._frozen_parts():
             if part.flats is not None:
                 part.flats.clear()            # the dequantized flats kept for reuse go too
@@ -574,10 +555,10 @@ class Prefetcher:
     by the main thread, never on I/O or worker timing. A staged NVMe read is waited for rather
     than polled, and ``blocked`` must itself be timing-free (an update queued, not "in flight")."""
 
-    def __init__(self, params: Sequence[Optional[BlockParts]], *, budget: int, device_lookahead: int,
+    def __init__(self, blocks: Sequence[Block], *, budget: int, device_lookahead: int,
                  host_lookahead: int, enabled: bool, telemetry: Telemetry, h2d_stream,
-                 blocked: Callable[[int], bool], deterministic: bool = False):
-        self.params = list(params)          # by block index; None: the block is not offloaded
+                 blocked: Callable[[Block], bool], deterministic: bool = False):
+        self.blocks = list(blocks)          # the offloaded blocks
         self.budget = budget
         self.device_lookahead = device_lookahead
         self.host_lookahead = host_lookahead
@@ -592,10 +573,10 @@ class Prefetcher:
         self._frozen_head = 0               # the trace's first blocks without a trainable part
 
     @property
-    def trace(self) -> Optional[List[int]]:
+    def trace(self) -> Optional[List[Block]]:
         return self.lookahead.order
 
-    def next_order(self) -> Optional[List[int]]:
+    def next_order(self) -> Optional[List[Block]]:
         """The order the next forward is expected to follow (``Lookahead.next_order``)."""
         return self.lookahead.next_order()
 
@@ -603,8 +584,8 @@ class Prefetcher:
         """A new step (or forward) starts: install what was recorded, restart the cursor."""
         self.lookahead.rewind()
 
-    def request(self, index: int) -> bool:
-        """Block ``index`` is about to be used: account hit/miss, follow or leave the trace.
+    def request(self, block: Block) -> bool:
+        """``block`` is about to be used: account hit/miss, follow or leave the trace.
         False when it is the same block as the last request of the same pass (one use,
         nothing recorded). The first use in backward is a use of its own even where the
         forward ended with the same block (a tied lm_head's weight, read again by its
@@ -612,11 +593,11 @@ class Prefetcher:
         la = self.lookahead
         backward = in_backward()
         again = backward != self._backward
-        if la.last == index and not again:
+        if la.last is block and not again:
             return False                        # the same block again: one use
         self._backward = backward
-        la.hit() if self.params[index].state is not ParamState.HOME else la.miss()
-        la.record(index, again=True)
+        la.hit() if block.residency is not ParamState.HOME else la.miss()
+        la.record(block, again=True)
         return True
 
     def _cyclic(self) -> bool:
@@ -629,31 +610,32 @@ class Prefetcher:
         order = self.lookahead.order
         if order is not self._head_of:
             self._head_of, self._frozen_head = order, 0
-            for i in order or ():
-                if getattr(self.params[i], "trainable", None) is not None:
+            for b in order or ():
+                if b.trainable is not None:
                     break
                 self._frozen_head += 1
         return self._frozen_head
 
-    def upcoming(self) -> List[int]:
+    def upcoming(self) -> List[Block]:
         if not self.enabled:
             return []
         cyclic = self._cyclic()
         return self.lookahead.upcoming(cyclic, 0 if cyclic else self._head())
 
-    def _size(self, i: int) -> int:
-        return self.params[i].nbytes
+    @staticmethod
+    def _size(b: Block) -> int:
+        return b.nbytes
 
-    def next_use_within(self, index: int, nbytes: int) -> bool:
-        """Whether ``index`` is used again within the next ``nbytes`` of trace."""
+    def next_use_within(self, block: Block, nbytes: int) -> bool:
+        """Whether ``block`` is used again within the next ``nbytes`` of trace."""
         if not self.enabled:
             return False
         cyclic = self._cyclic()
-        return self.lookahead.used_within(index, self._size, nbytes, cyclic, 0 if cyclic else self._head())
+        return self.lookahead.used_within(block, self._size, nbytes, cyclic, 0 if cyclic else self._head())
 
     # ---- keeping blocks in flight ------------------------------------------------------------
     def device_bytes(self) -> int:
-        return sum(bp.device_bytes for bp in self.params if bp is not None)
+        return sum(b.device_bytes for b in self.blocks)
 
     def issue(self) -> None:
         """Start the copies the lookahead windows allow (called on every request)."""
@@ -662,25 +644,24 @@ class Prefetcher:
         on_device = self.device_bytes()
         ahead = 0
         cyclic = self._cyclic()
-        for i in self.lookahead.window(self._size, max(self.host_lookahead, self.device_lookahead),
-                                       cyclic=cyclic, head=0 if cyclic else self._head()):
-            bp = self.params[i]
+        for bp in self.lookahead.window(self._size, max(self.host_lookahead, self.device_lookahead),
+                                        cyclic=cyclic, head=0 if cyclic else self._head()):
             ahead += bp.nbytes
-            if self.blocked(i):
+            if self.blocked(bp):
                 continue                        # its update is in flight: read it later
             if self.deterministic:
-                if bp.state is ParamState.WRITING:
+                if bp.residency is ParamState.WRITING:
                     bp.finish_write()           # bounded; read back after the write, as every rank does
             else:
                 bp.poll()                       # a completed write-back: WRITING -> HOME
-            if bp.state is ParamState.HOME and bp.on_nvme and ahead <= self.host_lookahead:
+            if bp.residency is ParamState.HOME and bp.on_nvme and ahead <= self.host_lookahead:
                 with self.telemetry.span("offload::prefetch_nvme"):
                     bp.stage()
             if not self.deterministic:
                 bp.poll()
             ready = (ParamState.STAGED, ParamState.STAGED_WRITING) + \
                 ((ParamState.STAGING,) if self.deterministic else ())
-            if bp.state in ready or (bp.state is ParamState.HOME and not bp.on_nvme):
+            if bp.residency in ready or (bp.residency is ParamState.HOME and not bp.on_nvme):
                 if ahead <= self.device_lookahead and on_device + bp.nbytes <= self.budget:
                     self.telemetry.count("param_fetched_bytes", bp.nbytes - bp.device_bytes)
                     with self.telemetry.span("offload::prefetch_h2d", "h2d") as span:

@@ -1,5 +1,5 @@
 """Where one block's parameters live between uses (parameter offload), and their moves:
-``BlockParams`` for one flat part, ``BlockParts`` for a block's parts moving together, and
+``BlockParams`` for one flat part (a block's ``parts``, core/block.py, move together), and
 ``ParamWriteBack``, the updated parameters' way back home (the optimizer's two verbs per block).
 
 The block's canonical parameter copy (compute dtype, 1-D, padded numel) lives on its home
@@ -10,7 +10,7 @@ stale values, or, once the engine handed the model back its weights (``hand_back
 of a host copy of the home copy, current until the block next visits the device or its home
 changes (both put the placeholder, or the device copy, back first).
 
-Transitions (guarded by assertions)::
+Transitions (an illegal one raises ``ParamStateError``)::
 
     NVME home:  HOME --stage()--> STAGING --(read done)--> STAGED --to_device()--> FETCHING
     HOST home:  HOME --to_device()--> FETCHING
@@ -71,6 +71,20 @@ class ParamState(enum.Enum):
     FETCHING = "fetching"
     ON_DEVICE = "on_device"
 
+    @property
+    def order(self) -> int:
+        """How far along the way to the device (a block's residency is its parts' least)."""
+        return _ORDER[self]
+
+
+_ORDER = {ParamState.WRITING: 0, ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2,
+          ParamState.STAGED_WRITING: 2, ParamState.FETCHING: 3, ParamState.ON_DEVICE: 4}
+
+
+class ParamStateError(BlockError):
+    """A parameter part was asked for a move its residency does not allow (a bug in the
+    engine: the message names the part and its state)."""
+
 
 _HOST_SIDE = {LoanState.ON_TIER: ParamState.HOME, LoanState.READING: ParamState.STAGING,
               LoanState.READY: ParamState.STAGED, LoanState.WRITING_KEPT: ParamState.STAGED_WRITING,
@@ -119,10 +133,21 @@ class BlockParams:
         self._on_failure = on_failure     # a failed write-back's BlockError goes here (the engine's record)
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.handed_back: Optional[torch.Tensor] = None   # the copy the parameters view (hand_back)
+        self.origin = torch.device("cpu")   # where the parameters were at initialize (hand_back, close)
 
     @property
     def on_nvme(self) -> bool:
         return self._loan is not None
+
+    @property
+    def at_home(self) -> bool:
+        """HOME: no copy anywhere but the home."""
+        return self.state is ParamState.HOME
+
+    @property
+    def readable(self) -> bool:
+        """Whether ``to_device()`` can start from here (HOME, STAGING, STAGED, STAGED_WRITING)."""
+        return self.state in _READABLE
 
     @property
     def state(self) -> ParamState:
@@ -132,7 +157,8 @@ class BlockParams:
             return self._device_state
         if self._loan is None:
             return ParamState.HOME
-        assert self._loan.state in _HOST_SIDE, f"{self.what}: {self._loan.state}"
+        if self._loan.state not in _HOST_SIDE:
+            raise ParamStateError(f"{self.what}: its home's loan is {self._loan.state.value}, no parameter state")
         return _HOST_SIDE[self._loan.state]
 
     def _staged(self) -> torch.Tensor:
@@ -179,7 +205,8 @@ class BlockParams:
     def stage(self) -> bool:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
         with self._lock:
-            assert self.on_nvme and self.state is ParamState.HOME, self.state
+            if not (self.on_nvme and self.state is ParamState.HOME):
+                raise ParamStateError(f"{self.what}: stage() in state {self.state.value} (needs an NVMe home, HOME)")
             try:
                 if not self._loan.fetch():
                     return False
@@ -234,7 +261,8 @@ class BlockParams:
         with self._lock:
             if self.state is ParamState.HOME:
                 self._copy_version = self.home_version
-            assert self.state in _READABLE, self.state
+            if self.state not in _READABLE:
+                raise ParamStateError(f"{self.what}: to_device() in state {self.state.value}")
             # NVMe: waits (bounded) for a staging buffer and for the read; STAGED_WRITING: the
             # held bytes at once, their write goes on (both only read them)
             src = self._staged() if self.on_nvme else self.home_buf
@@ -343,8 +371,10 @@ class BlockParams:
         trains. It goes (placeholders, or the device copy, come back) when the block next
         visits the device or its home copy is replaced (``write_home``)."""
         with self._lock:
-            assert self._device_state is None, f"{self.what}: handed back while on the device"
-            assert flat.numel() >= self.layout.numel, (flat.numel(), self.layout.numel)
+            if self._device_state is not None:
+                raise ParamStateError(f"{self.what}: handed back while on the device")
+            if flat.numel() < self.layout.numel:
+                raise ValueError(f"{self.what}: a copy of {flat.numel()} elements cannot hold {self.layout.numel}")
             for s in self.layout.segments:
                 s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             self.handed_back = flat
@@ -397,7 +427,8 @@ class BlockParams:
             if self.handed_back is not None:
                 self._to_placeholders()  # the model's copy is stale from now on
             if self._through:            # src is the staged buffer (begin_write_through): it stays
-                assert buffer is None
+                if buffer is not None:
+                    raise ParamStateError(f"{self.what}: a buffer lent while a write-through holds the staged one")
                 self._through = False
                 self._commit_home(keep=True)
                 return
@@ -435,7 +466,8 @@ class BlockParams:
         with self._lock:
             if not self.on_nvme or self._gather is not None or self._device_state is not None:
                 return False
-            assert not self._through, f"{self.what}: adopted while a write-through is in flight"
+            if self._through:
+                raise ParamStateError(f"{self.what}: adopted while a write-through is in flight")
             if self.handed_back is not None:
                 self._to_placeholders()
             self.finish_write()            # the last write-back (raises its own failure)
@@ -483,133 +515,6 @@ class BlockParams:
         return None if self.on_nvme else self.home_buf
 
 
-_ORDER = {ParamState.WRITING: 0, ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2,
-          ParamState.STAGED_WRITING: 2, ParamState.FETCHING: 3, ParamState.ON_DEVICE: 4}
-
-
-class BlockParts:
-    """The parameter parts of one block that visit the device together.
-
-    A block's parameters may be several flat buffers: the trainable part (compute dtype, updated
-    by the optimizer, ``BlockShard.params``) and one frozen part per storage dtype (a bf16 base
-    beside fp32 adapters). Each part is a ``BlockParams`` with its own home (host buffer or NVMe
-    extent) and its own device copy; ``BlockParts`` drives them through the same transitions at
-    once, so parameter offload and prefetch handle a block as one unit of device bytes.
-
-    The state of the whole is the least advanced state of its parts
-    (WRITING, HOME < STAGING < STAGED, STAGED_WRITING < FETCHING < ON_DEVICE); parts share one
-    home tier, so they move in lockstep except that NVMe reads finish at different times, and
-    only the trainable part is written back (asynchronously: WRITING and STAGED_WRITING are
-    its). A block whose trainable part was rewritten by the optimizer is stale as a whole and
-    is refetched whole (frozen parts never change, but one release keeps one state per block).
-    """
-
-    def __init__(self, index: int, name: str, module, trainable: Optional[BlockParams],
-                 frozen: List[BlockParams]):
-        self.index = index                 # the block index (frozen-only blocks come after the trained ones)
-        self.name = name or "<root>"
-        self.module = module
-        self.trainable = trainable         # also BlockShard.params: the optimizer writes its home
-        self.frozen = list(frozen)
-        self.parts: List[BlockParams] = ([trainable] if trainable is not None else []) + self.frozen
-        assert self.parts, "a block has at least one part"
-        self.nbytes = sum(p.nbytes for p in self.parts)          # device bytes when fetched
-        self.users = 0                     # modules of this block running now (forward)
-
-    # ---- the whole's view of its parts ----------------------------------------------------
-    @property
-    def state(self) -> ParamState:
-        return min((p.state for p in self.parts), key=_ORDER.__getitem__)
-
-    @property
-    def on_nvme(self) -> bool:
-        return self.parts[0].on_nvme
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(p.device_bytes for p in self.parts)
-
-    @property
-    def stale(self) -> bool:
-        return any(p.stale for p in self.parts)
-
-    @property
-    def segments(self):
-        """Every parameter of the block: (part, segment) pairs."""
-        return [(p, s) for p in self.parts for s in p.layout.segments]
-
-    def device_bufs(self) -> List[torch.Tensor]:
-        return [p.device_buf for p in self.parts if p.device_buf is not None]
-
-    def slot_free(self) -> bool:
-        """Whether host staging buffers for every part are free now (NVMe home)."""
-        loans = []
-        try:
-            for p in self.parts:
-                loan = p.try_slot() if p.state is ParamState.HOME else None
-                if p.state is ParamState.HOME and loan is None:
-                    return False
-                if loan is not None:
-                    loans.append(loan)
-            return True
-        finally:
-            for loan in loans:
-                loan.release()
-
-    # ---- transitions (all parts together) ----------------------------------------------------
-    def stage(self) -> bool:
-        """NVMe -> host staging buffers for every part still at home (the trainable part may
-        be staged already, written through by its update); False (nothing staged) when a
-        buffer is missing for any of them."""
-        home = [p for p in self.parts if p.state is ParamState.HOME]
-        if not home or not self.slot_free():
-            return False
-        for k, p in enumerate(home):
-            if not p.stage():               # another thread took a buffer meanwhile
-                for q in home[:k]:
-                    q.release()
-                return False
-        return True
-
-    def poll(self) -> None:
-        for p in self.parts:
-            p.poll()
-
-    @property
-    def writing(self) -> bool:
-        """Whether a write-back of a part's home is in flight."""
-        return any(p.writing for p in self.parts)
-
-    def poll_write(self) -> None:
-        for p in self.parts:
-            p.poll_write()
-
-    def finish_write(self, timeout=None) -> None:
-        for p in self.parts:
-            p.finish_write(timeout)
-
-    def to_device(self, h2d_stream) -> int:
-        """Start every part's way to the device; the bytes copied from host to device memory
-        (none on a CPU device: ``BlockParams.to_device``)."""
-        return sum(p.to_device(h2d_stream) for p in self.parts
-                   if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING))
-
-    def ensure(self, h2d_stream) -> int:
-        """Every part on the device, current, its parameters bound to their views; the bytes
-        copied from host to device memory for it."""
-        if self.stale:
-            self.release()
-        return sum(p.ensure(h2d_stream) for p in self.parts)
-
-    def release(self) -> None:
-        for p in self.parts:
-            p.release()
-
-    def release_initial(self) -> None:
-        for p in self.parts:
-            p.release_initial()
-
-
 class ParamWriteBack:
     """Parameter write-back: the updated parameters go where the parameters live.
 
@@ -620,7 +525,7 @@ class ParamWriteBack:
         writer.commit(block, master, out, compute_done)
 
     Where the copy goes depends only on the parameters' residency:
-      * offloaded parameters (``block.params``, a BlockParams): the new home copy is assembled in
+      * offloaded parameters (``block.trainable``, a BlockParams): the new home copy is assembled in
         the HOST home itself, or (NVMe home) in a buffer of the write pool; ``BlockParams.write_home``
         then bumps the home version, so device copies made before are stale and refetched. An
         NVMe block the next forward uses soon (``keep_staged(index)``, decided by parameter
@@ -633,7 +538,7 @@ class ParamWriteBack:
       * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel
         writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
         the device on a side stream after the block's backward kernels (``compute_done``); the
-        compute stream waits for ``block.update_event`` before the next use;
+        compute stream waits for ``block.update.event`` before the next use;
       * resident fp32 parameters, or optimizer state on the device: ``out`` is None and the copy
         is taken from the fp32 master; on a CPU device with the state in host memory (tier cpu,
         or none: the device's memory is the host's) the parameters are the master itself (engine/build.py
@@ -665,7 +570,7 @@ class ParamWriteBack:
         resident fp32 parameters get their destination too, which the caller fills from
         each chunk's master."""
         s0, s1 = block.shard
-        if block.params is not None:
+        if block.trainable is not None:
             return block.home_shard(self._home_target(block))
         from_master = self._copy_param and whole_master
         if from_master or self._state_on_device:
@@ -681,7 +586,7 @@ class ParamWriteBack:
     def _home_target(self, block) -> torch.Tensor:
         """The buffer the new home copy of an offloaded block is assembled in: the HOST home
         itself, or (NVMe home) a write buffer held by this worker until written."""
-        bp = block.params
+        bp = block.trainable
         home = bp.home_view_for_write()
         if home is not None:
             return home
@@ -730,8 +635,8 @@ class ParamWriteBack:
         self._staging.current = None
         if getattr(self._staging, "through", None) is not None:
             self._staging.through = None
-            if block is not None and block.params is not None:
-                block.params.abort_write_through()
+            if block is not None and block.trainable is not None:
+                block.trainable.abort_write_through()
         loan = getattr(self._staging, "loan", None)
         if loan is not None:
             self._staging.loan = None
@@ -743,7 +648,7 @@ class ParamWriteBack:
         kept staged when the next use is near, as ``target`` would decide, with no copy
         (``BlockParams.adopt_home``). False, nothing done, where it cannot: the caller copies
         into ``target`` and commits."""
-        bp = block.params
+        bp = block.trainable
         if bp is None or slot.out_buf is None:
             return False
         keep = self._keep_staged is not None and self._keep_staged(block.index)
@@ -755,10 +660,11 @@ class ParamWriteBack:
         parameters on their tier. Returns once host buffers may be reused by this worker.
         ``master`` may be None when ``out`` holds the new parameters (chunked state)."""
         s0, s1 = block.shard
-        if block.params is not None:
-            bp = block.params
+        if block.trainable is not None:
+            bp = block.trainable
             target = self._home_target(block)
-            assert out is not None, f"block {block.name}: the update wrote no new parameters (target())"
+            if out is None:
+                raise ParamStateError(f"block {block.name}: the update wrote no new parameters (target())")
             with self.telemetry.span("offload::param_writeback"):
                 self._staging.through = None          # write_home settles it, or gives it back on failure
                 self._staging.current = None
@@ -784,4 +690,4 @@ class ParamWriteBack:
             # The staging buffer is reused by this worker's next job: wait for the copy here,
             # on the worker thread; the compute stream waits on update_event, not the host.
             dev.sync_event(ev)
-            block.update_event = ev
+            block.update.event = ev
