@@ -257,9 +257,9 @@ def _wide_run(tmp_path, base, xs, prefetch):
         events.append(("read", int(key.split(".")[0][1:])))
         return real_read(key, *a, **k)
 
-    def materialize(i):                           # the block on the device, its reads done
-        real_materialize(i)
-        events.append(("use", i))
+    def materialize(block):                       # the block on the device, its reads done
+        real_materialize(block)
+        events.append(("use", block.index))
     store.read, po.materialize = read, materialize
     served, losses = [], []
     for x in xs:
