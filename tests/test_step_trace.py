@@ -1,7 +1,7 @@
 """The design doc's step map is true: one warm training step (parameters and optimizer state on
 NVMe, one rank) is traced on every thread, and the package's Python files it executes must be
-exactly those listed under ``## One step`` in docs/design.md, and at most ``MAX_STEP_FILES`` of
-them: a reader follows one step through that many files (issue 35).
+exactly those listed under ``## One step`` in docs/design.md. (Issue 43 withdrew the cap on
+their number that issue 35 set: a step may run through more files when each holds one noun.)
 
 How the trace sees every thread: ``threading.settrace`` is set before the engine starts, so each
 thread it starts (step workers, I/O threads, the gatherer) carries the global trace function;
@@ -21,7 +21,6 @@ from _models import batches, make_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "offload") + os.sep
 DESIGN = os.path.join(ROOT, "docs", "design.md")
-MAX_STEP_FILES = 14
 
 
 class StepTrace:
@@ -145,8 +144,6 @@ def test_one_step_runs_the_files_the_design_doc_lists(tmp_path):
     missing, extra = sorted(set(seen) - set(listed)), sorted(set(listed) - set(seen))
     assert not missing and not extra, (f"docs/design.md '## One step' is out of date: executed but not "
                                        f"listed {missing}; listed but not executed {extra}")
-    assert len(seen) <= MAX_STEP_FILES, (f"one step executes {len(seen)} files of offload/, more than "
-                                         f"{MAX_STEP_FILES}: merge along the nouns, don't spread the step")
 
 
 if __name__ == "__main__":
