@@ -25,7 +25,7 @@ from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
 from offload.core.block import Block
-from offload.engine.step_control import GradBuffer
+from offload.engine.grad_landing import GradBuffer
 from offload.engine.memory_plan import GradHome
 from offload.optim.ahead import AheadSlot
 from offload.optim.pipeline import StepPipeline

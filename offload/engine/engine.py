@@ -35,7 +35,9 @@ from offload.config import Config
 from offload.core.hooks import Hooks
 from offload.engine import build
 from offload.engine.outside_reads import UpdateWaits
-from offload.engine.step_control import LossScaler, StepControl, UpdateAndGrads
+from offload.engine.loss_scale import LossScaler
+from offload.engine.step_control import StepControl
+from offload.engine.update_and_grads import UpdateAndGrads
 from offload.core.block import Block
 from offload.optim.state import Tier
 from offload.optim.pipeline import make_optimizer
