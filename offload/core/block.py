@@ -101,7 +101,7 @@ class Block:
                    together; a block whose parts move one at a time (a MoE layer's experts)
                    changes only this list's users.
     ``param_flat`` the device flat the parameters view when they are not offloaded
-    ``grads``      the gradient buffer (engine/step_control.py ``GradBuffer``), None if frozen only
+    ``grads``      the gradient buffer (engine/grad_landing.py ``GradBuffer``), None if frozen only
     ``landing``    ZeRO-2/3: the full-size transient buffer reduce-scattered into ``grads``
     ``state``      the optimizer state (optim/state.py ``OptimState``), None if frozen only
     ``shard``      [start, end) of this rank's shard in the padded flat

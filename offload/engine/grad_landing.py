@@ -39,7 +39,7 @@ class GradBuffer:
     queued (its memory is protected by ``record_stream``).
 
     Landing copies, also on a CPU device, and the caller frees autograd's tensor right after
-    (engine.py): the buffer is allocated once, and autograd's next gradient reuses the memory
+    (engine/update_and_grads.py): the buffer is allocated once, and autograd's next gradient reuses the memory
     just freed, still in cache, where keeping autograd's tensors until the update would keep a
     fresh allocation per parameter alive through the step.
 

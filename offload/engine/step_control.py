@@ -1,5 +1,6 @@
-"""The accumulation window and its commit: where gradients land and are summed (``GradBuffer``,
-landed by ``UpdateAndGrads``, the engine's hook participant), when the update happens.
+"""The accumulation window and its commit: when gradients are summed, when the update
+happens (gradients land in engine/grad_landing.py's ``GradBuffer``, from the engine's hook
+participant, engine/update_and_grads.py).
 
 The contract (the same with and without clipping, fp32 / bf16 / fp16, on every tier)::
 
@@ -197,7 +198,7 @@ class StepControl:
         for b in ready:
             norm = self._boundary and self.needs_norm and not self.distributed
             if b.grads.spills:
-                # the window's sum waits for step() or the next micro-step on NVMe (GradBuffer),
+                # the window's sum waits for step() or the next micro-step on NVMe (engine/grad_landing.py),
                 # parked on a worker right after its norm is taken
                 fut = b.grads.start_park(self.pipeline.run, (lambda b=b: self._block_norms(b)) if norm else None,
                                         fail=lambda stage, exc, b=b: self.pipeline.record_failure(b, stage, exc))
