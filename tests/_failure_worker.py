@@ -22,7 +22,7 @@ import time
 
 import offload
 from offload.dist.grad_sync import GradSync
-from offload.params.residency import BlockParams
+from offload.params.part import BlockParams
 from _models import batches, make_model
 
 TARGET = 2          # block "layers.0"

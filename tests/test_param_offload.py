@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.optim.rule import UpdateRule
-from offload.params.residency import ParamState
+from offload.params.part import ParamState
 import _forked
 import _resume_worker
 from _models import batches, clone, make_model

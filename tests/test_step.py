@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload.params.residency import BlockParams
+from offload.params.part import BlockParams
 
 VOCAB, D, LR, WD = 64, 32, 1e-3, 0.01
 PLACEMENTS = [(o, p) for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]

@@ -31,7 +31,7 @@ from offload.optim.ahead import AheadSlot
 from offload.optim.pipeline import StepPipeline
 from offload.optim.state import OptimState, Tier, chunk_key
 from offload.params import homes as ph
-from offload.params.residency import ParamWriteBack
+from offload.params.write_back import ParamWriteBack
 from offload.params.write_through import WriteThrough
 
 TIERS = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}

@@ -62,7 +62,7 @@ from offload.core.telemetry import Telemetry
 from offload.engine.loss_scale import LossScaler
 from offload.engine.sigint import sigint_deferred
 from offload.optim.pipeline import StepArgs, hyperparams
-from offload.params.residency import ParamState
+from offload.params.part import ParamState
 
 
 class Window(enum.Enum):

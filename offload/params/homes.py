@@ -122,7 +122,7 @@ class ParamHomes:
     def trainable_home(self, lay: blk.BlockLayout):
         """The BlockParams of block ``lay``'s trainable part (its values are written home by
         the caller). With ZeRO-3 across ranks it all-gathers the shards on each visit."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         n = self.home_numel(lay)
         gather = None
         if self._stage == 3 and self._comm.active:
@@ -147,7 +147,7 @@ class ParamHomes:
         written home from the parameters (loaded from the checkpoint, or materialized from the
         meta device by the model's initialisation), whose original memory then goes; or, read
         in place, the checkpoint's own byte ranges with nothing copied."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         part.index = i                     # errors name the block it visits the device with
         dtype = frozen_dtype(part.segments[0].param, self._dtype)
         key = f"b{i}.frozen{k}"
@@ -182,7 +182,7 @@ class ParamHomes:
     def _source_home(self, key: str, part: blk.BlockLayout, dtype: torch.dtype):
         """A frozen part read in place: its tensors are read once now for their checksums
         (recorded as the base's origin, and checked on every later read)."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         from offload.storage.source import SourceTensor
         crcs = self._weights.refer_all([s.param for s in part.segments])
         esize = dtype.itemsize

@@ -49,7 +49,7 @@ from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.errors import BlockError
 from offload.core.lookahead import Lookahead
 from offload.core.telemetry import Telemetry
-from offload.params.residency import ParamState
+from offload.params.part import ParamState
 
 
 class DeviceBudgetError(RuntimeError):
