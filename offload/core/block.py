@@ -95,7 +95,7 @@ class Block:
     """One block (see the module docstring). Fields:
 
     ``layout``     the trainable parameters' flat layout (None: frozen parameters only)
-    ``parts``      the parameter parts materialized as one unit each (params/residency.py
+    ``parts``      the parameter parts materialized as one unit each (params/part.py
                    ``BlockParams``): the trainable part first, then one frozen part per dtype;
                    empty when parameters are not offloaded. Today a block's parts move
                    together; a block whose parts move one at a time (a MoE layer's experts)
@@ -173,7 +173,7 @@ class Block:
         """Device bytes of the offloaded parts when materialized."""
         return sum(p.nbytes for p in self.parts)
 
-    # ---- residency of its parts (parameter offload; params/residency.py) --------------------
+    # ---- residency of its parts (parameter offload; params/part.py) -----------------------
     # Every part moves through the same transitions at once, so parameter offload and prefetch
     # handle a block as one unit of device bytes. The block's residency is the least advanced
     # of its parts' (``ParamState.order``): parts share one home tier and move in lockstep

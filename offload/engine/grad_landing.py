@@ -39,9 +39,9 @@ class GradBuffer:
     queued (its memory is protected by ``record_stream``).
 
     Landing copies, also on a CPU device, and the caller frees autograd's tensor right after
-    (engine/update_and_grads.py): the buffer is allocated once, and autograd's next gradient reuses the memory
-    just freed, still in cache, where keeping autograd's tensors until the update would keep a
-    fresh allocation per parameter alive through the step.
+    (engine/update_and_grads.py): the buffer is allocated once, and autograd's next gradient
+    reuses the memory just freed, still in cache, where keeping autograd's tensors until the
+    update would keep a fresh allocation per parameter alive through the step.
 
     Spilling (a ``tier``: an ``NvmeTier`` over the offload-grads pool): the buffer is the key
     ``b<i>.grad``'s ``Loan`` (storage/tier.py, the loaned-buffer state machine optimizer state

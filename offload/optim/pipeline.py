@@ -5,7 +5,7 @@ and the pipeline of block jobs on worker threads that does the update.
 One update job per block shard::
 
     read state (NVMe, ahead) -> the update rule with fused unscale/clip -> parameter write-back
-    (params/residency.py ``ParamWriteBack``) -> write state back (NVMe) -> gradient window reset
+    (params/write_back.py ``ParamWriteBack``) -> write state back (NVMe) -> gradient window reset
 
 With ``offload_optimizer.update_ahead`` a block's update is computed during backward
 (``submit_ahead``: the rule's step from the committed state into the block's spare buffer,
@@ -88,7 +88,7 @@ class StepPipeline:
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
         self.wait_timeout_s = wait_timeout_s
-        self._params = params                     # params/residency.py ParamWriteBack: the new parameters' way home
+        self._params = params                     # params/write_back.py ParamWriteBack: the new parameters' way home
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces

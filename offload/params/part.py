@@ -1,6 +1,7 @@
-"""Where one block's parameters live between uses (parameter offload), and their moves:
-``BlockParams`` for one flat part (a block's ``parts``, core/block.py, move together), and
-``ParamWriteBack``, the updated parameters' way back home (the optimizer's two verbs per block).
+"""One parameter part of a block (``BlockParams``: one flat buffer, materialized as one
+unit) and its residency (``ParamState``): where it lives between uses (parameter offload) and
+its moves. A block's ``parts`` (core/block.py) move together; the updated parameters come
+home through params/write_back.py.
 
 The block's canonical parameter copy (compute dtype, 1-D, padded numel) lives on its home
 tier: a persistent host buffer (``HOST``) or a swap-file extent (``NVME``). It is

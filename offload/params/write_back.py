@@ -33,7 +33,7 @@ class ParamWriteBack:
         offload at the commit) is assembled in a staging buffer instead and written through: it
         stays staged, current, for that use. NVMe writes are asynchronous: the job submits the
         write and moves on; the buffer belongs to the block's home until the write completes
-        (params/residency.py settles it). A worker that finds no write buffer free settles the
+        (params/part.py settles it). A worker that finds no write buffer free settles the
         oldest write it submitted (bounded); a failure found so is the written block's, recorded
         by its home, never raised inside the job that found it;
       * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel

@@ -3,7 +3,7 @@
 Made once per engine and shared: parameter offload decides it before a commit queues the
 updates (params/offload.py ``plan_write_through``: the blocks the next forward uses first,
 within the device budget and the host lookahead), and the parameter write-back reads it on
-the optimizer workers (params/residency.py ``ParamWriteBack``), so neither holds the other.
+the optimizer workers (params/write_back.py ``ParamWriteBack``), so neither holds the other.
 """
 from __future__ import annotations
 
