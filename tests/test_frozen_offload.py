@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.params.offload import DeviceBudgetError
+from offload.params.budget import DeviceBudgetError
 from _models import batches, clone
 from test_engine import check_parity, reference_run
 

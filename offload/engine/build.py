@@ -196,7 +196,7 @@ class Builder:
     def _find_working_set(self, block_bytes: List[int]) -> tuple:
         """(bytes, blocks): the largest set of blocks one module's forward needs on the
         device at once (see params/offload.py ``working_set``)."""
-        from offload.params.offload import working_set
+        from offload.params.budget import working_set
         owner = {}
         for i, (_, _, lay, parts) in enumerate(self.roots):
             for part in ([lay] if lay is not None else []) + parts:
@@ -206,7 +206,7 @@ class Builder:
 
     def _check_budget(self, budget: int, block_bytes: List[int]) -> None:
         """The device budget is a contract: it must hold the working set."""
-        from offload.params.offload import DeviceBudgetError
+        from offload.params.budget import DeviceBudgetError
         need, which = self._working_set
         if budget < need:
             names = ", ".join(repr(self.roots[i][0] or "<root>") for i in which)
@@ -270,7 +270,7 @@ class Builder:
         """Parameter offload, the hook participant over the built blocks (None when no
         parameter is offloaded); ``failures``: the optimizer pipeline (its recorded failures
         are raised at every use)."""
-        from offload.params.offload import ParamOffload
+        from offload.params.participant import ParamOffload
         if built.homes is None:
             return None
         offload = ParamOffload(built.blocks, failures=failures, telemetry=self.telemetry, device=self.device,
