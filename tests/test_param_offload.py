@@ -214,7 +214,7 @@ def test_released_parameters_are_placeholders(tmp_path):
     # between steps nothing of layer 0 is on the device: a stray use fails loudly
     assert all(p.numel() == 0 for p in released)
     # the frozen layer is offloaded with its block too (no gradient, no optimizer state)
-    assert id(model.layers[1].ln1.weight) in eng.param_offload.frozen_ids()
+    assert id(model.layers[1].ln1.weight) in eng.param_offload.frozen_io.ids()
     eng.close()
 
 

@@ -195,7 +195,7 @@ class Builder:
 
     def _find_working_set(self, block_bytes: List[int]) -> tuple:
         """(bytes, blocks): the largest set of blocks one module's forward needs on the
-        device at once (see params/offload.py ``working_set``)."""
+        device at once (see params/budget.py ``working_set``)."""
         from offload.params.budget import working_set
         owner = {}
         for i, (_, _, lay, parts) in enumerate(self.roots):
@@ -255,7 +255,7 @@ class Builder:
     def pipeline(self, built: Built, resources, grad_sync) -> StepPipeline:
         """The optimizer's block jobs over the trained blocks, writing each update's
         parameters back through a ``ParamWriteBack`` (which keeps the new copies staged that
-        ``built.write_through`` names: params/offload.py ``plan_write_through``)."""
+        ``built.write_through`` names: params/write_through.py)."""
         cfg = self.config
         return StepPipeline([b for b in built.blocks if b.trains], workers=cfg.optimizer_workers, slots=built.swap_slots,
                             telemetry=self.telemetry, compute_device=self.device, grad_sync=grad_sync,

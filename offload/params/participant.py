@@ -24,21 +24,22 @@ per dtype), moved together.
 
 The device budget is a contract on the bytes of offloaded parameters on the device,
 prefetches in flight included: blocks not in use are evicted furthest-next-use first, and
-``working_set`` (the blocks a module's forward needs at once: its own and those of enclosing
-modules and tied parameters) is checked against it at ``initialize``. A use that would still
+``working_set`` (params/budget.py: the blocks a module's forward needs at once, its own and
+those of enclosing modules and tied parameters) is checked against it at ``initialize``. A use that would still
 exceed it (parameters of a third block read outside any module of theirs) raises
 ``DeviceBudgetError`` with the bytes needed; it never runs over silently. The blocks one torch
 op reads outside their modules are held until the op returns (``param_read`` /
 ``param_read_done``), so fetching the second cannot evict the first.
 
-What is read ahead of use is the ``Prefetcher`` (at the end of this file): the recorded order
-of block uses, over core/lookahead.py, kept in flight within the lookahead bytes.
+What is read ahead of use is params/prefetch.py's ``Prefetcher``; which updated blocks stay
+staged for the next forward, params/write_through.py; checkpoints read and write the frozen
+parts through params/frozen_io.py.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ from offload.core.hooks import NOT_MINE, in_backward
 from offload.core.errors import BlockError
 from offload.core.telemetry import Telemetry
 from offload.params.budget import DeviceBudgetError, fmt_bytes
+from offload.params.frozen_io import FrozenIO
 from offload.params.part import ParamState
 from offload.params.prefetch import Prefetcher
 
@@ -99,6 +101,7 @@ class ParamOffload:
         self._live: Dict[Block, weakref.WeakSet] = {}
         self._kept: set = set()                       # of Blocks
         self.saved_tensors = self                     # joins the saved-tensor chain (pack/unpack)
+        self.frozen_io = FrozenIO(self.offloaded, self._release)   # checkpoints' reads and writes
 
     # ---- lifecycle verbs (called by core/hooks.py) ---------------------------------------
     def begin_forward(self, recompute: bool) -> None:
@@ -345,35 +348,17 @@ class ParamOffload:
         self.prefetcher.rewind()
 
     def plan_write_through(self) -> None:
-        """Before a commit queues the updates: the blocks whose new parameters stay staged in
-        host memory after their write-back (``write_through``), so the next forward reads
-        them without an NVMe read. Those the next forward uses first, within the device
-        budget plus the host lookahead (what the staging pool holds beside its spare slot:
-        the blocks the forward would have on the device and staged ahead), when prefetch
-        is on and the order known (``Prefetcher.next_order``: at the first commit, the order
-        this step recorded); none across ranks (decisions there must not depend on
-        free buffers). A block kept finds its staging buffer at its update or is written
-        through a write buffer instead; a kept block not yet used is evicted like any
-        staged block when another needs its buffer."""
+        """Before a commit queues the updates: device copies the commit makes stale go now,
+        not after the updates are queued (an update that finds its block on the device cannot
+        keep the new copy staged); then the write-through plan (params/write_through.py) over
+        the order the next forward is expected to follow, within the device budget plus the
+        host lookahead; none across ranks (decisions there must not depend on free buffers)."""
         pf = self.prefetcher
-        keep = set()
-        # device copies the commit makes stale go now, not after the updates are queued: an
-        # update that finds its block on the device cannot keep the new copy staged
         for b in self.offloaded:
             if b.users == 0 and b.device_bytes and b.trainable is not None:
                 self._release(b)
-        order = pf.next_order()
-        if pf.enabled and order is not None and self._one_rank:
-            seen = 0
-            for b in order:
-                if b.index in keep:
-                    continue
-                seen += b.nbytes
-                if seen > self.budget + pf.host_lookahead:
-                    break
-                if b.on_nvme:
-                    keep.add(b.index)
-        self.write_through.keep = frozenset(keep)
+        order = pf.next_order() if pf.enabled and self._one_rank else None
+        self.write_through.plan(order, self.budget + pf.host_lookahead)
 
     def after_step(self) -> None:
         """Updates are queued: drop device copies they make stale, prefetch the next forward."""
@@ -386,73 +371,6 @@ class ParamOffload:
     def device_param_bytes_peak(self) -> int:
         """The most device parameter bytes at any point since initialize."""
         return max(self.peak_all, self.peak_step)
-
-    def _frozen_parts(self):
-        """``(block, part)`` of every offloaded frozen part."""
-        for b in self.offloaded:
-            for part in b.frozen:
-                yield b, part
-
-    def read_frozen(self, wanted=None) -> Dict[int, torch.Tensor]:
-        """``id(param) -> host tensor`` of every offloaded frozen parameter (those in
-        ``wanted``, ids, when given), read from its home (one read per part; for checkpoints
-        and state dicts)."""
-        out = {}
-        for _, part in self._frozen_parts():
-            if wanted is not None and not any(id(s.param) in wanted for s in part.layout.segments):
-                continue
-            flat = part.read_home()
-            for s in part.layout.segments:
-                out[id(s.param)] = flat[s.offset:s.offset + s.numel].view(s.shape)
-        return out
-
-    def write_frozen(self, values: Dict[int, torch.Tensor]) -> None:
-        """Replace offloaded frozen parameters' home values (``id(param) -> tensor``); parts
-        with no entry keep theirs (in a part stored quantized, only the tensors given are
-        quantized, the others keep their stored bytes). Device copies become stale and are
-        refetched on use."""
-        for b, part in self._frozen_parts():
-            mine = [s for s in part.layout.segments if id(s.param) in values]
-            if not mine:
-                continue
-            self._release(b)
-            if part.codec is not None:
-                home = part.codec.fill(part.read_home(raw=True), {id(s.param): values[id(s.param)] for s in mine})
-            else:
-                home = part.read_home()
-                for s in mine:
-                    home[s.offset:s.offset + s.numel].copy_(values[id(s.param)].reshape(-1))
-            part.write_home(home)
-
-    def read_frozen_quantized(self, wanted=None) -> List[Tuple[List[int], torch.Tensor, dict]]:
-        """The offloaded frozen parts stored quantized (those with a parameter in ``wanted``,
-        ids, when given), as stored: ``(parameter ids in part order, blob, codec.code())``
-        each, so a checkpoint keeps a quantized base as it is, not its dequantized values."""
-        out = []
-        for _, part in self._frozen_parts():
-            ids = [id(s.param) for s in part.layout.segments]
-            if part.codec is not None and (wanted is None or any(i in wanted for i in ids)):
-                out.append((ids, part.read_home(raw=True), part.codec.code()))
-        return out
-
-    def write_frozen_quantized(self, ids: List[int], blob: torch.Tensor, code: dict) -> bool:
-        """Restore one part stored quantized from a blob ``read_frozen_quantized`` gave (the
-        part holding exactly the parameters ``ids``, in order): written as it is, not
-        quantized again. False (nothing written) where no part of this engine has those
-        parameters laid out and coded as ``code`` says (another ``frozen_dtype``, another
-        grouping): the caller restores the values instead."""
-        for b, part in self._frozen_parts():
-            if part.codec is None or [id(s.param) for s in part.layout.segments] != list(ids):
-                continue
-            if not part.codec.adopt(code):
-                return False
-            self._release(b)
-            part.write_home(blob.view(torch.uint8)[:part.home_nbytes].contiguous())
-            return True
-        return False
-
-    def frozen_ids(self) -> set:
-        return {id(s.param) for b in self.offloaded for part in b.frozen for s in part.layout.segments}
 
     def poll_writes(self) -> None:
         """Settle the parameter write-backs that completed (their buffers go back); never
@@ -482,7 +400,7 @@ class ParamOffload:
         self.wait_writes()
         for b in self.offloaded:
             b.release()
-        for _, part in self._frozen_parts():
+        for _, part in self.frozen_io.parts():
             if part.flats is not None:
                 part.flats.clear()            # the dequantized flats kept for reuse go too
 
