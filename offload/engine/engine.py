@@ -40,7 +40,7 @@ from offload.engine.step_control import StepControl
 from offload.engine.update_and_grads import UpdateAndGrads
 from offload.core.block import Block
 from offload.optim.state import Tier
-from offload.optim.pipeline import make_optimizer
+from offload.optim.torch_face import make_optimizer
 from offload.params import homes as ph
 from offload.storage.resources import Resources
 from offload.core.telemetry import Telemetry

@@ -61,7 +61,8 @@ from offload.core.block import Block, BlockPhase
 from offload.core.telemetry import Telemetry
 from offload.engine.loss_scale import LossScaler
 from offload.engine.sigint import sigint_deferred
-from offload.optim.pipeline import StepArgs, hyperparams
+from offload.optim.pipeline import StepArgs
+from offload.optim.torch_face import hyperparams
 from offload.params.part import ParamState
 
 
