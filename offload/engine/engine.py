@@ -40,6 +40,7 @@ from offload.engine.step_control import StepControl
 from offload.engine.update_and_grads import UpdateAndGrads
 from offload.core.block import Block
 from offload.optim.state import Tier
+from offload.optim.pipeline import Stage
 from offload.optim.torch_face import make_optimizer
 from offload.params import homes as ph
 from offload.storage.resources import Resources
@@ -175,7 +176,7 @@ class Engine:
         """A parameter write-back failed (found after its job returned, by whoever settled
         it): recorded against its own block; raised from the user's next call. (Called only
         after construction: a write-back follows an update.)"""
-        self.pipeline.record_failure(self.blocks[index], "parameter write-back", err)
+        self.pipeline.record_failure(self.blocks[index], Stage.PARAM_WRITE_BACK, err)
 
     def _install_hooks(self) -> None:
         """One owner installs every hook (core/hooks.py); each feature joins as a participant:

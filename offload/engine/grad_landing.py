@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from offload import device as dev
+from offload.optim.pipeline import Stage
 from offload.storage.tier import LoanState, OwnedBuffer, TierTimeout
 
 
@@ -205,16 +206,16 @@ class GradBuffer:
         """Park on a worker (``run(fn)`` returns a Future), after ``first()`` (a reader of the
         buffer, e.g. its norms) if given; the next borrow waits for it. Returns the Future,
         whose result is ``first()``'s. ``fail(stage, exc)`` turns a failure of ``first``
-        ("gradient norm") or of the write ("gradient park") into the error the Future raises
+        (``Stage.GRAD_NORM``) or of the write (``Stage.GRAD_PARK``) into the error the Future raises
         (the engine's: it names the block and is raised from the user's next call)."""
         self._wait_parking()
 
         def job():
             self._park_thread = threading.get_ident()   # first() reads the buffer before the park
-            stage = "gradient norm"
+            stage = Stage.GRAD_NORM
             try:
                 out = first() if first is not None else None
-                stage = "gradient park"
+                stage = Stage.GRAD_PARK
                 self.park()
             except BaseException as exc:
                 err = fail(stage, exc) if fail is not None else exc

@@ -61,7 +61,7 @@ from offload.core.block import Block, BlockPhase
 from offload.core.telemetry import Telemetry
 from offload.engine.loss_scale import LossScaler
 from offload.engine.sigint import sigint_deferred
-from offload.optim.pipeline import StepArgs
+from offload.optim.pipeline import Stage, StepArgs
 from offload.optim.torch_face import hyperparams
 from offload.params.part import ParamState
 
@@ -241,7 +241,7 @@ class StepControl:
                     try:
                         self.grad_sync.wait(b)
                     except Exception as exc:
-                        raise self.pipeline.record_failure(b, "gradient collective", exc) from exc
+                        raise self.pipeline.record_failure(b, Stage.GRAD_COLLECTIVE, exc) from exc
             coef, overflow = 1.0, False
             if self.needs_norm:
                 with self.telemetry.span("offload::grad_norm"):
@@ -357,7 +357,7 @@ class StepControl:
             if self.grad_sync is not None:
                 self.grad_sync.wait(block)
         except BaseException as exc:      # named for its block, raised from step()
-            raise self.pipeline.record_failure(block, "gradient collective", exc) from exc
+            raise self.pipeline.record_failure(block, Stage.GRAD_COLLECTIVE, exc) from exc
         block.grads.wait_landed()
         g = block.grad_shard()
         items = [(self._param_order.get(id(s.param), 0), g[s.offset - block.shard[0]:][:s.numel])

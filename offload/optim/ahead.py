@@ -48,7 +48,7 @@ class AheadSlot:
     next forward, instead of a copy into a buffer of its own (``lend_out``;
     params/part.py ``BlockParams.adopt_home``). It comes back when the home lets it go
     (``_LentOut.release``). An update due while the home still holds it (``out_lent``)
-    waits on its worker for the home's write-back from it (engine ``_submit_ahead`` drops
+    waits on its worker for the home's write-back from it (``StepControl._submit_ahead`` drops
     the stale staged copy first); one whose home holds it for a use is left to step()."""
 
     def __init__(self, spare: torch.Tensor, out: Optional[torch.Tensor], out_buf=None):

@@ -35,11 +35,12 @@ first one from the user's next call.
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -64,6 +65,37 @@ class StepArgs:
                                    # parameters are not written to the device before it fires
 
 
+class Stage(enum.Enum):
+    """The stages of a block's work that its errors name ("<stage> of block <i> (<name>)
+    failed"); a chunk's stage adds the chunk, an update computed ahead "(update ahead)"."""
+    STATE_READ = "state read"
+    GRAD_COLLECTIVE = "gradient collective"
+    GRAD_LANDING = "gradient landing"
+    GRAD_NORM = "gradient norm"
+    GRAD_PARK = "gradient park"
+    STEP = "adam"                      # the rule's step, whatever the rule
+    PARAM_WRITE_BACK = "parameter write-back"
+    PARAM_GATHER = "parameter all-gather"
+    STATE_WRITE = "state write"
+    STATE_COMMIT = "state commit"
+    GRAD_RESET = "gradient reset"
+
+
+class _At:
+    """Where a job is: its stage, the chunk (``StateChunk.where``) and whether it runs ahead;
+    ``str()`` is the name its error gets."""
+    __slots__ = ("stage", "where", "ahead")
+
+    def __init__(self, stage: Stage, ahead: bool = False):
+        self.stage, self.where, self.ahead = stage, "", ahead
+
+    def set(self, stage: Stage, where: str = "", ahead: bool = False) -> None:
+        self.stage, self.where, self.ahead = stage, where, ahead
+
+    def __str__(self) -> str:
+        return self.stage.value + self.where + (" (update ahead)" if self.ahead else "")
+
+
 class StepPipeline:
     def __init__(self, blocks: Sequence[Block], *, workers: int, slots: int, telemetry: Telemetry,
                  compute_device: torch.device, params, grad_sync=None,
@@ -83,6 +115,9 @@ class StepPipeline:
         self._unreadable: set = set()             # chunks whose read failed to start (their job says why)
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
+        # block -> the failure of its update computed ahead (a failed job leaves its slot
+        # idle: optim/ahead.py); its commit raises it rather than compute the update again
+        self._ahead_failed: Dict[Block, BlockError] = {}
         self.wait_timeout_s = wait_timeout_s
         self._params = params                     # params/write_back.py ParamWriteBack: the new parameters' way home
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
@@ -145,7 +180,7 @@ class StepPipeline:
                 done = st.reclaim(block=block, timeout=self.wait_timeout_s)
             except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
                 done = True
-                self._record(b, "state write" + st.where, exc)
+                self._record(b, Stage.STATE_WRITE.value + st.where, exc)
             if not done:
                 break
             self._writing.popleft()
@@ -168,15 +203,16 @@ class StepPipeline:
                 time.sleep(0.0005)  # buffers are with another worker's job; it commits soon
 
     # ---- failures --------------------------------------------------------------------------
-    def _record(self, block: Block, stage: str, exc: BaseException) -> BaseException:
-        err = block_error(f"{block.index} ({block.name})", stage, exc)
+    def _record(self, block: Block, stage, exc: BaseException) -> BaseException:
+        """``stage``: a ``Stage``, or the name of one (with its chunk, or "(update ahead)")."""
+        err = block_error(f"{block.index} ({block.name})", stage.value if isinstance(stage, Stage) else stage, exc)
         if isinstance(err, BlockError):
             with self._lock:
                 if err not in self._failures:
                     self._failures.append(err)
         return err
 
-    def record_failure(self, block: Block, stage: str, exc: BaseException) -> BaseException:
+    def record_failure(self, block: Block, stage: "Stage", exc: BaseException) -> BaseException:
         """Record a failure of other per-block work (a parameter all-gather); returns the
         error to raise."""
         return self._record(block, stage, exc)
@@ -192,13 +228,6 @@ class StepPipeline:
         if err is not None:
             err.reported = True
             raise err
-
-    def _ahead_failure(self, block: Block) -> Optional[BlockError]:
-        """The recorded failure of ``block``'s update computed ahead, or None (a failed job
-        leaves its slot idle: optim/ahead.py)."""
-        where = f"{block.index} ({block.name})"
-        with self._lock:
-            return next((e for e in self._failures if e.block == where and e.stage.endswith("(update ahead)")), None)
 
     def _abort(self, block: Block) -> None:
         """After a failed job: give back everything the job held."""
@@ -233,23 +262,57 @@ class StepPipeline:
             self._run(block, args)
             block.update.event = dev.record_event(self._stream)   # every kernel of the job
 
-    def _run(self, block: Block, args: StepArgs) -> None:
-        at = ["state read"]                      # the stage the job is in, for its error
+    def _run(self, block: Block, args: StepArgs, ahead: bool = False) -> None:
+        """The job, on a worker: ``_update``; a failure is recorded against the block under
+        the stage it happened in. A job computed ahead holds no shared buffer (nothing to give
+        back); its failure is also the block's ahead failure, which its commit raises."""
+        at = _At(Stage.GRAD_LANDING if ahead else Stage.STATE_READ, ahead=ahead)
         try:
-            self._update(block, args, at)
+            self._update(block, args, at, ahead)
         except BaseException as exc:
-            self._abort(block)
-            err = self._record(block, at[0], exc)
+            if not ahead:
+                self._abort(block)
+            err = self._record(block, str(at), exc)
+            if ahead and isinstance(err, BlockError):
+                with self._lock:
+                    self._ahead_failed.setdefault(block, err)
             if err is exc:
                 raise
             raise err from exc
-        self.prefetch()
+        if not ahead:
+            self.prefetch()
 
-    def _update(self, block: Block, args: StepArgs, at: list) -> None:
-        if block.update.ahead is not None:
-            if block.update.ahead.pending_for(args.step, args.groups) is not None:
+    def submit_ahead(self, block: Block, args: StepArgs) -> None:
+        """Start ``block``'s update of ``args.step`` now, during backward (its gradients of
+        the window are all in): the same job as the commit's (``_update``), started earlier
+        and writing into the block's ahead slot (optim/ahead.py: the spare state buffer and
+        staged parameters), so nothing committed changes; step() commits it (``_commit_ahead``)."""
+        block.update.ahead.start(args.step, args.groups, self._pool.submit(self._run, block, args, True))
+
+    def _update(self, block: Block, args: StepArgs, at: "_At", ahead: bool = False) -> None:
+        """One block's update: per state chunk, read it (NVMe: ahead of use), wait for the
+        gradients, the rule's step with the new parameters written in the same pass, write
+        the chunk back; then the parameters home and the gradient window reset.
+
+        ``ahead`` (update_ahead: a HOST state, one chunk, always resident): the same step
+        from the committed state into the slot's spare buffer (the kernel reads one and writes
+        the other in its one pass) and the new parameters into the slot's staged copy; it
+        stops there, and the commit's job (``_commit_ahead``) trades the buffers and writes
+        the parameters home."""
+        slot = block.update.ahead
+        if ahead:
+            if slot.out_lent:                     # the home's last write-back from it (StepControl._submit_ahead)
+                at.set(Stage.PARAM_WRITE_BACK)
+                with self.telemetry.span("offload::param_write_wait"):
+                    block.trainable.finish_write(self.wait_timeout_s)
+                if slot.out_lent:
+                    raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
+                                       f"its home's after the write-back (state {block.trainable.state.value})")
+        elif slot is not None:
+            if slot.pending_for(args.step, args.groups) is not None:
                 return self._commit_ahead(block, args, at)
-            err = self._ahead_failure(block)
+            with self._lock:
+                err = self._ahead_failed.get(block)
             if err is not None:                   # raised as it is, not met again by a second try
                 raise err
         chunks = block.state.chunks
@@ -258,20 +321,28 @@ class StepPipeline:
         for c in chunks:
             self._taken(block, c)
             if c.residency is Residency.WRITING:  # this chunk's last write is still in flight (a
-                at[0] = "state write" + c.where   # busy disk): it completes before it is read
+                at.set(Stage.STATE_WRITE, c.where)  # busy disk): it completes before it is read
                 with self._lock:                  # no other thread reclaims it once it is off the list
                     self._writing = collections.deque(x for x in self._writing if x[1] is not c)
                 c.reclaim(block=True, timeout=self.wait_timeout_s)   # the wait without the pipeline's lock
-            at[0] = "state read" + c.where
+            if ahead:                             # (the ahead job meets its gradients first)
+                at.set(Stage.GRAD_LANDING, ahead=True)
+                block.grads.wait_landed()
+                grad = block.grad_shard()
+                out = slot.out
+            at.set(Stage.STATE_READ, c.where, ahead=ahead)
             if c.tier is Tier.NVME and not c.in_memory:
                 self._fetch(c)
-            with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
+            if ahead:                             # a HOST state: resident, nothing to wait for
                 buf = c.acquire(timeout=self.wait_timeout_s)
+            else:
+                with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
+                    buf = c.acquire(timeout=self.wait_timeout_s)
             if grad is None:
                 if self._grad_sync is not None:
-                    at[0] = "gradient collective"
+                    at.set(Stage.GRAD_COLLECTIVE)
                     self._grad_sync.wait(block)
-                at[0] = "gradient landing"
+                at.set(Stage.GRAD_LANDING)
                 block.grads.wait_landed()
                 grad = block.grad_shard()
                 # the parameter side says where the new copy goes; with chunks fp32
@@ -280,85 +351,51 @@ class StepPipeline:
                 if out is None and len(chunks) != 1:
                     raise RuntimeError(f"block {block.name}: chunked state, no write-back target")
             master, rows = c.views(buf)
-            at[0] = "adam" + c.where              # the stage's name in errors (any rule)
-            with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
-                                     c.nbytes + (c.b - c.a) * grad.element_size()):
-                self._step_chunk(block, c, master, rows, grad, out, args)
+            src = None
+            if ahead:                             # from the committed state into the spare one
+                src, (master, rows) = (master, rows), slot.views(c.layout)
+            at.set(Stage.STEP, c.where, ahead=ahead)   # the stage's name in errors (any rule)
+            kernel = rule.kernel or rule.name.lower()
+            if ahead:
+                span = self.telemetry.span(f"offload::cpu_{kernel}_ahead", "adam",
+                                           2 * c.nbytes + grad.numel() * grad.element_size())
+            else:
+                span = self.telemetry.span(f"offload::cpu_{kernel}", "adam", c.nbytes + (c.b - c.a) * grad.element_size())
+            with span:
+                self._step_chunk(block, c, master, rows, grad, out, args, src)
+            if ahead:
+                return                            # computed ahead: step() commits it
             if len(chunks) > 1:                  # written now: its buffer goes to the next chunk
-                at[0] = "state write" + c.where
+                at.set(Stage.STATE_WRITE, c.where)
                 with self.telemetry.span("offload::state_write"):
                     c.commit()
                 with self._lock:
                     self._writing.append((block, c))
                 self.prefetch()
-        at[0] = "parameter write-back"
+        at.set(Stage.PARAM_WRITE_BACK)
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
         block.update.step = args.step
         c = chunks[0]
         if len(chunks) == 1 and c.tier is Tier.NVME:
-            at[0] = "state write"
+            at.set(Stage.STATE_WRITE)
             with self.telemetry.span("offload::state_write"):
                 c.commit()
             with self._lock:
                 self._writing.append((block, c))
-        at[0] = "gradient reset"
+        at.set(Stage.GRAD_RESET)
         block.grads.reset_window()
 
-    # ---- updates computed ahead (optim/ahead.py) ------------------------------------------
-    def submit_ahead(self, block: Block, args: StepArgs) -> None:
-        """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
-        backward: its gradients of the window are all in). Nothing committed changes."""
-        block.update.ahead.start(args.step, args.groups, self._pool.submit(self._ahead_job, block, args))
-
-    def _ahead_job(self, block: Block, args: StepArgs) -> None:
-        at = ["gradient landing (update ahead)"]
-        try:
-            self._compute_ahead(block, args, at)
-        except BaseException as exc:          # the slot holds no shared buffer: nothing to give back
-            err = self._record(block, at[0], exc)
-            if err is exc:
-                raise
-            raise err from exc
-
-    def _compute_ahead(self, block: Block, args: StepArgs, at: list) -> None:
-        """The rule's step from the committed state into the slot's spare buffer (the
-        kernel reads one and writes the other in its one pass); the new parameters into the
-        slot's staged copy (``out``)."""
-        slot, rule = block.update.ahead, args.rule
-        c, = block.state.chunks                  # a HOST state: one chunk, always resident
-        if slot.out_lent:                        # the home's last write-back from it (engine._submit_ahead)
-            at[0] = "parameter write-back"
-            with self.telemetry.span("offload::param_write_wait"):
-                block.trainable.finish_write(self.wait_timeout_s)
-            if slot.out_lent:
-                raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
-                                   f"its home's after the write-back (state {block.trainable.state.value})")
-            at[0] = "gradient landing (update ahead)"
-        block.grads.wait_landed()
-        grad = block.grad_shard()
-        at[0] = "state read (update ahead)"
-        src_master, src_rows = c.views(c.acquire(timeout=self.wait_timeout_s))
-        master, rows = slot.views(c.layout)
-        at[0] = "adam (update ahead)"
-        with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}_ahead", "adam",
-                                 2 * c.nbytes + grad.numel() * grad.element_size()):
-            for (g, a, b, shape, state), (*_, src_state) in zip(_pieces(block, c, rows),
-                                                                _pieces(block, c, src_rows)):
-                rule.cpu_step(master[a:b], grad[a:b], state, args.groups[g], args.step,
-                              param_copy=None if slot.out is None else slot.out[a:b],
-                              grad_scale=args.grad_scale, shape=shape, src=(src_master[a:b], src_state))
-
-    def _commit_ahead(self, block: Block, args: StepArgs, at: list) -> None:
+    def _commit_ahead(self, block: Block, args: StepArgs, at: "_At") -> None:
         """step()'s half of an update computed ahead: the slot's state becomes the block's,
         its staged parameters are written back."""
         slot = block.update.ahead
-        at[0] = "adam (update ahead)"
+        at.set(Stage.STEP, ahead=True)
         with self.telemetry.span("offload::wait_ahead"):
             err = slot.settle(self.wait_timeout_s, f"block {block.index} ({block.name})")
         if err is not None:
             raise err                             # its own error, recorded against this block
         c, = block.state.chunks
-        at[0] = "state commit (update ahead)"
+        at.set(Stage.STATE_COMMIT, ahead=True)
         buf = c.acquire(timeout=self.wait_timeout_s)
         if block.param_flat is not None and block.param_flat.data_ptr() == buf.data_ptr():
             with self.telemetry.span("offload::ahead_copy"):
@@ -369,7 +406,7 @@ class StepPipeline:
         master = c.views(buf)[0]
         slot.take()
         self.telemetry.count("updates_ahead")
-        at[0] = "parameter write-back"
+        at.set(Stage.PARAM_WRITE_BACK)
         out = slot.out
         if out is None or block.trainable is None:
             self._params.commit(block, master, out, args.compute_done)
@@ -381,18 +418,21 @@ class StepPipeline:
                 target.copy_(out)
             self._params.commit(block, master, target, args.compute_done)
         block.update.step = args.step
-        at[0] = "gradient reset"
+        at.set(Stage.GRAD_RESET)
         block.grads.reset_window()
 
-    def _step_chunk(self, block: Block, c, master, rows: dict, grad, out, args: StepArgs) -> None:
+    def _step_chunk(self, block: Block, c, master, rows: dict, grad, out, args: StepArgs, src=None) -> None:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
-        ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
+        ``rows`` its views, ``grad`` and ``out`` the whole shard's). ``src``: (master, rows)
+        of the state the step reads when it writes into other buffers (an update computed
+        ahead, on the CPU); None: in place."""
         rule = args.rule
         on_device = c.tier is Tier.DEVICE and dev.is_cuda(master.device)
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)
-        for g, a, b, shape, state in self._pieces(block, c, rows):
+        src_states = [st for *_, st in _pieces(block, c, src[1])] if src is not None else None
+        for k, (g, a, b, shape, state) in enumerate(self._pieces(block, c, rows)):
             group = args.groups[g]
             A, B = c.a + a, c.a + b                  # in the shard
             if on_device:
@@ -403,7 +443,8 @@ class StepPipeline:
             # the rule writes the new parameters into ``out`` in the same pass as the update
             # (bf16 / fp16 rounded, fp32 as they are): no second pass over the master
             rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
-                          param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
+                          param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape,
+                          **({} if src is None else {"src": (src[0][a:b], src_states[k])}))
 
     def _pieces(self, block: Block, chunk, rows: dict) -> list:
         """``_pieces`` below, kept per chunk while its ``rows`` are the same objects (a chunk's
@@ -438,7 +479,7 @@ class StepPipeline:
                     try:
                         c.drop(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
                     except BaseException as exc:
-                        self._record(b, "state read" + c.where, exc)
+                        self._record(b, Stage.STATE_READ.value + c.where, exc)
         with self._lock:
             self._ahead.set_order([])             # nothing more to read ahead until the next commit
         err = self.failure() or err
