@@ -17,6 +17,8 @@ The phase (``BlockPhase``) moves only through the verbs below; an illegal move r
     BACKWARD --enter_forward--> FORWARD            (... its recomputation starts)
     FORWARD_DONE --enter_forward--> FORWARD        (a forward with no backward: eval, no_grad)
     IDLE --enter_backward--> BACKWARD              (a parameter read outside its block's modules)
+    FORWARD --enter_backward--> BACKWARD           (a gradient while a module of it is recomputed;
+                                                    its exit_forward then stays in BACKWARD)
     FORWARD_DONE / BACKWARD / IDLE --end_backward--> IDLE   (its gradients are in, or none came)
     IDLE / FORWARD_DONE / BACKWARD --close_window--> COMMITTING   (step() at the boundary;
                                                     BACKWARD: a backward that raised)
