@@ -69,7 +69,7 @@ def test_one_block_list_through_a_step(tmp_path):
     the engine's one list (no gradients, no state, after the trained ones), and every block
     moves FORWARD_DONE -> IDLE -> UPDATING (a committed update not yet collected) -> the next
     forward collects it; the loss follows plain torch on the same seed."""
-    model, ref = make_model(), make_model()
+    model, ref = make_model(layers=2), make_model(layers=2)
     eng = offload.initialize(model, {"optimizer": {"lr": 1e-3, "weight_decay": 0.0},
                                      "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                      "overlap_step": True})
