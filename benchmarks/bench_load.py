@@ -136,7 +136,7 @@ def load_vs_raw_read(path: str, model_fn, config: dict = None, rounds: int = 3, 
         out.update({"full_load_s": wall, "full_load_gbps": w.bytes_read / wall / 1e9,
                     "full_load_convert_s": w.seconds["convert"], "full_load_read_wait_s": w.seconds["read_wait"],
                     "trainable_params": trainable,
-                    "trainable_written_bytes": sum(b.state.nbytes for b in eng.blocks)})
+                    "trainable_written_bytes": sum(b.state.nbytes for b in eng.blocks if b.trains)})
         eng.close()
     return out
 

@@ -46,7 +46,7 @@ for _ in range(steps):
     losses.append(loss.item())
 eng.synchronize()
 t_steps = (time.perf_counter() - t0) / steps
-params = sum(b.layout.numel for b in eng.blocks)
+params = sum(b.layout.numel for b in eng.blocks if b.trains)
 stats = eng.stats()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # training's peak
 eng.close()

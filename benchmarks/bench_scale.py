@@ -271,8 +271,8 @@ for step in range(a["steps"]):
                       - wait0)
     losses.append(loss.item())
 st = eng.stats()
-out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.blocks) + sum(p.layout.numel for u in eng.units for p in u.frozen),
-       "trainable": sum(b.layout.numel for b in eng.blocks), "load": "weights=" if loader else
+out = {"bytes": st.get("bytes", {}), "params": sum(b.layout.numel for b in eng.blocks if b.trains) + sum(p.layout.numel for b in eng.blocks for p in b.frozen),
+       "trainable": sum(b.layout.numel for b in eng.blocks if b.trains), "load": "weights=" if loader else
        "init (simulated: no weights= loader)", "load_s": load_s, "step_s": statistics.median(times[1:] or times),
        "losses": losses, "device_param_bytes_peak": st["device_param_bytes_peak"], "budget": a["budget"],
        "nvme_bytes": st["tier_bytes"]["nvme"], "host_pool_bytes": st["tier_bytes"]["host"],

@@ -16,12 +16,12 @@ from offload.engine.engine import Engine, initialize
 from offload.core.blocks import ModelError
 from offload.core.errors import BlockError, BlockIOError, BudgetError, InvariantError, OffloadError
 from offload.dist.comm import CommError
-from offload.engine.activations.offload import ActivationHostBudgetError
+from offload.engine.activations.handler import ActivationHostBudgetError
 from offload.engine.holders import EngineClosedError, EngineInUseError
 from offload.hf.data import DataError
 from offload.hf.job import JobError
 from offload.hf.versions import VersionError
-from offload.params.offload import DeviceBudgetError
+from offload.params.budget import DeviceBudgetError
 from offload.planner.estimate import EstimateError
 from offload.storage.nvme import ChecksumError, NvmeIOError, NvmeSpaceError, StoreClosedError
 from offload.storage.source import SourceChangedError

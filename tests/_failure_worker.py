@@ -22,7 +22,7 @@ import time
 
 import offload
 from offload.dist.grad_sync import GradSync
-from offload.params.residency import BlockParams
+from offload.params.part import BlockParams
 from _models import batches, make_model
 
 TARGET = 2          # block "layers.0"
@@ -167,7 +167,7 @@ def run(argv):
         pass
     if eng.param_offload is not None:
         eng.param_offload.wait_writes()     # parameter write-backs in flight: their buffers come back
-        out["kept"] = eng.param_offload.keeps_staged(TARGET)
+        out["kept"] = eng.param_offload.write_through.keeps_staged(TARGET)
     out["in_use"] = {p.name: p.stats()["in_use_bytes"]
                      for p in map(eng.resources.pool, ("offload-swap", "offload-param-write")) if p is not None}
     t0 = time.monotonic()

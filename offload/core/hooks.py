@@ -6,27 +6,29 @@ parameter offload, activation offload), in the order they joined::
 
     begin_forward(in_backward)   the root module's forward starts (also a recomputation's
                                  root forward inside backward, with in_backward=True)
-    pre_forward(i)               a module that reads block i's parameters starts
-    post_forward(i)              ... and ends (always called, also when it raised)
+    pre_forward(block)           a module that reads the block's parameters starts
+    post_forward(block)          ... and ends (always called, also when it raised)
     param_read(param)            a parameter reached a torch function outside its module
                                  (watched in a forward when a participant's wants_reads() says so)
-    pre_backward(i)              block i's first gradient of this backward exists
-    grad_ready(i, seg)           a parameter's gradient exists, before it accumulates
-    grad_accumulated(i, seg, p)  after it accumulated
-    post_backward(i)             all of block i's gradients have landed (called through
+    pre_backward(block)          the block's first gradient of this backward exists
+    grad_ready(block, seg)       a parameter's gradient exists, before it accumulates
+    grad_accumulated(block, seg, p)  after it accumulated
+    post_backward(block)         all of the block's gradients have landed (called through
                                  ``Hooks.post_backward`` by the owner of the gradient window,
                                  engine/step_control.py, also for blocks a backward skipped)
     end_forward()                the root forward ends
     end_backward()               a backward has returned (after the post_backward of every
                                  block it left open)
 
-A participant implements only the verbs it needs. ``pre_*``, ``begin_*`` and the gradient
+Participants are handed ``Block`` objects (core/block.py), the engine's one per block. A
+participant implements only the verbs it needs. ``pre_*``, ``begin_*`` and the gradient
 verbs run in joining order, ``post_*`` and ``end_forward`` in reverse (the last to join
-undoes its part first, as nested contexts unwind). Each block moves through explicit phases
-(``BlockPhase``): IDLE -pre_forward-> FORWARD -post_forward-> FORWARD_DONE -pre_backward->
-BACKWARD -post_backward-> IDLE; a module re-used within one forward nests (FORWARD counts
-its depth), and recomputation inside backward (activation checkpointing) returns the block
-to BACKWARD.
+undoes its part first, as nested contexts unwind). Each verb moves the block's phase
+(``Block.phase``, core/block.py): a module's start enters FORWARD once every participant's
+``pre_forward`` has run (the engine's, first, collects the block's update), its end leaves it
+(FORWARD_DONE, or BACKWARD for a recomputation inside backward); the first gradient enters
+BACKWARD; ``post_backward`` returns the block to IDLE. The model's hooks hold block indices
+and this object weakly, never a ``Block``: a block's parts reach the engine.
 
 Saved tensors: while the root forward runs, ONE ``torch.autograd.graph.saved_tensors_hooks``
 context packs every tensor autograd saves through a chain of handlers (``SavedTensorChain``):
@@ -46,7 +48,6 @@ stays while such handles live and is fetched again by their unpack if it was evi
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import weakref
 from typing import Dict, List, Sequence
@@ -55,6 +56,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from offload.core.block import Block, BlockPhase
+
 NOT_MINE = object()      # a handler's pack() result: the tensor is not this handler's
 _PACKED = object()       # marks a tensor packed by a handler of the chain
 
@@ -62,13 +65,6 @@ _PACKED = object()       # marks a tensor packed by a handler of the chain
 def in_backward() -> bool:
     """Whether the calling thread is running autograd's backward (e.g. a recomputation)."""
     return torch._C._current_graph_task_id() != -1
-
-
-class BlockPhase(enum.Enum):
-    IDLE = "idle"                    # not used since its last backward (or never)
-    FORWARD = "forward"              # a module reading it runs now
-    FORWARD_DONE = "forward_done"    # used by this forward; its gradients are awaited
-    BACKWARD = "backward"            # its gradients are arriving
 
 
 def unclaimed(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +141,7 @@ class _OutsideReads(TorchFunctionMode):
 
     Entered for whole forwards (every torch call of the forward passes here), so the check
     per call is kept to a dict lookup per argument: only parameters some participant tracks
-    (the hook owner's ``_owner``: trained blocks and parameter offload's units) are looked
+    (the hook owner's ``_owner``: trained blocks' and offloaded blocks' parameters) are looked
     for, by id, and confirmed as Parameters only on a hit (``isinstance(x, Parameter)``
     runs Python code of torch's for every tensor it is asked about)."""
 
@@ -196,7 +192,8 @@ def _weakly(method):
 
 
 def _weakly_with(method, *first):
-    """``_weakly`` with the leading arguments ``first`` bound (the block indices a hook serves)."""
+    """``_weakly`` with the leading arguments ``first`` bound (the block indices a hook serves:
+    indices, not ``Block`` objects, which would keep the engine alive through the model)."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args):
@@ -206,46 +203,48 @@ def _weakly_with(method, *first):
 
 
 class Hooks:
-    """Installs and removes every hook on ``model`` for the blocks of ``layouts``.
+    """Installs and removes every hook on ``model`` for ``blocks`` (the engine's, every block,
+    ``blocks[i].index == i``).
 
     ``join(participant)`` before ``install()``; ``remove()`` takes every hook off again. The
     hooks hold this object (and through it the engine) weakly: what keeps an engine alive is
     whoever holds it, never the model it trains."""
 
-    def __init__(self, model: nn.Module, layouts: Sequence, units: Sequence = ()) -> None:
-        """``layouts``: the trained blocks (their parameters get gradient hooks). ``units``:
-        parameter offload's blocks (``index``, ``module``, ``segments`` of (part, segment)),
-        whose frozen parameters and frozen-only blocks need forward hooks too."""
+    def __init__(self, model: nn.Module, blocks: Sequence[Block]) -> None:
+        """``blocks``: the trained ones' parameters get gradient hooks; the offloaded parts'
+        parameters (frozen ones, blocks of frozen parameters only) get forward hooks too."""
         self.model = model
-        self.layouts = list(layouts)
+        self.blocks = list(blocks)
+        if any(b.index != i for i, b in enumerate(self.blocks)):
+            raise ValueError("Hooks needs the engine's blocks in index order (blocks[i].index == i)")
         self.participants: List = []
         self.saved = SavedTensorChain()
-        self._owner: Dict[int, int] = {id(s.param): lay.index for lay in self.layouts for s in lay.segments}
-        self._roots: Dict[int, List[int]] = {}      # id(module) -> blocks rooted there
-        for lay in self.layouts:
-            self._roots.setdefault(id(lay.module), []).append(lay.index)
-        for u in units:
-            for _, s in u.segments:
-                self._owner.setdefault(id(s.param), u.index)
-            if u.index not in self._roots.get(id(u.module), ()):
-                self._roots.setdefault(id(u.module), []).append(u.index)
-        n = 1 + max([lay.index for lay in self.layouts] + [u.index for u in units])
-        self.phase = [BlockPhase.IDLE] * n
-        self._depth = [0] * n                        # nesting of FORWARD (re-used modules)
+        self._owner: Dict[int, Block] = {id(s.param): b for b in self.blocks if b.trains for s in b.layout.segments}
+        self._roots: Dict[int, List[int]] = {}      # id(module) -> indices of the blocks rooted there
+        for b in self.blocks:
+            if b.trains:
+                self._roots.setdefault(id(b.module), []).append(b.index)
+        for b in self.blocks:
+            for _, s in b.segments:
+                self._owner.setdefault(id(s.param), b)
+            if b.parts and b.index not in self._roots.get(id(b.module), ()):
+                self._roots.setdefault(id(b.module), []).append(b.index)
         # the hooks' handles, in a table of this module: an owner nobody holds is collected with
         # its own weak references cleared, and the handles must outlive it to take the hooks off
         self._token = next(_TOKENS)
         self._handles: list = _HANDLES.setdefault(self._token, [])
         self._context = None                         # the saved-tensor hooks context while a forward runs
         self._chain_pack = self.saved.pack           # the root context's pack, as pushed (identity checks)
-        self._nested: List = []                      # per hooked module call: its NestedSaved's context or None
+        # per hooked module call: (its NestedSaved's context or None, the blocks it entered)
+        self._nested: List = []
         self._mode = None                            # the outside-reads mode while a forward runs
         self._installed = False
 
     def join(self, participant) -> None:
         """Add a participant (verbs called in joining order); its ``saved_tensors`` handler,
         if it has one, joins the saved-tensor chain."""
-        assert not self._installed, "participants join before install()"
+        if self._installed:
+            raise RuntimeError("participants join before install()")
         self.participants.append(participant)
         handler = getattr(participant, "saved_tensors", None)
         if handler is not None:
@@ -272,18 +271,18 @@ class Hooks:
         if root:   # before the root's own block hooks: the chain is active for all of the forward
             self._handles.append(model.register_forward_pre_hook(_weakly(self._enter_forward), prepend=True))
         for m in model.modules():
-            used = sorted({self._owner[id(p)] for p in m.parameters(recurse=False) if id(p) in self._owner}
+            used = sorted({self._owner[id(p)].index for p in m.parameters(recurse=False) if id(p) in self._owner}
                           | set(self._roots.get(id(m), ())))
             if used:
                 self._handles.append(m.register_forward_pre_hook(_weakly_with(self._pre_forward, used)))
                 self._handles.append(m.register_forward_hook(_weakly_with(self._post_forward, used),
                                                              always_call=True))
-        for lay in self.layouts:
-            for k, s in enumerate(lay.segments):
+        for b in self.blocks:
+            for k, s in enumerate(b.layout.segments if b.trains else ()):
                 if self._grad_ready:
-                    self._handles.append(s.param.register_hook(_weakly_with(self._grad_ready_hook, lay.index, k)))
+                    self._handles.append(s.param.register_hook(_weakly_with(self._grad_ready_hook, b.index, k)))
                 self._handles.append(s.param.register_post_accumulate_grad_hook(
-                    _weakly_with(self._grad_accumulated_hook, lay.index, k)))
+                    _weakly_with(self._grad_accumulated_hook, b.index, k)))
         if root:
             self._handles.append(model.register_forward_hook(_weakly(self._exit_forward), always_call=True))
         self._installed = True
@@ -339,74 +338,75 @@ class Hooks:
         pack = hooks[0]
         return pack is self._chain_pack or isinstance(getattr(pack, "__self__", None), NestedSaved)
 
-    def _enter_nested(self) -> None:
+    def _enter_nested(self, entered: list) -> None:
         """A hooked module's call starts: the innermost handlers go on top of a context that
-        is not the engine's (one entry per call, popped by ``_exit_nested``)."""
+        is not the engine's (one entry per call, with the blocks it enters, popped by
+        ``_post_forward``)."""
         context = None
         if self._innermost:
             top = _innermost_saved_hooks()
             if top is None or not self._ours(top):
                 context = NestedSaved(self.saved, self._innermost, top).context()
                 context.__enter__()
-        self._nested.append(context)
-
-    def _exit_nested(self) -> None:
-        context = self._nested.pop() if self._nested else None
-        if context is not None:
-            context.__exit__(None, None, None)
+        self._nested.append((context, entered))
 
     # ---- block verbs ---------------------------------------------------------------------
     def _pre_forward(self, used: List[int], module, args) -> None:
-        self._enter_nested()
-        for i in used:
-            self._depth[i] += 1
-            self.phase[i] = BlockPhase.FORWARD
+        """The module's blocks enter FORWARD once every participant's pre_forward has run
+        (the engine's collects each block's update first); a participant that raises leaves
+        them where they were (``_post_forward`` still runs: torch calls it always)."""
+        entered: list = []
+        self._enter_nested(entered)
+        blocks = [self.blocks[i] for i in used]
         for f in self._pre:
-            for i in used:
-                f(i)
+            for b in blocks:
+                f(b)
+        for b in blocks:
+            b.enter_forward()
+            entered.append(b)
 
     def _post_forward(self, used: List[int], module, args, output) -> None:
         back = in_backward()
-        for i in used:
-            assert self._depth[i] > 0, f"block {i}: post_forward without pre_forward"
-            self._depth[i] -= 1
-            if self._depth[i] == 0:
-                self.phase[i] = BlockPhase.BACKWARD if back else BlockPhase.FORWARD_DONE
+        context, entered = self._nested.pop() if self._nested else (None, ())
         try:
+            for b in entered:
+                b.exit_forward(back)
             for f in self._post:
                 for i in used:
-                    f(i)
+                    f(self.blocks[i])
         finally:
-            self._exit_nested()
+            if context is not None:
+                context.__exit__(None, None, None)
 
-    def _enter_backward(self, i: int) -> None:
-        if self.phase[i] is not BlockPhase.BACKWARD:
-            self.phase[i] = BlockPhase.BACKWARD
+    def _enter_backward(self, block: Block) -> None:
+        if block.enter_backward():
             for f in self._pre_bwd:
-                f(i)
+                f(block)
 
     def _grad_ready_hook(self, i: int, k: int, grad):
-        self._enter_backward(i)
+        block = self.blocks[i]
+        self._enter_backward(block)
         for f in self._grad_ready:
-            f(i, k)
+            f(block, k)
         return grad
 
     def _grad_accumulated_hook(self, i: int, k: int, param) -> None:
-        self._enter_backward(i)
+        block = self.blocks[i]
+        self._enter_backward(block)
         for f in self._grad_acc:
-            f(i, k, param)
+            f(block, k, param)
 
     def end_backward(self) -> None:
         """A backward has returned: blocks that get no gradient (frozen parameters only, or
         trained blocks that took no part) end their backward too."""
-        for i, ph in enumerate(self.phase):
-            if ph is not BlockPhase.IDLE and self._depth[i] == 0:
-                self.post_backward(i)
+        for b in self.blocks:
+            if b.phase in (BlockPhase.FORWARD_DONE, BlockPhase.BACKWARD) and not b.in_forward:
+                self.post_backward(b)
         for f in self._end_bwd:
             f()
 
-    def post_backward(self, i: int) -> None:
-        """Block ``i``'s gradients of this backward are complete (or it took no part in it)."""
-        self.phase[i] = BlockPhase.IDLE
+    def post_backward(self, block: Block) -> None:
+        """``block``'s gradients of this backward are complete (or it took no part in it)."""
+        block.end_backward()
         for f in self._post_bwd:
-            f(i)
+            f(block)

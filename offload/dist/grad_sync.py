@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Sequence
 
-from offload.optim.state import BlockShard
+from offload.core.block import Block
 from offload.dist.comm import Comm, _Work
 from offload.core.telemetry import Telemetry
 
@@ -44,16 +44,16 @@ class _Pending:
 
 
 class GradSync:
-    def __init__(self, comm: Comm, blocks: Sequence[BlockShard], stage: int, telemetry: Telemetry):
+    def __init__(self, comm: Comm, blocks: Sequence[Block], stage: int, telemetry: Telemetry):
         self.comm = comm
         self.blocks = list(blocks)
         self.stage = stage
         self.telemetry = telemetry
-        self.order = [b.index for b in reversed(self.blocks)]
+        self.order = list(reversed(self.blocks))   # collectives issued in this fixed order
         self._ready: set = set()
         self._cursor = 0
         self._reduce = False
-        self._pending: Dict[int, _Pending] = {}
+        self._pending: Dict[Block, _Pending] = {}
 
     def begin(self, boundary: bool) -> None:
         """A backward starts; ``boundary``: it closes an accumulation window."""
@@ -61,20 +61,20 @@ class GradSync:
         self._cursor = 0
         self._reduce = boundary or self.stage >= 2
 
-    def ready(self, block: BlockShard) -> List[BlockShard]:
+    def ready(self, block: Block) -> List[Block]:
         """``block``'s gradients of this backward are complete. Returns the blocks whose
         collectives were issued now, in order."""
-        self._ready.add(block.index)
+        self._ready.add(block)
         issued = []
         while self._cursor < len(self.order) and self.order[self._cursor] in self._ready:
-            b = self.blocks[self.order[self._cursor]]
+            b = self.order[self._cursor]
             self._cursor += 1
             if self._reduce:
                 self._issue(b)
             issued.append(b)
         return issued
 
-    def _issue(self, b: BlockShard) -> None:
+    def _issue(self, b: Block) -> None:
         segs = b.layout.segments
         w = self.comm.world
         what = f"grad reduce of block {b.index} ({b.name})"
@@ -94,10 +94,10 @@ class GradSync:
                 def finish(b=b, out=out):
                     if w > 1:
                         out.div_(w)
-                    b.grad.land_whole(out)
+                    b.grads.land_whole(out)
                     b.landing.reset_window()
             else:
-                g = b.grad
+                g = b.grads
                 if not self.comm.active:
                     return                    # no collective: the update waits for the landing
                 g.wait_landed()
@@ -115,18 +115,18 @@ class GradSync:
 
                     def finish(full=full, out=out, s0=s0, s1=s1):
                         full[s0:s1].copy_(out.div_(w))
-        self._pending[b.index] = _Pending(work, finish)
+        self._pending[b] = _Pending(work, finish)
 
-    def wait(self, block: BlockShard) -> None:
+    def wait(self, block: Block) -> None:
         """The block's reduced gradients are in its buffer (any thread)."""
-        p = self._pending.get(block.index)
+        p = self._pending.get(block)
         if p is not None:
             p.wait()
-            self._pending.pop(block.index, None)
+            self._pending.pop(block, None)
 
     def wait_all(self) -> None:
-        for i in list(self._pending):
-            self.wait(self.blocks[i])
+        for b in list(self._pending):
+            self.wait(b)
 
     def reopen(self) -> None:
         """Another backward joins the micro-step whose collectives were issued (stages 0, 1 at

@@ -9,12 +9,12 @@ from typing import Callable
 from offload import device as dev
 from offload.core.telemetry import Telemetry
 from offload.dist.comm import Comm
-from offload.optim.state import BlockShard
+from offload.core.block import Block
 
 
 class ParamGather:
     """``submit(block, job)`` queues the gather of ``block`` after its update ``job``; the
-    returned future is the block's ``pending`` (its forward waits for the gather too). A
+    returned future is the block's ``update.future`` (its forward waits for the gather too). A
     failed gather is recorded against its block (``record_failure``) and raised."""
 
     def __init__(self, comm: Comm, telemetry: Telemetry, record_failure: Callable):
@@ -23,10 +23,10 @@ class ParamGather:
         self.record_failure = record_failure
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-gather")
 
-    def submit(self, block: BlockShard, job: Future) -> Future:
+    def submit(self, block: Block, job: Future) -> Future:
         return self._pool.submit(self._gather_params, block, job)
 
-    def _gather_params(self, block: BlockShard, job) -> None:
+    def _gather_params(self, block: Block, job) -> None:
         """On the gather thread, in submission order (the same on every rank): wait for the
         block's update (the job, then, on this thread's stream, its device work: the optimizer's
         stream or the write-back's may still be writing this rank's shard), then all-gather the

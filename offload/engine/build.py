@@ -6,9 +6,11 @@ engine/memory_plan.py; the device working set first where parameters are offload
 frozen parts read in place from the checkpoint). ``build(resources)`` then makes, block by
 block in forward order, what the plan sized: the optimizer state on its tier, the gradient
 home (device, host pool, or parked on NVMe), the parameter home (params/homes.py) or the
-resident parameters, and the update-ahead slot; then the parameter-offload units and the
-rest of the model on the device. Every pool and store comes from ``resources``
-(storage/resources.py). It returns a ``Built``; the engine keeps that, not the builder.
+resident parameters, and the update-ahead slot, each block one ``Block`` (core/block.py);
+then the frozen parts of parameter offload (blocks of frozen parameters only after the
+trained ones) and the rest of the model on the device. Every pool and store comes from
+``resources`` (storage/resources.py). It returns a ``Built``; the engine keeps that, not the
+builder.
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ from offload import device as dev
 from offload import dtypes
 from offload.core import blocks as blk
 from offload.core import sharding
-from offload.engine.step_control import GradBuffer
+from offload.core.block import Block
+from offload.engine.grad_landing import GradBuffer
 from offload.optim.ahead import AheadSlot
 from offload.optim.pipeline import StepPipeline
-from offload.optim.state import BlockShard, OptimState, chunk_key
+from offload.optim.state import OptimState, chunk_key
 from offload.placement import Placement
 from offload.params import homes as ph
-from offload.params.residency import ParamWriteBack
+from offload.params.write_back import ParamWriteBack
+from offload.params.write_through import WriteThrough
 
 
 
@@ -74,11 +78,10 @@ def grad_key(lay: blk.BlockLayout) -> str:
     return f"b{lay.index}.grad"
 
 
-def own_master_params(blocks: List[BlockShard], indices: List[int]) -> None:
+def own_master_params(blocks: List[Block]) -> None:
     """Parameters that were views of the fp32 master (``Builder._master_is_param``) get
     memory of their own, so the state's host buffer can go."""
-    for i in indices:
-        b = blocks[i]
+    for b in blocks:
         b.param_flat = b.param_flat.clone()
         blk.bind_views(b.layout, b.param_flat)
 
@@ -94,12 +97,11 @@ def param_pieces(lay) -> tuple:
 @dataclasses.dataclass
 class Built:
     """What ``Builder.build`` made, handed to the engine."""
-    blocks: List[BlockShard]                # per trained block, in forward order
-    units: list                             # BlockParts per block that visits the device (param offload)
-    origin: List[torch.device]              # per unit (trained blocks, then frozen-only ones): its
-                                            # parameters' device at initialize
-    master_params: List[int]                # blocks whose parameters are views of the fp32 master
+    blocks: List[Block]                     # every block: the trained ones in forward order, then
+                                            # those of frozen parameters only (parameter offload)
+    master_params: List[Block]              # blocks whose parameters are views of the fp32 master
     swap_slots: int                         # NVMe state buffers the pipeline cycles through
+    write_through: WriteThrough = dataclasses.field(default_factory=WriteThrough)
     homes: Optional[ph.ParamHomes] = None   # parameter offload: the homes, device budget, lookaheads
     param_budget: Optional[int] = None
     device_lookahead: int = 0
@@ -129,7 +131,7 @@ class Builder:
         from offload.params import quantized
         # id(frozen part) -> its codec, for the parts stored quantized (offload_param.frozen_dtype)
         self.codecs = quantized.codecs(self.frozen, config.offload_param, lambda p: ph.frozen_dtype(p, dtype))
-        self.units = ph.unit_parts(self.layouts, self.frozen)
+        self.roots = ph.block_roots(self.layouts, self.frozen)   # per block: (name, module, layout, frozen parts)
 
     # ---- the plan ---------------------------------------------------------------------
     def plan_memory(self, weights):
@@ -148,7 +150,7 @@ class Builder:
                            tuple(id(p) in self.in_place for p in parts),
                            tuple(self.codecs[id(p)].nbytes if id(p) in self.codecs
                                  else ph.frozen_part_bytes(p, self.dtype) for p in parts))
-                 for name, _, lay, parts in self.units]
+                 for name, _, lay, parts in self.roots]
         avail = None                  # sizes the cpu activation pool when host_bytes is not set
         if config.offload_activations.placement is Placement.HOST and config.offload_activations.host_bytes is None:
             import psutil
@@ -190,28 +192,28 @@ class Builder:
                 out[id(part)] = ranges
         return out
 
-    def _find_working_set(self, unit_bytes: List[int]) -> tuple:
+    def _find_working_set(self, block_bytes: List[int]) -> tuple:
         """(bytes, blocks): the largest set of blocks one module's forward needs on the
-        device at once (see params/offload.py ``working_set``)."""
-        from offload.params.offload import working_set
+        device at once (see params/budget.py ``working_set``)."""
+        from offload.params.budget import working_set
         owner = {}
-        for i, (_, _, lay, parts) in enumerate(self.units):
+        for i, (_, _, lay, parts) in enumerate(self.roots):
             for part in ([lay] if lay is not None else []) + parts:
                 for sg in part.segments:
                     owner[id(sg.param)] = i
-        return working_set(self.module, owner, [u[1] for u in self.units], unit_bytes)
+        return working_set(self.module, owner, [u[1] for u in self.roots], block_bytes)
 
-    def _check_budget(self, budget: int, unit_bytes: List[int]) -> None:
+    def _check_budget(self, budget: int, block_bytes: List[int]) -> None:
         """The device budget is a contract: it must hold the working set."""
-        from offload.params.offload import DeviceBudgetError
+        from offload.params.budget import DeviceBudgetError
         need, which = self._working_set
         if budget < need:
-            names = ", ".join(repr(self.units[i][0] or "<root>") for i in which)
+            names = ", ".join(repr(self.roots[i][0] or "<root>") for i in which)
             raise DeviceBudgetError(
                 f"offload_param.device_budget_bytes={budget} ({budget / 2**30:.3f} GiB) cannot hold the "
                 f"parameters one forward step needs at once: blocks {names} take {need} bytes "
                 f"({need / 2**30:.3f} GiB). The smallest budget that works is {need}; "
-                f"{need + max(unit_bytes)} lets the next block arrive while one runs")
+                f"{need + max(block_bytes)} lets the next block arrive while one runs")
 
     def signature(self) -> dict:
         """What must be equal on every rank: the blocks and the config's essentials."""
@@ -224,13 +226,13 @@ class Builder:
 
     # ---- building -----------------------------------------------------------------------
     def build(self, resources, on_param_write_failure: Callable[[int, BaseException], None]) -> Built:
-        """Make every block's pieces in forward order, then the parameter-offload units and
-        the rest of the model on the device. Pools and stores come from ``resources``; on an
+        """Make every block in forward order, then parameter offload's frozen parts (and the
+        blocks of frozen parameters only) and the rest of the model on the device. Pools and stores come from ``resources``; on an
         error the caller releases them."""
         cfg = self.config
         self._res = resources
         self._storage()
-        built = Built([], [], [], [], swap_slots=max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1))
+        built = Built([], [], swap_slots=max(cfg.offload_optimizer.buffer_count, cfg.optimizer_workers + 1))
         if self.home_device is not Placement.DEVICE:
             from offload.engine import memory_plan as mp
             sizes = [bp.device_bytes for bp in self.plan.blocks]
@@ -241,37 +243,41 @@ class Builder:
             built.host_lookahead = mp.host_lookahead(cfg, budget)
             built.homes = ph.ParamHomes(config=cfg, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                         device=self.device, telemetry=self.telemetry, weights=self.weights,
-                                        plan=self.plan, units=self.units, in_place=self.in_place, codecs=self.codecs,
+                                        plan=self.plan, roots=self.roots, in_place=self.in_place, codecs=self.codecs,
                                         resources=resources, on_write_failure=on_param_write_failure)
         self._homes = built.homes
         self._blocks(built)
-        self._units(built)
+        self._frozen_blocks(built)
         self._move_rest()
         return built
 
-    def pipeline(self, built: Built, resources, grad_sync, keep_staged) -> StepPipeline:
-        """The optimizer's block jobs, writing each update's parameters back through a
-        ``ParamWriteBack`` (``keep_staged(index)``: params/offload.py ``plan_write_through``)."""
+    def pipeline(self, built: Built, resources, grad_sync) -> StepPipeline:
+        """The optimizer's block jobs over the trained blocks, writing each update's
+        parameters back through a ``ParamWriteBack`` (which keeps the new copies staged that
+        ``built.write_through`` names: params/write_through.py)."""
         cfg = self.config
-        return StepPipeline(built.blocks, workers=cfg.optimizer_workers, slots=built.swap_slots,
+        return StepPipeline([b for b in built.blocks if b.trains], workers=cfg.optimizer_workers, slots=built.swap_slots,
                             telemetry=self.telemetry, compute_device=self.device, grad_sync=grad_sync,
                             wait_timeout_s=cfg.wait_timeout_s,
                             params=ParamWriteBack(compute_device=self.device, copy_param=self.dtype == torch.float32,
                                                   state_on_device=self.tier is Placement.DEVICE,
                                                   write_pool=resources.pool("offload-param-write"),
                                                   telemetry=self.telemetry, wait_timeout_s=cfg.wait_timeout_s,
-                                                  keep_staged=keep_staged))
+                                                  keep_staged=built.write_through.keeps_staged))
 
-    def param_offload(self, owner, built: Built):
-        """Parameter offload, the hook participant over the built units (None when no
-        parameter is offloaded); ``owner`` is the engine."""
-        from offload.params.offload import ParamOffload
+    def param_offload(self, built: Built, failures):
+        """Parameter offload, the hook participant over the built blocks (None when no
+        parameter is offloaded); ``failures``: the optimizer pipeline (its recorded failures
+        are raised at every use)."""
+        from offload.params.participant import ParamOffload
         if built.homes is None:
             return None
-        offload = ParamOffload(owner, built.units, budget=built.param_budget,
-                               device_lookahead=built.device_lookahead, host_lookahead=built.host_lookahead,
-                               prefetch=self.config.prefetch.enabled)
-        offloaded = {id(s.param) for u in built.units for _, s in u.segments}
+        offload = ParamOffload(built.blocks, failures=failures, telemetry=self.telemetry, device=self.device,
+                               one_rank=not self.comm.active, deterministic=self.comm.active and self.stage == 3,
+                               budget=built.param_budget, device_lookahead=built.device_lookahead,
+                               host_lookahead=built.host_lookahead, prefetch=self.config.prefetch.enabled,
+                               write_through=built.write_through)
+        offloaded = {id(s.param) for b in built.blocks for _, s in b.segments}
         offload.resident_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
                                      if id(p) not in offloaded)
         return offload
@@ -338,7 +344,7 @@ class Builder:
                 out.append((values, a, b))
         return out
 
-    def _grad_home(self, lay, gn: int, grad_dtype: torch.dtype, blocks: List[BlockShard]) -> GradBuffer:
+    def _grad_home(self, lay, gn: int, grad_dtype: torch.dtype, blocks: List[Block]) -> GradBuffer:
         """The block's persistent gradient buffer: on the device (tier none), parked on the
         NVMe tier between uses, or in the host pool for the engine's lifetime (each gradient
         is copied in as it lands and autograd's tensor is freed at once, also on a CPU device)."""
@@ -347,7 +353,8 @@ class Builder:
             return GradBuffer(torch.zeros(gn, dtype=grad_dtype, device=self.device), n)
         if self._grad_tier is not None:
             def jobs_in_flight() -> bool:   # work in flight will give a buffer back (an update, a park)
-                return any((b.pending is not None and not b.pending.done()) or b.grad.parking for b in blocks)
+                return any((b.update.future is not None and not b.update.future.done())
+                           or (b.grads is not None and b.grads.parking) for b in blocks)
             return GradBuffer(None, n, numel=gn, dtype=grad_dtype, tier=self._grad_tier, has_jobs=jobs_in_flight,
                               key=grad_key(lay), what=f"gradients of block {lay.index} ({lay.name or '<root>'})",
                               gaps=blk.gaps(lay, gn))
@@ -365,33 +372,36 @@ class Builder:
         state = OptimState(state_key(lay), layout, Placement.NVME, pool=self._swap_pool, store=self._store,
                            what=f"block {lay.index} ({lay.name or '<root>'})",
                            wait_timeout_s=self.config.wait_timeout_s, chunks=bp.state_chunks)
-        assert tuple(c.nbytes for c in state.chunks) == bp.chunk_bytes, "the memory plan and the state chunks disagree"
+        if tuple(c.nbytes for c in state.chunks) != bp.chunk_bytes:
+            raise RuntimeError(f"the memory plan and the state chunks of block {lay.index} disagree")
         return state, None
 
     def _blocks(self, built: Built) -> None:
         grad_dtype = dtypes.grad_dtype(self.config.precision, self.config.gradient_accumulation_steps)
         self.weights.schedule([[s.param for s in lay.segments] for lay in self.layouts] +
-                              [[s.param for s in part.segments] for *_, parts in self.units for part in parts])
+                              [[s.param for s in part.segments] for *_, parts in self.roots for part in parts])
         for lay in self.layouts:
             s0, s1 = shard_range(lay, self.stage, self.comm)
             first = lay.segments[0].param.device     # where close() brings offloaded params back
-            built.origin.append(torch.device("cpu") if first.type == "meta" else first)
+            origin = torch.device("cpu") if first.type == "meta" else first
             blk.materialize_meta(lay, self.weights)
             full = blk.gather_flat(lay, torch.float32, "cpu")    # from the original fp32 values
             master = full[s0:s1]
             layout = self._state_layout(lay, s0, s1)
             nbytes = layout.nbytes
-            assert nbytes <= self.plan.blocks[lay.index].state_bytes, "the memory plan and the state layout disagree"
+            if nbytes > self.plan.blocks[lay.index].state_bytes:
+                raise RuntimeError(f"the memory plan and the state layout of block {lay.index} disagree")
             grad = self._grad_home(lay, grad_numel(lay, self.stage, self.comm), grad_dtype, built.blocks)
             state, t = self._optim_state(lay, nbytes, layout)
             state.initialize(master, self._init_ranges(lay, s0, s1))   # chunk by chunk, on its tier
             params = self._homes.trainable_home(lay) if self._homes is not None else None
+            master_views = False
             if params is None and self._master_is_param(s0, s1, lay):
                 # the parameters are views of the fp32 master in the state buffer: the update
                 # writes them in place, with no write-back copy (released at close())
                 param_flat = state.views(t)[0]
                 blk.bind_views(lay, param_flat)
-                built.master_params.append(lay.index)
+                master_views = True
             elif params is None:
                 param_flat = full.to(device=self.device, dtype=self.dtype)
                 blk.bind_views(lay, param_flat)
@@ -405,8 +415,14 @@ class Builder:
                 landing = GradBuffer(None, len(lay.segments), numel=lay.padded_numel, dtype=grad_dtype,
                                      device=self.device)
             ahead = self._ahead_slot(nbytes, s1 - s0, params)
-            built.blocks.append(BlockShard(lay, param_flat, state, grad, (s0, s1), params=params,
-                                           landing=landing, ahead=ahead, device=self.device))
+            if params is not None:
+                params.origin = origin
+            block = Block(lay.index, lay.name, lay.module, self.device, layout=lay,
+                          parts=[params] if params is not None else [], param_flat=param_flat, grads=grad,
+                          landing=landing, state=state, shard=(s0, s1), ahead=ahead)
+            built.blocks.append(block)
+            if master_views:
+                built.master_params.append(block)
             del full, master
             # this block's transient copies are freed: give their pages back now, so that the
             # load's peak RSS does not grow with depth (a heap left with free space by the
@@ -437,19 +453,23 @@ class Builder:
         return (self.device.type == "cpu" and self.dtype == torch.float32 and self.tier in (Placement.HOST, Placement.DEVICE)
                 and (s0, s1) == (0, lay.padded_numel))
 
-    def _units(self, built: Built) -> None:
-        """The BlockParts of parameter offload: each trained block's part with the frozen
-        parts of the same root, then blocks holding only frozen parameters."""
-        from offload.params.residency import BlockParts
+    def _frozen_blocks(self, built: Built) -> None:
+        """Parameter offload's frozen parts: each trained block gets those of its root, then
+        each root holding only frozen parameters becomes a block of its own (indexed after
+        the trained ones: it has no gradients, no state and no update)."""
         if self._homes is None:
             return
-        for i, (name, module, lay, parts) in enumerate(self.units):
-            if lay is None:                # a block of frozen parameters only: where close() brings it back
-                first = parts[0].segments[0].param.device
-                built.origin.append(torch.device("cpu") if first.type == "meta" else first)
+        for i, (name, module, lay, parts) in enumerate(self.roots):
             frozen = [self._homes.frozen_home(i, k, part) for k, part in enumerate(parts)]
-            trainable = built.blocks[i].params if lay is not None else None
-            built.units.append(BlockParts(i, name, module, trainable, frozen))
+            if lay is not None:
+                origin = built.blocks[i].trainable.origin
+                built.blocks[i].parts += frozen
+            else:                          # a block of frozen parameters only: where close() brings it back
+                first = parts[0].segments[0].param.device
+                origin = torch.device("cpu") if first.type == "meta" else first
+                built.blocks.append(Block(i, name, module, self.device, parts=frozen))
+            for home in frozen:
+                home.origin = origin
             if parts:
                 dev.trim_host_heap(dev.step_trim_bytes())   # the frozen parts' copies (see _blocks)
         dev.trim_host_heap()     # before parameter offload's pools start (the bound was set at initialize)

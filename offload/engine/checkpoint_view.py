@@ -13,11 +13,11 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from offload.optim.state import BlockShard
+from offload.core.block import Block
 
 
 class CheckpointView:
-    def __init__(self, *, blocks: List[BlockShard], control, comm, telemetry, module, optimizer, scaler, config,
+    def __init__(self, *, blocks: List[Block], control, comm, telemetry, module, optimizer, scaler, config,
                  rule: str, state_dtype: str, stage: int, weights, param_offload):
         self.blocks = blocks
         self._control = control               # StepControl: the counters
@@ -47,26 +47,26 @@ class CheckpointView:
         b = self.blocks[i]
         b.state.overwrite(lambda buf: fill(buf, b.state.views(buf)[0]))
         b.state.finish_write()
-        b.stepped = stepped
+        b.update.step = stepped
 
     def write_params(self, i: int, mine: torch.Tensor, full: Callable[[], torch.Tensor]) -> None:
         b = self.blocks[i]
         s0, s1 = b.shard
         n = b.layout.numel
         with torch.no_grad():
-            if b.params is not None and b.params.home_numel == s1 - s0:   # the home holds the shard
-                home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
+            if b.trainable is not None and b.trainable.home_numel == s1 - s0:   # the home holds the shard
+                home = torch.zeros(b.trainable.home_numel, dtype=b.trainable.dtype)
                 home[:mine.numel()].copy_(mine)
-                b.params.write_home(home)
+                b.trainable.write_home(home)
                 return
             master = full()
-            if b.params is not None:      # offloaded: the home copy, in the compute dtype
-                home = torch.zeros(b.params.home_numel, dtype=b.params.dtype)
+            if b.trainable is not None:      # offloaded: the home copy, in the compute dtype
+                home = torch.zeros(b.trainable.home_numel, dtype=b.trainable.dtype)
                 home[:n].copy_(master)
-                b.params.write_home(home)
+                b.trainable.write_home(home)
             else:
                 b.param_flat[:n].copy_(master)
 
     def reset_grads(self) -> None:
         for b in self.blocks:
-            b.grad.reset_window()
+            b.grads.reset_window()

@@ -11,8 +11,8 @@ update (engine/step_control.py states the window's contract). The commit queues 
 block's update in forward order and returns without waiting: block k's next forward waits
 for block k's update alone, so the CPU step runs under the next forward.
 
-Per block (core/blocks.py; its runtime record is optim/state.py's ``BlockShard``) the engine
-keeps the parameters (views into one flat device buffer, or offloaded: params/), the fp32
+Per block (core/blocks.py lays it out; core/block.py's ``Block`` is the one object the engine
+and every participant hold of it, in one list) the engine keeps the parameters (views into one flat device buffer, or offloaded: params/), the fp32
 master and optimizer state on the configured tier, and a gradient buffer. Across ranks rank
 r owns shard r of the optimizer state (ZeRO stage >= 1), of the gradients (>= 2) and of the
 parameters (3); dist/ issues the collectives. ``close()`` leaves the model usable.
@@ -35,12 +35,14 @@ from offload.config import Config
 from offload.core.hooks import Hooks
 from offload.engine import build
 from offload.engine.outside_reads import UpdateWaits
-from offload.engine.step_control import LossScaler, StepControl, UpdateAndGrads
-from offload.optim.state import BlockShard
+from offload.engine.loss_scale import LossScaler
+from offload.engine.step_control import StepControl
+from offload.engine.update_and_grads import UpdateAndGrads
+from offload.core.block import Block
 from offload.placement import Placement
-from offload.optim.pipeline import StepArgs, hyperparams, make_optimizer
+from offload.optim.pipeline import Stage
+from offload.optim.torch_face import make_optimizer
 from offload.params import homes as ph
-from offload.params.residency import ParamState
 from offload.storage.resources import Resources
 from offload.core.telemetry import Telemetry
 
@@ -105,16 +107,40 @@ class Engine:
         self.resources = Resources(self.plan, config.aio, config.wait_timeout_s)   # every pool and store
         self.param_offload = None
         self.activations = None           # ActivationOffload (offload_activations), engine/activations.py
-        self.blocks: List[BlockShard] = []
-        self.units = []                   # BlockParts per block that visits the device (param offload)
+        # every block, in one list: the trained ones in forward order, then (parameter offload)
+        # those holding frozen parameters only; each knows whether it trains (``Block.trains``)
+        self.blocks: List[Block] = []
         self.hooks: Optional[Hooks] = None   # every module / parameter / saved-tensor hook
         self._closed = False
+        self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
+        # the build order: blocks -> gradient sync -> optimizer pipeline -> the hook participants
+        # (parameter and activation offload) -> the hook owner -> step control -> the engine's
+        # own participant, joined with the others and installed: each is handed what it uses,
+        # made before it, and nothing reads the engine later
         try:
             self._made = builder.build(self.resources, self._param_write_failed)
-            self.blocks, self.units = self._made.blocks, self._made.units
+            self.blocks = self._made.blocks
+            trained = [b for b in self.blocks if b.trains]
             self._master_params = self._made.master_params   # blocks whose parameters view the master
-            self.param_offload = builder.param_offload(self, self._made)
+            # one rank, stages 0 and 1: nothing to reduce or move, so no dist/ on the step's path
+            self.grad_sync = GradSync(self.comm, trained, self.stage, self.telemetry) \
+                if self.comm.active or self.stage >= 2 else None
+            self.pipeline = builder.pipeline(self._made, self.resources, self.grad_sync)
+            # stages 1, 2 across ranks: the updated parameter shards all-gathered after each update
+            self._gatherer = ParamGather(self.comm, self.telemetry, self.pipeline.record_failure) \
+                if self.comm.active and self.stage in (1, 2) else None
+            self.param_offload = builder.param_offload(self._made, self.pipeline)
             self.activations = builder.activation_offload(self.resources)
+            self.hooks = Hooks(self.module, self.blocks)
+            self.control = StepControl(
+                blocks=trained, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
+                scaler=self.scaler, telemetry=self.telemetry, device=self.device, rule=self.rule,
+                optimizer=self.optimizer, gatherer=self._gatherer, param_offload=self.param_offload,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                gradient_clipping=config.gradient_clipping, param_order=self._param_order,
+                read_ahead=self.tier is Placement.NVME and config.overlap_step,
+                update_ahead=config.offload_optimizer.update_ahead, wait_timeout_s=config.wait_timeout_s,
+                on_block_complete=self.hooks.post_backward)   # every participant's post_backward
             self._install_hooks()
         except BaseException:
             self.resources.release()
@@ -123,22 +149,6 @@ class Engine:
             self.weights.close()
         dev.trim_host_heap()          # loading block by block leaves freed holes in the heap
         dev.reuse_heap()              # training reuses its freed blocks (device.reuse_heap)
-        self.scaler = LossScaler(config.loss_scaler, enabled=config.precision == "fp16")
-        # one rank, stages 0 and 1: nothing to reduce or move, so no dist/ on the step's path
-        self.grad_sync = GradSync(self.comm, self.blocks, self.stage, self.telemetry) \
-            if self.comm.active or self.stage >= 2 else None
-        self.pipeline = builder.pipeline(self._made, self.resources, self.grad_sync, keep_staged=self._keeps_staged)
-        # stages 1, 2 across ranks: the updated parameter shards all-gathered after each update
-        self._gatherer = ParamGather(self.comm, self.telemetry, self.pipeline.record_failure) \
-            if self.comm.active and self.stage in (1, 2) else None
-        self.control = StepControl(
-            blocks=self.blocks, pipeline=self.pipeline, grad_sync=self.grad_sync, comm=self.comm,
-            scaler=self.scaler, telemetry=self.telemetry,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            gradient_clipping=config.gradient_clipping, param_order=self._param_order,
-            read_ahead=self.tier is Placement.NVME and config.overlap_step, submit=self._submit,
-            ahead=self._submit_ahead if config.offload_optimizer.update_ahead else None,
-            on_block_complete=self.hooks.post_backward)   # every participant's post_backward
         holders.register(self)
         self._ready = True            # fully built: close() (or __del__) has everything to release
 
@@ -164,19 +174,18 @@ class Engine:
     # ---- construction ---------------------------------------------------------------------
     def _param_write_failed(self, index: int, err: BaseException) -> None:
         """A parameter write-back failed (found after its job returned, by whoever settled
-        it): recorded against its own block; raised from the user's next call."""
-        block = next(b for b in self.blocks if b.index == index)
-        self.pipeline.record_failure(block, "parameter write-back", err)
+        it): recorded against its own block; raised from the user's next call. (Called only
+        after construction: a write-back follows an update.)"""
+        self.pipeline.record_failure(self.blocks[index], Stage.PARAM_WRITE_BACK, err)
 
     def _install_hooks(self) -> None:
         """One owner installs every hook (core/hooks.py); each feature joins as a participant:
         the engine's own part first, then the update waits for reads outside a block's modules
         (without parameter offload, whose materialize waits itself), parameter offload,
         activation offload."""
-        self.hooks = Hooks(self.module, self.layouts, self.units)
-        self.hooks.join(UpdateAndGrads(self))
+        self.hooks.join(UpdateAndGrads(self.control, self.telemetry, self.device))
         if self.param_offload is None:
-            self.hooks.join(UpdateWaits(self.blocks, self.telemetry))
+            self.hooks.join(UpdateWaits([b for b in self.blocks if b.trains], self.telemetry))
         else:
             self.hooks.join(self.param_offload)
         if self.activations is not None:      # after parameter offload: parameters are its handles
@@ -236,62 +245,14 @@ class Engine:
         self._check_open()
         self.control.zero_grad()
 
-    def _submit(self, block: BlockShard, grad_scale: float) -> None:
-        if not self.control.distributed and not block.grad.close_window(block.layout.segments):
-            block.grad.reset_window()     # no gradient at all: torch skips such parameters
-            return                        # (nor was an update computed ahead: _submit_ahead)
-        groups, done = self._commit_inputs
-        if done is None:
-            # recorded at the commit's first submit, after StepControl waited for every
-            # gradient collective: their finishing kernels (the division by the world size, the
-            # shard added into its buffer) run on the compute stream after backward, and the
-            # update's stream waits on this event alone
-            done = dev.record_event(dev.current_stream(self.device))
-            self._commit_inputs = (groups, done)
-        args = StepArgs(step=block.stepped + 1, groups=groups, rule=self.rule, grad_scale=grad_scale,
-                        compute_done=done)
-        if block.ahead is not None and block.ahead.pending_for(args.step, args.groups) is None:
-            # an update computed ahead that failed (since step() began: an earlier failure is
-            # raised before the commit) is raised as it is, not met again by a second try
-            self.pipeline.raise_failure()
-            # computed ahead with other hyper-parameters (set between backward and step):
-            # dropped, and the update runs now
-            block.ahead.drop(self.config.wait_timeout_s, block.name)
-        fut = self.pipeline.submit(block, args)
-        if self._gatherer is not None:    # then every rank's updated shard to every rank
-            block.pending = self._gatherer.submit(block, fut)
-
-    def _submit_ahead(self, block: BlockShard) -> None:
-        """``offload_optimizer.update_ahead``: ``block``'s gradients of the window's last
-        backward are in; its update starts now, into its ahead slot (optim/ahead.py)."""
-        if block.ahead.out_lent and self.param_offload is not None:
-            self.param_offload.release_before_update(block.index)
-        if block.ahead.out_lent and block.params.state is not ParamState.WRITING:
-            return                        # its home's staged copy is in use: step() updates it
-        # (WRITING: the buffer comes back once the last write-back completes; the job waits)
-        if not block.grad.close_window(block.layout.segments):
-            return                        # no gradient: step() skips the block, as torch does
-        self.pipeline.submit_ahead(block, StepArgs(step=block.stepped + 1, groups=hyperparams(self.optimizer),
-                                                   rule=self.rule))
-
-    def _keeps_staged(self, index: int) -> bool:
-        """Whether block ``index``'s new parameters stay staged after their write-back (NVMe
-        homes next used soon; params/offload.py ``plan_write_through``)."""
-        return self.param_offload is not None and self.param_offload.keeps_staged(index)
-
     def step(self) -> bool:
         """Close one micro-step; the one that closes a window of gradient_accumulation_steps
         commits the update. True when it committed (False inside the window, with no gradient, or
         after an fp16 overflow). With ``overlap_step`` it returns without waiting (each block's
         next forward waits for its update), else once every update is applied."""
         self._check_ok()
-        if self.control.at_boundary():
-            if self.param_offload is not None:
-                self.param_offload.plan_write_through()   # before the updates are queued
-            # what every block's update of this commit shares (_submit): the hyper-parameters
-            # as the groups hold them now, and the point of the compute stream after the
-            # gradients are final (recorded by the first _submit)
-            self._commit_inputs = (hyperparams(self.optimizer), None)
+        if self.control.at_boundary() and self.param_offload is not None:
+            self.param_offload.plan_write_through()   # before the updates are queued
         committed = self.control.step()
         if committed:
             self.optimizer.step()
@@ -347,7 +308,8 @@ class Engine:
     def _checkpoint_view(self):
         """What io/checkpoint.py reads and writes of this engine, and nothing else."""
         from offload.engine.checkpoint_view import CheckpointView
-        return CheckpointView(blocks=self.blocks, control=self.control, comm=self.comm, telemetry=self.telemetry,
+        return CheckpointView(blocks=[b for b in self.blocks if b.trains], control=self.control, comm=self.comm,
+                              telemetry=self.telemetry,
                               module=self.module, optimizer=self.optimizer, scaler=self.scaler,
                               config=self.config, rule=self.rule.name, state_dtype=self.state_dtype,
                               stage=self.stage, weights=self.weights, param_offload=self.param_offload)
@@ -356,7 +318,8 @@ class Engine:
         """Telemetry and where the bytes are (engine/stats.py says what each key holds)."""
         from offload.engine.stats import engine_stats
         self._check_open()
-        return engine_stats(self.telemetry.snapshot(), blocks=self.blocks, master_params=self._master_params,
+        return engine_stats(self.telemetry.snapshot(), blocks=[b for b in self.blocks if b.trains],
+                            master_params=self._master_params,
                             tier=self.tier, param_offload=self.param_offload, activations=self.activations,
                             resources=self.resources, scaler=self.scaler, comm=self.comm, stage=self.stage,
                             module=self.module, counters=(self.global_step, self.micro_step),
@@ -400,7 +363,7 @@ class Engine:
             return True
         if not holders.restore_wanted(self, restore):
             return False
-        ph.hand_back_blocks(self.param_offload, self._made.origin)
+        ph.hand_back_blocks(self.param_offload)
         return True
 
     def close(self, restore: Optional[bool] = None) -> None:

@@ -214,7 +214,7 @@ def shut_down(engine, restore: Optional[bool]) -> None:
                 raise
         else:
             if e.param_offload is not None and restore_wanted(e, restore):
-                restored = ph.hand_back_blocks(e.param_offload, e._made.origin)
+                restored = ph.hand_back_blocks(e.param_offload)
     finally:
         if e._gatherer is not None:
             e._gatherer.close()
@@ -229,7 +229,7 @@ def shut_down(engine, restore: Optional[bool]) -> None:
             e.param_offload.close()
         if e.activations is not None:
             e.activations.close()
-        build.own_master_params(e.blocks, e._master_params)
+        build.own_master_params(e._master_params)
         e._master_params = []
         try:
             e.resources.release()

@@ -18,7 +18,7 @@ from torch import nn
 
 
 class UpdateWaits:
-    """A participant of the hook owner (core/hooks.py); ``blocks`` are the BlockShards."""
+    """A participant of the hook owner (core/hooks.py); ``blocks`` are the trained ``Block``s (core/block.py)."""
 
     def __init__(self, blocks: Sequence, telemetry):
         self.blocks = list(blocks)
@@ -27,7 +27,7 @@ class UpdateWaits:
 
     def wants_reads(self) -> bool:
         """Watch this forward's parameter reads only while an update is in flight."""
-        return any(b.pending is not None or b.update_event is not None for b in self.blocks)
+        return any(b.update.future is not None or b.update.event is not None for b in self.blocks)
 
     def param_read(self, p: nn.Parameter) -> None:
         b = self._owner.get(id(p))

@@ -19,14 +19,14 @@ def engine_stats(snap: dict, *, blocks, master_params, tier, param_offload, acti
                  stage: int, module, counters: tuple, grad_dtype: torch.dtype, dtype: torch.dtype,
                  codecs=None, frozen_dtype: str = "compute") -> dict:
     """``snap`` (a telemetry snapshot) completed with the engine's figures; ``counters``:
-    (global_step, micro_step); ``master_params``: indices of blocks whose parameters are
+    (global_step, micro_step); ``master_params``: the blocks whose parameters are
     views of the fp32 master (host pool bytes, not counted on the device twice)."""
     resident = sum(b.param_flat.numel() * b.param_flat.element_size() for b in blocks if b.param_flat is not None)
     po = param_offload
-    views = sum(blocks[i].param_flat.numel() * blocks[i].param_flat.element_size() for i in master_params)
+    views = sum(b.param_flat.numel() * b.param_flat.element_size() for b in master_params)
     dev_bytes = resident - views + (po.prefetcher.device_bytes() if po is not None else 0)
     if tier is Placement.DEVICE:
-        dev_bytes += sum(b.state.nbytes + b.grad.tensor.numel() * b.grad.tensor.element_size() for b in blocks)
+        dev_bytes += sum(b.state.nbytes + b.grads.tensor.numel() * b.grads.tensor.element_size() for b in blocks)
     res = resources.stats()
     if "source_bytes" in res:         # frozen parts read in place: the checkpoint's bytes
         snap["source_bytes"] = res["source_bytes"]
@@ -65,7 +65,7 @@ def partitioned_bytes(blocks, stage: int, comm, grad_dtype: torch.dtype, dtype: 
     """This rank's resident bytes of each kind ZeRO partitions: 1/world_size of the
     single-rank figure (plus padding) for the kinds the stage partitions."""
     esize = dtype.itemsize
-    params = sum((b.params.home_numel if b.params is not None else b.param_flat.numel()) * esize for b in blocks)
+    params = sum((b.trainable.home_numel if b.trainable is not None else b.param_flat.numel()) * esize for b in blocks)
     return {"optimizer_state": sum(b.state.nbytes for b in blocks),
             "gradients": sum(build.grad_numel(b.layout, stage, comm) * grad_dtype.itemsize for b in blocks),
             "parameters": params}

@@ -83,9 +83,8 @@ class Subject(Protocol):
     ``optimizer`` (its param groups are saved and restored), ``scaler``, ``config``,
     ``rule`` (the update rule's name), ``state_dtype``, ``stage``, ``weights`` (the base
     the checkpoint refers to, io/loader.py), ``param_offload`` (offloaded frozen
-    parameters: ``read_frozen`` / ``write_frozen`` / ``frozen_ids`` / ``release_all``;
-    None without) and ``blocks`` (per block: ``index``, ``name``, ``layout``, ``shard``,
-    ``stepped``). Block state, parameters and gradients change only through the methods."""
+    parameters: ``frozen_io``, params/frozen_io.py, and ``release_all``; None without) and
+    ``blocks`` (per block: ``index``, ``name``, ``layout``, ``shard``, ``update.step``). Block state, parameters and gradients change only through the methods."""
     comm: object
     telemetry: object
     module: torch.nn.Module
@@ -123,7 +122,7 @@ class Subject(Protocol):
 
 
 def _io_error(op: str, path: str, exc: OSError, block=None, during: str = "save") -> CheckpointIOError:
-    """``block``: a BlockShard, or a block's name as the checkpoint records it."""
+    """``block``: a Block, or a block's name as the checkpoint records it."""
     if block is None:
         what = ""
     elif isinstance(block, str):
@@ -301,7 +300,7 @@ def _meta(subject: Subject, tmp: str, shards: list) -> dict:
     for b in subject.blocks:
         lay = b.layout
         blocks.append({"index": b.index, "name": lay.name, "numel": lay.numel, "padded_numel": lay.padded_numel,
-                       "stepped": b.stepped,
+                       "stepped": b.update.step,
                        "shards": sorted(by_block.get(b.index, []), key=lambda r: r["start"]),
                        "segments": [{"name": s.name, "offset": s.offset, "numel": s.numel,
                                      "shape": list(s.shape)} for s in lay.segments]})
@@ -340,7 +339,7 @@ def _key_map(subject: Subject, tensors: bool = True):
     sd = subject.module.state_dict(keep_vars=True)
     wanted = {id(v) for k, v in sd.items() if k not in base}
     po = subject.param_offload
-    quantized = po.read_frozen_quantized(wanted) if tensors and po is not None else []
+    quantized = po.frozen_io.read_quantized(wanted) if tensors and po is not None else []
     as_blob = {i for ids, _, _ in quantized for i in ids}
     frozen = _frozen_values(subject, wanted - as_blob) if tensors else {}
     name = {}
@@ -384,7 +383,7 @@ def _frozen_values(subject: Subject, wanted=None) -> dict:
     """``id(param) -> value`` of the offloaded frozen parameters (read from their homes),
     only those in ``wanted`` (ids) when given: a part with none of them is not read."""
     po = subject.param_offload
-    return po.read_frozen(wanted) if po is not None else {}
+    return po.frozen_io.read(wanted) if po is not None else {}
 
 
 def _rng_state() -> dict:
@@ -596,20 +595,20 @@ def load(subject: Subject, path: str, rng: bool = True) -> None:
         extra = torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
         sd = subject.module.state_dict(keep_vars=True)
         po = subject.param_offload
-        offloaded = po.frozen_ids() if po is not None else set()
+        offloaded = po.frozen_io.ids() if po is not None else set()
         # buffers and the frozen parameters the model keeps go through the model's own
         # load_state_dict, as torch loads them: a module that resizes or converts what it
         # loads (its _load_from_state_dict / load_state_dict) does it here too
         tensors = dict(extra["tensors"])
         for q in extra.get("quantized", ()):      # as stored where this engine stores them alike
             ids = [id(sd[k]) for k in q["keys"] if k in sd]
-            if not (po is not None and len(ids) == len(q["keys"]) and po.write_frozen_quantized(ids, q["blob"], q["code"])):
+            if not (po is not None and len(ids) == len(q["keys"]) and po.frozen_io.write_quantized(ids, q["blob"], q["code"])):
                 tensors.update(extra_tensors({"tensors": {}, "quantized": [q]}))
         rest = {k: _like(v, sd.get(k)) for k, v in tensors.items() if k not in sd or id(sd[k]) not in offloaded}
         if rest:
             subject.module.load_state_dict(rest, strict=False)
         if offloaded:
-            po.write_frozen({id(sd[k]): v for k, v in tensors.items() if k in sd and id(sd[k]) in offloaded})
+            po.frozen_io.write({id(sd[k]): v for k, v in tensors.items() if k in sd and id(sd[k]) in offloaded})
         origin.restore_base(subject, meta, path)
         for g, saved in zip(subject.optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():

@@ -135,7 +135,7 @@ def restore_base(subject, meta: dict, path: str) -> None:
     mine = subject.weights.base_reference()
     sd = subject.module.state_dict(keep_vars=True)
     po = subject.param_offload
-    offloaded = po.frozen_ids() if po is not None else set()
+    offloaded = po.frozen_io.ids() if po is not None else set()
     headers: dict = {}
     homes = {}                            # offloaded frozen parameters: written to their homes
     for k, ref in refs.items():
@@ -151,7 +151,7 @@ def restore_base(subject, meta: dict, path: str) -> None:
         with torch.no_grad():
             sd[k].copy_(read_base_tensor(meta, k, headers))
     if homes:
-        po.write_frozen(homes)
+        po.frozen_io.write(homes)
 
 
 def aux_files(meta: dict) -> List[str]:

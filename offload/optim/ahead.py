@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from offload.core.block import BlockPhaseError
 from offload.storage.loan import TierTimeout
 
 
@@ -45,13 +46,14 @@ class AheadSlot:
     ``out_buf`` (the HostBuffer ``out`` views; parameters homed on NVMe): at the commit the
     parameter home takes that buffer as its new home copy, written from it and read by the
     next forward, instead of a copy into a buffer of its own (``lend_out``;
-    params/residency.py ``BlockParams.adopt_home``). It comes back when the home lets it go
+    params/part.py ``BlockParams.adopt_home``). It comes back when the home lets it go
     (``_LentOut.release``). An update due while the home still holds it (``out_lent``)
-    waits on its worker for the home's write-back from it (engine ``_submit_ahead`` drops
+    waits on its worker for the home's write-back from it (``StepControl._submit_ahead`` drops
     the stale staged copy first); one whose home holds it for a use is left to step()."""
 
     def __init__(self, spare: torch.Tensor, out: Optional[torch.Tensor], out_buf=None):
-        assert spare.dtype == torch.uint8 and spare.dim() == 1
+        if spare.dtype != torch.uint8 or spare.dim() != 1:
+            raise ValueError(f"the spare state buffer is flat uint8, not {spare.dtype} of {spare.dim()} dims")
         self.spare = spare                 # the state's bytes after the update (flat uint8)
         self.out = out                     # the new parameters (this rank's shard), or None
         self.out_buf = out_buf             # the HostBuffer ``out`` views, when it can be lent
@@ -71,7 +73,8 @@ class AheadSlot:
     def lend_out(self) -> "_LentOut":
         """``out_buf``, lent to a parameter home (taken once per commit, while not lent)."""
         with self._lock:
-            assert self.out_buf is not None and not self._out_lent, "the staged parameters are already lent"
+            if self.out_buf is None or self._out_lent:
+                raise BlockPhaseError("the staged parameters are already lent (or cannot be)")
             self._out_lent = True
         return _LentOut(self)
 
@@ -87,7 +90,8 @@ class AheadSlot:
 
     def start(self, step: int, groups: tuple, future: Future) -> None:
         with self._lock:
-            assert self.state is Ahead.IDLE, f"an update ahead is already {self.state.value}"
+            if self.state is not Ahead.IDLE:
+                raise BlockPhaseError(f"an update ahead is already {self.state.value}")
             self.state, self.step, self.groups, self.future = Ahead.RUNNING, step, groups, future
         future.add_done_callback(self._finished)
 
@@ -144,7 +148,8 @@ class _LentOut:
         self._slot, self._released = slot, False
 
     def view(self, dtype: torch.dtype, numel: int, offset_bytes: int = 0) -> torch.Tensor:
-        assert not self._released, "a released buffer is not the home's any more"
+        if self._released:
+            raise BlockPhaseError("a released buffer is not the home's any more")
         return self._slot.out_buf.view(dtype, numel, offset_bytes)
 
     def release(self) -> None:

@@ -1,11 +1,10 @@
-"""The engine's optimizer: the param groups torch sees (``make_optimizer``, below: what LR
-schedulers drive; every update of a commit shares their hyper-parameters, ``hyperparams``)
-and the pipeline of block jobs on worker threads that does the update.
+"""The engine's optimizer pipeline: the block jobs on worker threads that do the update (the
+param groups torch sees, which every update of a commit reads, are optim/torch_face.py's).
 
 One update job per block shard::
 
     read state (NVMe, ahead) -> the update rule with fused unscale/clip -> parameter write-back
-    (params/residency.py ``ParamWriteBack``) -> write state back (NVMe) -> gradient window reset
+    (params/write_back.py ``ParamWriteBack``) -> write state back (NVMe) -> gradient window reset
 
 With ``offload_optimizer.update_ahead`` a block's update is computed during backward
 (``submit_ahead``: the rule's step from the committed state into the block's spare buffer,
@@ -36,22 +35,20 @@ first one from the user's next call.
 from __future__ import annotations
 
 import collections
-import math
+import enum
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
 
 from offload import device as dev
 from offload.core.errors import BlockError, block_error
 from offload.core.lookahead import Lookahead
-from offload.optim.state import BlockShard
+from offload.core.block import Block
 from offload.placement import Placement
-from offload.core.telemetry import Telemetry, profiler_range
+from offload.core.telemetry import Telemetry
 from offload.storage.loan import DEFAULT_WAIT_S, LoanState, TierTimeout
 from offload.storage.pool import Room
 
@@ -70,8 +67,39 @@ class StepArgs:
                                    # parameters are not written to the device before it fires
 
 
+class Stage(enum.Enum):
+    """The stages of a block's work that its errors name ("<stage> of block <i> (<name>)
+    failed"); a chunk's stage adds the chunk, an update computed ahead "(update ahead)"."""
+    STATE_READ = "state read"
+    GRAD_COLLECTIVE = "gradient collective"
+    GRAD_LANDING = "gradient landing"
+    GRAD_NORM = "gradient norm"
+    GRAD_PARK = "gradient park"
+    STEP = "adam"                      # the rule's step, whatever the rule
+    PARAM_WRITE_BACK = "parameter write-back"
+    PARAM_GATHER = "parameter all-gather"
+    STATE_WRITE = "state write"
+    STATE_COMMIT = "state commit"
+    GRAD_RESET = "gradient reset"
+
+
+class _At:
+    """Where a job is: its stage, the chunk (``StateChunk.where``) and whether it runs ahead;
+    ``str()`` is the name its error gets."""
+    __slots__ = ("stage", "where", "ahead")
+
+    def __init__(self, stage: Stage, ahead: bool = False):
+        self.stage, self.where, self.ahead = stage, "", ahead
+
+    def set(self, stage: Stage, where: str = "", ahead: bool = False) -> None:
+        self.stage, self.where, self.ahead = stage, where, ahead
+
+    def __str__(self) -> str:
+        return self.stage.value + self.where + (" (update ahead)" if self.ahead else "")
+
+
 class StepPipeline:
-    def __init__(self, blocks: Sequence[BlockShard], *, workers: int, slots: int, telemetry: Telemetry,
+    def __init__(self, blocks: Sequence[Block], *, workers: int, slots: int, telemetry: Telemetry,
                  compute_device: torch.device, params, grad_sync=None,
                  wait_timeout_s: float = DEFAULT_WAIT_S):
         self.blocks = list(blocks)
@@ -81,7 +109,7 @@ class StepPipeline:
         self.read_ahead = max(0, slots - workers)  # chunks fetched ahead at most (module docstring)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-step")
         self._lock = threading.RLock()
-        # the read-ahead's order of (block index, chunk index) and its byte window: the
+        # the read-ahead's order of (block, chunk index) and its byte window: the
         # read-ahead's chunk count in bytes of the largest NVMe chunk
         self._ahead = Lookahead("state_prefetch", telemetry)
         nvme = [c.nbytes for b in self.blocks for c in b.state.chunks if c.tier is Placement.NVME]
@@ -89,25 +117,28 @@ class StepPipeline:
         self._unreadable: set = set()             # chunks whose read failed to start (their job says why)
         self._writing = collections.deque()       # (block, StateChunk) with a write in flight
         self._failures: List[BlockError] = []     # every failure, first first
+        # block -> the failure of its update computed ahead (a failed job leaves its slot
+        # idle: optim/ahead.py); its commit raises it rather than compute the update again
+        self._ahead_failed: Dict[Block, BlockError] = {}
         self.wait_timeout_s = wait_timeout_s
-        self._params = params                     # params/residency.py ParamWriteBack: the new parameters' way home
+        self._params = params                     # params/write_back.py ParamWriteBack: the new parameters' way home
         self._stream = dev.new_stream(compute_device)   # tier none on CUDA: the jobs' kernels (see _job)
         self._grad_sync = grad_sync               # the block's gradient collectives, waited per job
         self._piece_cache: dict = {}              # (block, chunk) -> (rows, the rule's pieces): _pieces
         self._nvme_state = bool(nvme)
 
     # ---- read-ahead ----------------------------------------------------------------------
-    def set_order(self, order: Sequence[int]) -> None:
-        """The block indices in the order their jobs are expected; starts reading ahead
-        (each block's chunks in order)."""
+    def set_order(self, order: Sequence[Block]) -> None:
+        """The blocks in the order their jobs are expected; starts reading ahead (each
+        block's chunks in order)."""
         with self._lock:
-            self._ahead.set_order([(i, k) for i in order for k in range(len(self.blocks[i].state.chunks))])
+            self._ahead.set_order([(b, k) for b in order for k in range(len(b.state.chunks))])
             self._unreadable.clear()
         self.prefetch()
 
     def _chunk_bytes(self, item: tuple) -> int:
         """What a chunk of the order takes of the read-ahead's window: its bytes on NVMe."""
-        c = self.blocks[item[0]].state.chunks[item[1]]
+        c = item[0].state.chunks[item[1]]
         return c.nbytes if c.tier is Placement.NVME else 0
 
     def prefetch(self) -> None:
@@ -122,7 +153,7 @@ class StepPipeline:
             for item in self._ahead.window(self._chunk_bytes, self._window_bytes):
                 if fetched >= self.read_ahead:
                     break
-                st = self.blocks[item[0]].state.chunks[item[1]]
+                st = item[0].state.chunks[item[1]]
                 if st.tier is not Placement.NVME or st.in_memory or item in self._unreadable:
                     continue
                 with self.telemetry.span("offload::state_prefetch"):
@@ -135,11 +166,11 @@ class StepPipeline:
                     break
                 fetched += 1
 
-    def _taken(self, block: BlockShard, chunk) -> None:
+    def _taken(self, block: Block, chunk) -> None:
         """A job takes ``chunk`` of ``block``: the read-ahead's window moves past it."""
         if self._nvme_state:
             with self._lock:
-                self._ahead.advance((block.index, chunk.index))
+                self._ahead.advance((block, chunk.index))
 
     def _reclaim(self, block: bool) -> bool:
         """Return pool buffers of completed writes; with ``block``, wait for the oldest
@@ -153,7 +184,7 @@ class StepPipeline:
                 done = st.poll()
             except BaseException as exc:   # its buffer is back; the error is b's, not the caller's
                 done = True
-                self._record(b, "state write" + st.where, exc)
+                self._record(b, Stage.STATE_WRITE.value + st.where, exc)
             if not done:
                 break
             self._writing.popleft()
@@ -173,15 +204,16 @@ class StepPipeline:
         st.fetch(self.wait_timeout_s, make_room=make_room, poll_s=_JOB_POLL_S)
 
     # ---- failures --------------------------------------------------------------------------
-    def _record(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
-        err = block_error(f"{block.index} ({block.name})", stage, exc)
+    def _record(self, block: Block, stage, exc: BaseException) -> BaseException:
+        """``stage``: a ``Stage``, or the name of one (with its chunk, or "(update ahead)")."""
+        err = block_error(f"{block.index} ({block.name})", stage.value if isinstance(stage, Stage) else stage, exc)
         if isinstance(err, BlockError):
             with self._lock:
                 if err not in self._failures:
                     self._failures.append(err)
         return err
 
-    def record_failure(self, block: BlockShard, stage: str, exc: BaseException) -> BaseException:
+    def record_failure(self, block: Block, stage: "Stage", exc: BaseException) -> BaseException:
         """Record a failure of other per-block work (a parameter all-gather); returns the
         error to raise."""
         return self._record(block, stage, exc)
@@ -198,21 +230,14 @@ class StepPipeline:
             err.reported = True
             raise err
 
-    def _ahead_failure(self, block: BlockShard) -> Optional[BlockError]:
-        """The recorded failure of ``block``'s update computed ahead, or None (a failed job
-        leaves its slot idle: optim/ahead.py)."""
-        where = f"{block.index} ({block.name})"
-        with self._lock:
-            return next((e for e in self._failures if e.block == where and e.stage.endswith("(update ahead)")), None)
-
-    def _abort(self, block: BlockShard) -> None:
+    def _abort(self, block: Block) -> None:
         """After a failed job: give back everything the job held."""
         with self._lock:
             self._writing = collections.deque(x for x in self._writing if x[0] is not block)
         block.state.discard()
         self._params.abort(block)                 # this worker's write-back buffer
         try:
-            block.grad.reset_window()
+            block.grads.reset_window()
         except Exception:   # noqa: BLE001 - the job's own error is the one reported
             pass
 
@@ -221,41 +246,74 @@ class StepPipeline:
         """Run other per-block work (gradient norms) on the optimizer workers, in order."""
         return self._pool.submit(fn, *args)
 
-    def submit(self, block: BlockShard, args: StepArgs) -> Future:
-        """Queue ``block``'s update job; its future is also ``block.pending``."""
-        assert block.pending is None, f"block {block.name} already has an update in flight"
-        fut = block.pending = self._pool.submit(self._job, block, args)
-        return fut
+    def submit(self, block: Block, args: StepArgs) -> Future:
+        """Queue ``block``'s update job; its future is the block's update in flight
+        (``Block.start_update``: COMMITTING -> UPDATING)."""
+        return block.start_update(lambda: self._pool.submit(self._job, block, args))
 
-    def _job(self, block: BlockShard, args: StepArgs) -> None:
+    def _job(self, block: Block, args: StepArgs) -> None:
         """One block's update. Tier none on CUDA: every kernel of the job (gradient scaling,
         the device Adam, the parameter copy) is queued on the pipeline's stream behind the
         block's backward (``args.compute_done``); the host never waits for the device, and the
-        next forward's compute stream waits on ``block.update_event``."""
+        next forward's compute stream waits on ``block.update.event``."""
         if block.state.tier is not Placement.DEVICE or self._stream is None:
             return self._run(block, args)
         dev.wait_event(self._stream, args.compute_done)
         with dev.use_stream(self._stream):
             self._run(block, args)
-            block.update_event = dev.record_event(self._stream)   # every kernel of the job
+            block.update.event = dev.record_event(self._stream)   # every kernel of the job
 
-    def _run(self, block: BlockShard, args: StepArgs) -> None:
-        at = ["state read"]                      # the stage the job is in, for its error
+    def _run(self, block: Block, args: StepArgs, ahead: bool = False) -> None:
+        """The job, on a worker: ``_update``; a failure is recorded against the block under
+        the stage it happened in. A job computed ahead holds no shared buffer (nothing to give
+        back); its failure is also the block's ahead failure, which its commit raises."""
+        at = _At(Stage.GRAD_LANDING if ahead else Stage.STATE_READ, ahead=ahead)
         try:
-            self._update(block, args, at)
+            self._update(block, args, at, ahead)
         except BaseException as exc:
-            self._abort(block)
-            err = self._record(block, at[0], exc)
+            if not ahead:
+                self._abort(block)
+            err = self._record(block, str(at), exc)
+            if ahead and isinstance(err, BlockError):
+                with self._lock:
+                    self._ahead_failed.setdefault(block, err)
             if err is exc:
                 raise
             raise err from exc
-        self.prefetch()
+        if not ahead:
+            self.prefetch()
 
-    def _update(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        if block.ahead is not None:
-            if block.ahead.pending_for(args.step, args.groups) is not None:
+    def submit_ahead(self, block: Block, args: StepArgs) -> None:
+        """Start ``block``'s update of ``args.step`` now, during backward (its gradients of
+        the window are all in): the same job as the commit's (``_update``), started earlier
+        and writing into the block's ahead slot (optim/ahead.py: the spare state buffer and
+        staged parameters), so nothing committed changes; step() commits it (``_commit_ahead``)."""
+        block.update.ahead.start(args.step, args.groups, self._pool.submit(self._run, block, args, True))
+
+    def _update(self, block: Block, args: StepArgs, at: "_At", ahead: bool = False) -> None:
+        """One block's update: per state chunk, read it (NVMe: ahead of use), wait for the
+        gradients, the rule's step with the new parameters written in the same pass, write
+        the chunk back; then the parameters home and the gradient window reset.
+
+        ``ahead`` (update_ahead: a HOST state, one chunk, always resident): the same step
+        from the committed state into the slot's spare buffer (the kernel reads one and writes
+        the other in its one pass) and the new parameters into the slot's staged copy; it
+        stops there, and the commit's job (``_commit_ahead``) trades the buffers and writes
+        the parameters home."""
+        slot = block.update.ahead
+        if ahead:
+            if slot.out_lent:                     # the home's last write-back from it (StepControl._submit_ahead)
+                at.set(Stage.PARAM_WRITE_BACK)
+                with self.telemetry.span("offload::param_write_wait"):
+                    block.trainable.finish_write(self.wait_timeout_s)
+                if slot.out_lent:
+                    raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
+                                       f"its home's after the write-back (state {block.trainable.state.value})")
+        elif slot is not None:
+            if slot.pending_for(args.step, args.groups) is not None:
                 return self._commit_ahead(block, args, at)
-            err = self._ahead_failure(block)
+            with self._lock:
+                err = self._ahead_failed.get(block)
             if err is not None:                   # raised as it is, not met again by a second try
                 raise err
         chunks = block.state.chunks
@@ -264,106 +322,81 @@ class StepPipeline:
         for c in chunks:
             self._taken(block, c)
             if c.state is LoanState.WRITING:  # this chunk's last write is still in flight (a
-                at[0] = "state write" + c.where   # busy disk): it completes before it is read
+                at.set(Stage.STATE_WRITE, c.where)  # busy disk): it completes before it is read
                 with self._lock:                  # no other thread reclaims it once it is off the list
                     self._writing = collections.deque(x for x in self._writing if x[1] is not c)
-                c.finish_write(self.wait_timeout_s)                 # the wait without the pipeline's lock
-            at[0] = "state read" + c.where
+                c.finish_write(self.wait_timeout_s)                   # the wait without the pipeline's lock
+            if ahead:                             # (the ahead job meets its gradients first)
+                at.set(Stage.GRAD_LANDING, ahead=True)
+                block.grads.wait_landed()
+                grad = block.grad_shard()
+                out = slot.out
+            at.set(Stage.STATE_READ, c.where, ahead=ahead)
             if c.tier is Placement.NVME and not c.in_memory:
                 self._fetch(c)
-            with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
+            if ahead:                             # a HOST state: resident, nothing to wait for
                 buf = c.acquire(timeout=self.wait_timeout_s)
+            else:
+                with self.telemetry.span("offload::state_read"):   # waits for the read issued ahead
+                    buf = c.acquire(timeout=self.wait_timeout_s)
             if grad is None:
                 if self._grad_sync is not None:
-                    at[0] = "gradient collective"
+                    at.set(Stage.GRAD_COLLECTIVE)
                     self._grad_sync.wait(block)
-                at[0] = "gradient landing"
-                block.grad.wait_landed()
+                at.set(Stage.GRAD_LANDING)
+                block.grads.wait_landed()
                 grad = block.grad_shard()
                 # the parameter side says where the new copy goes; with chunks fp32
                 # parameters too, filled from each chunk's master (never whole)
                 out = self._params.target(block, whole_master=len(chunks) == 1)
-                assert out is not None or len(chunks) == 1, f"block {block.name}: chunked state, no target"
+                if out is None and len(chunks) != 1:
+                    raise RuntimeError(f"block {block.name}: chunked state, no write-back target")
             master, rows = c.views(buf)
-            at[0] = "adam" + c.where              # the stage's name in errors (any rule)
-            with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}", "adam",
-                                     c.nbytes + (c.b - c.a) * grad.element_size()):
-                self._step_chunk(block, c, master, rows, grad, out, args)
+            src = None
+            if ahead:                             # from the committed state into the spare one
+                src, (master, rows) = (master, rows), slot.views(c.layout)
+            at.set(Stage.STEP, c.where, ahead=ahead)   # the stage's name in errors (any rule)
+            kernel = rule.kernel or rule.name.lower()
+            if ahead:
+                span = self.telemetry.span(f"offload::cpu_{kernel}_ahead", "adam",
+                                           2 * c.nbytes + grad.numel() * grad.element_size())
+            else:
+                span = self.telemetry.span(f"offload::cpu_{kernel}", "adam", c.nbytes + (c.b - c.a) * grad.element_size())
+            with span:
+                self._step_chunk(block, c, master, rows, grad, out, args, src)
+            if ahead:
+                return                            # computed ahead: step() commits it
             if len(chunks) > 1:                  # written now: its buffer goes to the next chunk
-                at[0] = "state write" + c.where
+                at.set(Stage.STATE_WRITE, c.where)
                 with self.telemetry.span("offload::state_write"):
                     c.commit()
                 with self._lock:
                     self._writing.append((block, c))
                 self.prefetch()
-        at[0] = "parameter write-back"
+        at.set(Stage.PARAM_WRITE_BACK)
         self._params.commit(block, master if len(chunks) == 1 else None, out, args.compute_done)
-        block.stepped = args.step
+        block.update.step = args.step
         c = chunks[0]
         if len(chunks) == 1 and c.tier is Placement.NVME:
-            at[0] = "state write"
+            at.set(Stage.STATE_WRITE)
             with self.telemetry.span("offload::state_write"):
                 c.commit()
             with self._lock:
                 self._writing.append((block, c))
-        at[0] = "gradient reset"
-        block.grad.reset_window()
+        at.set(Stage.GRAD_RESET)
+        block.grads.reset_window()
 
-    # ---- updates computed ahead (optim/ahead.py) ------------------------------------------
-    def submit_ahead(self, block: BlockShard, args: StepArgs) -> None:
-        """Start computing ``block``'s update of ``args.step`` into its ahead slot (during
-        backward: its gradients of the window are all in). Nothing committed changes."""
-        block.ahead.start(args.step, args.groups, self._pool.submit(self._ahead_job, block, args))
-
-    def _ahead_job(self, block: BlockShard, args: StepArgs) -> None:
-        at = ["gradient landing (update ahead)"]
-        try:
-            self._compute_ahead(block, args, at)
-        except BaseException as exc:          # the slot holds no shared buffer: nothing to give back
-            err = self._record(block, at[0], exc)
-            if err is exc:
-                raise
-            raise err from exc
-
-    def _compute_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
-        """The rule's step from the committed state into the slot's spare buffer (the
-        kernel reads one and writes the other in its one pass); the new parameters into the
-        slot's staged copy (``out``)."""
-        slot, rule = block.ahead, args.rule
-        c, = block.state.chunks                  # a HOST state: one chunk, always resident
-        if slot.out_lent:                        # the home's last write-back from it (engine._submit_ahead)
-            at[0] = "parameter write-back"
-            with self.telemetry.span("offload::param_write_wait"):
-                block.params.finish_write(self.wait_timeout_s)
-            if slot.out_lent:
-                raise RuntimeError(f"block {block.index} ({block.name}): its staged parameters are still "
-                                   f"its home's after the write-back (state {block.params.state.value})")
-            at[0] = "gradient landing (update ahead)"
-        block.grad.wait_landed()
-        grad = block.grad_shard()
-        at[0] = "state read (update ahead)"
-        src_master, src_rows = c.views(c.acquire(timeout=self.wait_timeout_s))
-        master, rows = slot.views(c.layout)
-        at[0] = "adam (update ahead)"
-        with self.telemetry.span(f"offload::cpu_{rule.kernel or rule.name.lower()}_ahead", "adam",
-                                 2 * c.nbytes + grad.numel() * grad.element_size()):
-            for (g, a, b, shape, state), (*_, src_state) in zip(_pieces(block, c, rows),
-                                                                _pieces(block, c, src_rows)):
-                rule.cpu_step(master[a:b], grad[a:b], state, args.groups[g], args.step,
-                              param_copy=None if slot.out is None else slot.out[a:b],
-                              grad_scale=args.grad_scale, shape=shape, src=(src_master[a:b], src_state))
-
-    def _commit_ahead(self, block: BlockShard, args: StepArgs, at: list) -> None:
+    def _commit_ahead(self, block: Block, args: StepArgs, at: "_At") -> None:
         """step()'s half of an update computed ahead: the slot's state becomes the block's,
         its staged parameters are written back."""
-        slot = block.ahead
-        at[0] = "adam (update ahead)"
+        slot = block.update.ahead
+        at.set(Stage.STEP, ahead=True)
         with self.telemetry.span("offload::wait_ahead"):
             err = slot.settle(self.wait_timeout_s, f"block {block.index} ({block.name})")
         if err is not None:
             raise err                             # its own error, recorded against this block
         c, = block.state.chunks
-        at[0] = "state commit (update ahead)"
+        at.set(Stage.STATE_COMMIT, ahead=True)
         buf = c.acquire(timeout=self.wait_timeout_s)
         if block.param_flat is not None and block.param_flat.data_ptr() == buf.data_ptr():
             with self.telemetry.span("offload::ahead_copy"):
@@ -374,9 +407,9 @@ class StepPipeline:
         master = c.views(buf)[0]
         slot.take()
         self.telemetry.count("updates_ahead")
-        at[0] = "parameter write-back"
+        at.set(Stage.PARAM_WRITE_BACK)
         out = slot.out
-        if out is None or block.params is None:
+        if out is None or block.trainable is None:
             self._params.commit(block, master, out, args.compute_done)
         elif self._params.adopt(block, slot):
             self.telemetry.count("ahead_params_adopted")    # the home took the slot's buffer
@@ -385,19 +418,22 @@ class StepPipeline:
             with self.telemetry.span("offload::ahead_params"):
                 target.copy_(out)
             self._params.commit(block, master, target, args.compute_done)
-        block.stepped = args.step
-        at[0] = "gradient reset"
-        block.grad.reset_window()
+        block.update.step = args.step
+        at.set(Stage.GRAD_RESET)
+        block.grads.reset_window()
 
-    def _step_chunk(self, block: BlockShard, c, master, rows: dict, grad, out, args: StepArgs) -> None:
+    def _step_chunk(self, block: Block, c, master, rows: dict, grad, out, args: StepArgs, src=None) -> None:
         """The rule's step of chunk ``c`` (elements [c.a, c.b) of the shard; ``master`` and
-        ``rows`` its views, ``grad`` and ``out`` the whole shard's)."""
+        ``rows`` its views, ``grad`` and ``out`` the whole shard's). ``src``: (master, rows)
+        of the state the step reads when it writes into other buffers (an update computed
+        ahead, on the CPU); None: in place."""
         rule = args.rule
         on_device = c.tier is Placement.DEVICE and dev.is_cuda(master.device)
         if on_device and args.grad_scale != 1.0:
             dev.mark_used(grad, dev.current_stream(grad.device))
             grad.mul_(args.grad_scale)
-        for g, a, b, shape, state in self._pieces(block, c, rows):
+        src_states = [st for *_, st in _pieces(block, c, src[1])] if src is not None else None
+        for k, (g, a, b, shape, state) in enumerate(self._pieces(block, c, rows)):
             group = args.groups[g]
             A, B = c.a + a, c.a + b                  # in the shard
             if on_device:
@@ -408,9 +444,10 @@ class StepPipeline:
             # the rule writes the new parameters into ``out`` in the same pass as the update
             # (bf16 / fp16 rounded, fp32 as they are): no second pass over the master
             rule.cpu_step(master[a:b], grad[A:B], state, group, args.step,
-                          param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape)
+                          param_copy=None if out is None else out[A:B], grad_scale=args.grad_scale, shape=shape,
+                          **({} if src is None else {"src": (src[0][a:b], src_states[k])}))
 
-    def _pieces(self, block: BlockShard, chunk, rows: dict) -> list:
+    def _pieces(self, block: Block, chunk, rows: dict) -> list:
         """``_pieces`` below, kept per chunk while its ``rows`` are the same objects (a chunk's
         cached views, optim/state.py): the slices are built once, not at every step."""
         key = (block.index, chunk.index)
@@ -429,9 +466,9 @@ class StepPipeline:
                 b.wait_update()
             except BaseException as exc:  # keep draining; re-raise the first error
                 err = err or exc
-            if b.ahead is not None:       # computed ahead: kept for the commit, its error recorded
+            if b.update.ahead is not None:       # computed ahead: kept for the commit, its error recorded
                 try:
-                    b.ahead.settle(self.wait_timeout_s, f"block {b.index} ({b.name})")
+                    b.update.ahead.settle(self.wait_timeout_s, f"block {b.index} ({b.name})")
                 except TierTimeout as exc:
                     err = err or exc
         with self._lock:
@@ -443,7 +480,7 @@ class StepPipeline:
                     try:
                         c.release(timeout=self.wait_timeout_s)   # read ahead for a step that was skipped
                     except BaseException as exc:
-                        self._record(b, "state read" + c.where, exc)
+                        self._record(b, Stage.STATE_READ.value + c.where, exc)
         with self._lock:
             self._ahead.set_order([])             # nothing more to read ahead until the next commit
         err = self.failure() or err
@@ -459,14 +496,15 @@ class StepPipeline:
             self._pool.shutdown(wait=True)
 
 
-def _pieces(block: BlockShard, chunk, rows: dict):
+def _pieces(block: Block, chunk, rows: dict):
     """(group, a, b, shape, state rows) of each range the rule steps at once, in the
     coordinates of ``chunk`` (elements [chunk.a, chunk.b) of the shard): each param group's
     range for an elementwise rule; each tensor piece for a per-tensor rule (Adafactor: its
     shape when the shard holds the whole tensor; never chunked)."""
     layout = chunk.layout
     if layout.tensors:
-        assert (chunk.a, chunk.b) == (0, layout.numel), "a per-tensor state is not chunked"
+        if (chunk.a, chunk.b) != (0, layout.numel):
+            raise RuntimeError("a per-tensor state is not chunked")
         for k, t in enumerate(layout.tensors):
             yield t.group, t.start, t.start + t.numel, t.shape, layout.tensor_state(rows, k)
         return
@@ -493,122 +531,3 @@ def _device_step(rule, p, g, state: dict, group: dict, step: int, shape) -> None
             v.copy_(wide[k])
 
 
-class _ParamGroups(torch.optim.Optimizer):
-    """The engine's optimizer as torch sees it: param groups and their hyper-parameters, so
-    torch LR schedulers work (built by ``make_optimizer``, each group checked by the update
-    rule). ``step()`` is bookkeeping (hooks, the scheduler's call count); ``zero_grad()`` is
-    the owner's (it discards the open window's gradients, which the engine holds in its own
-    buffers). Built
-    from a user's torch optimizer (``shared``), it shares that optimizer's ``param_groups``
-    list: the groups are one set of dicts, so a scheduler built on either drives the
-    engine's learning rate. (The class name is what torch's profiler range shows.)"""
-
-    def __init__(self, groups, defaults, owner, shared: Optional[torch.optim.Optimizer] = None):
-        super().__init__(groups, defaults)
-        self._owner = weakref.ref(owner)       # the owner holds this object, not the reverse
-        self._shared = shared
-        if shared is not None:
-            self.param_groups = shared.param_groups
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Called by the owner after each committed update (the LR scheduler tracks the
-        call). Runs the optimizer step hooks registered with torch, global and this
-        optimizer's, pre then post, as torch's own step wrapper does, and its
-        ``Optimizer.step#_ParamGroups.step`` profiler range only while a profiler records
-        (torch's wrapper would enter it at every call, on the commit's critical path)."""
-        args = (self,) if closure is None else (self, closure)
-        if self._shared is not None:
-            # the user's optimizer counts as stepped: torch's schedulers built on it check this
-            # flag (set by their wrapper of its step(), which the engine never calls)
-            self._shared._opt_called = True
-        with profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
-            for hook in (*torch_step_hooks("pre"), *self._optimizer_step_pre_hooks.values()):
-                if hook(self, args, {}) is not None:
-                    raise RuntimeError("an optimizer step pre-hook returned new arguments: the engine's "
-                                       "step() takes none")
-            for hook in (*self._optimizer_step_post_hooks.values(), *torch_step_hooks("post")):
-                hook(self, args, {})
-
-    step.hooked = True       # torch wraps an unmarked step() in its profiling wrapper
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner.zero_grad(set_to_none)
-
-
-_TORCH_STEP_HOOKS = {kind: getattr(_torch_optimizer, f"_global_optimizer_{kind}_hooks", {})
-                     for kind in ("pre", "post")}
-
-
-def torch_step_hooks(kind: str) -> tuple:
-    """The optimizer step hooks registered for every optimizer (torch.optim.optimizer's
-    register_optimizer_step_{pre,post}_hook), or none where a torch version keeps them
-    elsewhere. torch registers and removes them in place in one dict per kind, looked up
-    once at import (not inside step())."""
-    return tuple(_TORCH_STEP_HOOKS[kind].values())
-
-
-def check_group(where: str, group: dict, rule, defaults: dict) -> None:
-    """A param group's hyper-parameters pass the same checks as the config's optimizer
-    section (finite, in range: the rule's ``validate``); the error names the group and the key."""
-    from offload.config import ConfigError
-    hp = dict(defaults, **{k: v for k, v in group.items() if k in defaults})
-    for k, v in hp.items():
-        for x in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(x, float) and not math.isfinite(x):
-                raise ConfigError(f"{where}.{k}={v!r} must be a finite number")
-    if isinstance(hp.get("eps"), (int, float)) and not hp["eps"] > 0:    # as the config's optimizer.eps
-        raise ConfigError(f"{where}.eps={hp['eps']!r} must be > 0")
-    try:
-        rule.validate(hp)
-    except (ValueError, TypeError) as exc:
-        msg = str(exc)
-        raise ConfigError(f"{where}." + msg.split(": ", 1)[1] if msg.startswith(rule.name + ": ")
-                          else f"{where}: {msg}") from None
-
-
-def make_optimizer(model: torch.nn.Module, param_groups, optimizer_config, rule, owner) -> _ParamGroups:
-    """torch-style param groups carrying the update rule's hyper-parameters (torch's
-    names), defaults from the config's optimizer section (``optimizer_config``); each group
-    is checked by the rule (``UpdateRule.validate``) and must keep the same state rows as
-    the config. ``param_groups``: None (one group of every parameter with
-    ``requires_grad``), torch-style dicts, or a torch optimizer whose groups are shared
-    (optim/from_torch.py). ``owner``: whose ``zero_grad`` the optimizer's is (held weakly)."""
-    from offload.config import ConfigError
-    o = optimizer_config
-    defaults = o.hparams()
-    rows = [r.name for r in rule.rows(defaults)]
-    shared = None
-    if isinstance(param_groups, torch.optim.Optimizer):
-        from offload.optim import from_torch
-        name = from_torch.rule_name(param_groups)
-        if name != rule.name:
-            raise ConfigError(f"param_groups is a {type(param_groups).__name__}, whose update is {name}, but the "
-                              f"config's optimizer.type is {rule.name!r}: set optimizer.type={name!r}")
-        shared, param_groups = param_groups, from_torch.param_groups(param_groups, rule)
-    if param_groups is None:
-        param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    groups = []
-    for g in param_groups:
-        g = dict(g)
-        where = f"param_groups[{len(groups)}]"
-        g["params"] = [p for p in g["params"] if p.requires_grad]
-        unknown = set(g) - set(defaults) - {"params", "name"}
-        if unknown:
-            raise ConfigError(f"{where} keys {sorted(unknown)} are not hyper-parameters of {o.type}: "
-                              f"use {', '.join(defaults)}")
-        check_group(where, g, rule, defaults)
-        if [r.name for r in rule.rows(dict(defaults, **g))] != rows:
-            raise ConfigError(f"{where} changes the state {o.type} keeps ({rows} for the config's optimizer "
-                              f"section): every group keeps the same rows; set it in the optimizer section")
-        groups.append(g)
-    return _ParamGroups(groups, defaults, owner, shared=shared)
-
-
-def hyperparams(optimizer: torch.optim.Optimizer) -> tuple:
-    """Each group's hyper-parameters as it holds them now (the rule's keys only): what every
-    block's update of one commit shares."""
-    keys = optimizer.defaults
-    return tuple({k: g[k] for k in keys} for g in optimizer.param_groups)

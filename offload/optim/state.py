@@ -1,5 +1,4 @@
-"""One block shard at run time (``BlockShard``: its buffers and the update in flight, with its
-bounded wait), the owner of its optimizer state, and that state's residency transitions.
+"""The owner of one block shard's optimizer state, and that state's residency transitions.
 
 The state is one flat uint8 buffer laid out by the update rule's ``StateLayout``
 (``StateLayout``, below): ``[master fp32 | the rule's rows at state_dtype | int8 scales]``,
@@ -66,111 +65,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from concurrent.futures import Future
 from typing import Dict, Optional, Sequence
 
 import torch
 
-from offload import device as dev
 from offload import dtypes
-from offload.core.blocks import BlockLayout
-from offload.core.errors import BlockError
+from offload.core.errors import InvariantError
 from offload.optim import quant
 from offload.optim.rule import Row, UpdateRule
 from offload.placement import Placement
 from offload.storage.loan import Loan, LoanState
 from offload.storage.tier import NvmeTier
 from offload.units import PAGE, round_up
-
-
-# ---- the block shard: its buffers and the update in flight -----------------------------------
-class BlockShard:
-    """The runtime owner of one block shard: its device parameter buffer, its optimizer state,
-    its gradient buffer, and the update in flight.
-
-    ``pending`` is the future of the optimizer update in flight for this block (None when the
-    parameters are current); ``update_event`` marks the end of the device work that wrote the
-    new parameters (the H2D write-back, or the device optimizer's kernels), on ``device``.
-
-    The rule for a consumer of the block's new parameters: the host waits for ``pending``,
-    and the stream the consumer reads with waits for ``update_event`` (``wait_update`` for the
-    compute stream, ``order_after_update`` for another one); the stream is always the
-    compute device's, never taken from ``param_flat``, which an offloaded block has not."""
-
-    def __init__(self, layout: BlockLayout, param_flat: Optional[torch.Tensor], state,
-                 grad, shard: tuple, params=None, landing=None,
-                 ahead=None, device: Optional[torch.device] = None):
-        self.layout = layout
-        self.device = device if device is not None else torch.device("cpu")   # the compute device
-        self.param_flat = param_flat      # 1-D, compute dtype, on the device; params are views
-        self.params = params              # BlockParams when the parameters are offloaded (then
-                                          # param_flat is None: they visit the device per use)
-        self.state = state                # [master | exp_avg | exp_avg_sq] of this rank's shard
-        self.grad = grad                  # accumulated gradients: the full flat (stages 0, 1) or the shard
-        self.landing = landing            # stages 2, 3: full-size, transient, reduce-scattered into grad
-        self.shard = shard                # [start, end) of this rank's shard in the padded flat
-        self.pending: Optional[Future] = None
-        self.update_event = None          # H2D copy of the new parameters (CUDA)
-        self.stepped = 0                  # optimizer steps applied (bias correction)
-        self.ahead = ahead                # AheadSlot (update_ahead): the update computed during backward
-
-    @property
-    def index(self) -> int:
-        return self.layout.index
-
-    @property
-    def name(self) -> str:
-        return self.layout.name or "<root>"
-
-    def wait_update(self) -> None:
-        """Make the parameters current before use: the host waits for the optimizer job
-        (re-raising its error), the compute stream waits for the device work it queued."""
-        fut = self.pending
-        if fut is not None:
-            try:
-                fut.result()              # the job's own waits are bounded, so this is too
-            except BlockError as err:     # stays pending: the engine cannot go on after it
-                err.reported = True
-                raise
-            self.pending = None
-        ev, self.update_event = self.update_event, None
-        if ev is not None:
-            dev.wait_event(dev.current_stream(self.device), ev)
-
-    def order_after_update(self, stream) -> None:
-        """Order ``stream`` after the device work of the update (its job has returned): for a
-        consumer on another thread or stream (the ZeRO-1/2 parameter gather). The event is
-        kept: the compute stream still waits on it in ``wait_update``."""
-        dev.wait_event(stream, self.update_event)
-
-    def must_wait(self) -> bool:
-        """Whether ``wait_update()`` would wait: an update still running, or a device copy to
-        order after. A finished update only needs ``wait_update()`` to collect it (and raise
-        its error)."""
-        fut = self.pending
-        return (fut is not None and not fut.done()) or self.update_event is not None
-
-    def wait_update_before_use(self, telemetry) -> None:
-        """Before a forward reads the block's parameters: ``wait_update()``, timed as an
-        ``offload::wait_update`` span only when it waits (a finished update is collected
-        without a span, which would cost the main thread more than the collection)."""
-        if self.must_wait():
-            with telemetry.span("offload::wait_update"):
-                self.wait_update()
-        elif self.pending is not None:
-            self.wait_update()
-
-    def grad_shard(self) -> torch.Tensor:
-        """The gradients of this rank's shard (a view into the gradient buffer)."""
-        t = self.grad.resident()          # a gradient parked on NVMe comes back first
-        s0, s1 = self.shard
-        return t if t.numel() == s1 - s0 else t[s0:s1]
-
-    def home_shard(self, full_or_shard: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a parameter home buffer, which holds either the full flat
-        (parameter offload without ZeRO-3) or only the shard (ZeRO-3)."""
-        s0, s1 = self.shard
-        return full_or_shard if full_or_shard.numel() == s1 - s0 else full_or_shard[s0:s1]
 
 
 # ---- the byte layout of a shard's state ----------------------------------------------------
@@ -365,11 +271,13 @@ class StateChunk:
         self.where = "" if count == 1 else f" (chunk {index + 1} of {count}, elements [{a}, {b}) of the shard)"
         self.what = f"optimizer state of {what or key}{self.where}"
         if tier is Placement.NVME:
-            assert tensor is None and pool is not None and store is not None
+            if not (tensor is None and pool is not None and store is not None):
+                raise InvariantError(f"{self.what}: an NVMe state takes a pool and a store and no tensor")
             kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}
             self._loan = NvmeTier(store, pool, **kw).loan(key, self.nbytes, self.what)
         else:
-            assert tensor is not None and tensor.dtype == torch.uint8 and tensor.numel() == self.nbytes
+            if not (tensor is not None and tensor.dtype == torch.uint8 and tensor.numel() == self.nbytes):
+                raise InvariantError(f"{self.what}: a resident state takes a uint8 tensor of {self.nbytes} bytes")
             self._loan = Loan.resident(tensor, key, self.what)
         # The views of the buffer last acquired, built once per buffer: a HOST or DEVICE state
         # keeps one buffer for its life, and an NVMe chunk meets the same few pool buffers

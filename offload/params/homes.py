@@ -43,14 +43,14 @@ def frozen_part_bytes(part: blk.BlockLayout, compute: torch.dtype) -> int:
     return part.padded_numel * frozen_dtype(part.segments[0].param, compute).itemsize
 
 
-def unit_parts(layouts, frozen) -> list:
-    """(name, module, trainable layout or None, frozen part layouts) per block that visits
-    the device: the trained blocks in order, then blocks holding only frozen parameters.
+def block_roots(layouts, frozen) -> list:
+    """(name, module, trainable layout or None, frozen part layouts) per block, in block
+    index order: the trained blocks in order, then blocks holding only frozen parameters.
     ``frozen``: (root name, root module, parts) per block root holding any."""
     by_root = {name: (mod, parts) for name, mod, parts in frozen}
-    units = [(lay.name, lay.module, lay, by_root.pop(lay.name, (None, []))[1]) for lay in layouts]
-    units += [(name, mod, None, parts) for name, (mod, parts) in by_root.items()]
-    return units
+    roots = [(lay.name, lay.module, lay, by_root.pop(lay.name, (None, []))[1]) for lay in layouts]
+    roots += [(name, mod, None, parts) for name, (mod, parts) in by_root.items()]
+    return roots
 
 
 def part_keys(i: int, unit) -> List[str]:
@@ -77,7 +77,7 @@ class ParamHomes:
     err)``: a trainable home's write-back failed after its job returned."""
 
     def __init__(self, *, config, stage: int, comm, dtype: torch.dtype, device: torch.device, telemetry,
-                 weights, plan, units: list, in_place: Dict[int, list], codecs: Dict[int, object], resources,
+                 weights, plan, roots: list, in_place: Dict[int, list], codecs: Dict[int, object], resources,
                  on_write_failure: Callable[[int, BaseException], None]):
         self.device_kind = home_device(config, stage)
         if self.device_kind is Placement.DEVICE:
@@ -96,7 +96,7 @@ class ParamHomes:
             return
         self._store = resources.make_store("params", pc.nvme_path)
         swapped = {}                       # NVMe key -> bytes; frozen parts read in place have none
-        for i, (unit, bp) in enumerate(zip(units, plan.blocks)):
+        for i, (unit, bp) in enumerate(zip(roots, plan.blocks)):
             _, _, lay, parts = unit
             homes = ([(lay, bp.home_bytes)] if lay is not None else []) + list(zip(parts, bp.frozen_home))
             for key, (part, n) in zip(part_keys(i, unit), homes):
@@ -123,7 +123,7 @@ class ParamHomes:
     def trainable_home(self, lay: blk.BlockLayout):
         """The BlockParams of block ``lay``'s trainable part (its values are written home by
         the caller). With ZeRO-3 across ranks it all-gathers the shards on each visit."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         n = self.home_numel(lay)
         gather = None
         if self._stage == 3 and self._comm.active:
@@ -148,7 +148,7 @@ class ParamHomes:
         written home from the parameters (loaded from the checkpoint, or materialized from the
         meta device by the model's initialisation), whose original memory then goes; or, read
         in place, the checkpoint's own byte ranges with nothing copied."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         part.index = i                     # errors name the block it visits the device with
         dtype = frozen_dtype(part.segments[0].param, self._dtype)
         key = f"b{i}.frozen{k}"
@@ -183,7 +183,7 @@ class ParamHomes:
     def _source_home(self, key: str, part: blk.BlockLayout, dtype: torch.dtype):
         """A frozen part read in place: its tensors are read once now for their checksums
         (recorded as the base's origin, and checked on every later read)."""
-        from offload.params.residency import BlockParams
+        from offload.params.part import BlockParams
         from offload.storage.source import SourceTensor
         crcs = self._weights.refer_all([s.param for s in part.segments])
         esize = dtype.itemsize
@@ -194,26 +194,23 @@ class ParamHomes:
                            wait_timeout_s=self._config.wait_timeout_s)
 
 
-def hand_back_blocks(param_offload, origin: List[torch.device]) -> list:
+def hand_back_blocks(param_offload) -> list:
     """Every offloaded block's parameters bound to host copies (``BlockParams.hand_back``)
-    of their current values, on the device each block was on at initialize (``origin``,
-    per block: trained blocks, then those of frozen parameters only); blocks handed back
-    already keep theirs. Returns
+    of their current values, on the device each block was on at initialize (each part's
+    ``origin``); blocks handed back already keep theirs. Returns
     (segment, tensor) of every offloaded parameter."""
     po, out = param_offload, []
-    for i, bp in enumerate(po.params):
-        if bp is None:
-            continue
-        to = origin[i] if i < len(origin) else torch.device("cpu")
+    for bp in po.offloaded:
+        to = bp.parts[0].origin
         todo = [part for part in bp.parts if part.handed_back is None]
         if todo:
             if all(part.home_numel == part.numel for part in todo):   # homes hold whole flats: read them
-                po._release(i)
+                po._release(bp)
                 flats = [part.read_home().to(to) for part in todo]
             else:                          # shards (ZeRO-3): gathered on the device
-                po.materialize(i)
+                po.materialize(bp)
                 flats = [part.device_buf.detach().to(to, copy=True) for part in todo]
-                po._release(i)
+                po._release(bp)
             for part, flat in zip(todo, flats):
                 part.hand_back(flat)
         for part in bp.parts:              # the trainable part and each frozen part
@@ -225,13 +222,13 @@ def hand_back_blocks(param_offload, origin: List[torch.device]) -> list:
 def placeholders(param_offload) -> List[str]:
     """Names of the offloaded parameters not handed back (empty placeholders once the
     engine lets their homes go)."""
-    return [s.name for bp in param_offload.params if bp is not None
+    return [s.name for bp in param_offload.offloaded
             for part in bp.parts if part.handed_back is None for s in part.layout.segments]
 
 
 def offloaded_bytes(param_offload) -> int:
     """Bytes of every offloaded part (trainable and frozen) as kept at home."""
-    return sum(bp.nbytes for bp in param_offload.params if bp is not None)
+    return sum(bp.nbytes for bp in param_offload.offloaded)
 
 
 def restore_fits(param_offload, comm, stage: int) -> bool:
@@ -239,7 +236,7 @@ def restore_fits(param_offload, comm, stage: int) -> bool:
     handed back already cost nothing more). With ZeRO-3 across ranks, where handing back
     all-gathers every block, the ranks decide together (it fits on all of them): a collective."""
     import psutil
-    parts = [part for bp in param_offload.params if bp is not None for part in bp.parts]
+    parts = [part for bp in param_offload.offloaded for part in bp.parts]
     held = sum(p.handed_back.numel() * p.handed_back.element_size() for p in parts if p.handed_back is not None)
     fits = offloaded_bytes(param_offload) - held <= psutil.virtual_memory().available // 2
     if comm.active and stage == 3:

@@ -144,7 +144,7 @@ class HostBuffer:
 class OwnedBuffer:
     """A page-aligned host buffer of ``nbytes`` outside every pool, with a HostBuffer's
     ``view`` / ``release``: for a loan that must not wait for its pool because nothing in
-    flight would give a buffer back (engine/step_control.py ``GradBuffer``). ``release`` drops it."""
+    flight would give a buffer back (engine/grad_landing.py ``GradBuffer``). ``release`` drops it."""
 
     __slots__ = ("nbytes", "_data")
 

@@ -28,8 +28,6 @@ DESIGN = os.path.join(ROOT, "docs", "design.md")
 # its folder keeps its entry. An entry that covers no import any more fails
 # test_pending_imports_still_exist: delete it then.
 PENDING = {
-    ("dist/", "optim/state.py"):
-        "BlockShard: dist/ should take the block object from core/ (issue 43's core/block.py Block)",
     ("optim/", "config/"):
         "ConfigError (optim/from_torch.py, optim/pipeline.py): the class belongs with the error "
         "family in core/errors.py, below optim/",
@@ -234,7 +232,7 @@ def test_no_import_circle():
 # Files docs/design.md names as a target, not yet in the tree. Once one exists, the doc's line
 # must describe it as it is: test_every_file_the_design_doc_names_exists fails until the entry
 # is deleted here.
-TARGETS = {"core/block.py": "issue 43's one Block object per block"}
+TARGETS: dict = {}
 
 
 def test_every_file_the_design_doc_names_exists():

@@ -183,7 +183,7 @@ def test_config_flag_and_deepspeed_mapping(tmp_path):
 def test_block_phases_and_one_saved_tensor_chain(tmp_path):
     """The hook owner drives every block FORWARD_DONE after forward and IDLE after backward;
     parameter offload and activation offload share one saved-tensor chain, parameters first."""
-    from offload.core.hooks import BlockPhase
+    from offload.core.block import BlockPhase
     from _models import make_model
     model = make_model()
     eng = offload.initialize(model, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
@@ -191,9 +191,9 @@ def test_block_phases_and_one_saved_tensor_chain(tmp_path):
     assert eng.hooks.saved.handlers == [eng.param_offload, eng.activations]
     x, y = batches(1)[0]
     loss = eng(x, y)
-    assert all(p is BlockPhase.FORWARD_DONE for p in eng.hooks.phase)
+    assert all(p is BlockPhase.FORWARD_DONE for p in (b.phase for b in eng.blocks))
     eng.backward(loss)
-    assert all(p is BlockPhase.IDLE for p in eng.hooks.phase)
+    assert all(p is BlockPhase.IDLE for p in (b.phase for b in eng.blocks))
     eng.step()
     st = eng.stats()
     eng.close()

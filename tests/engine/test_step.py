@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload.params.residency import BlockParams
+from offload.params.part import BlockParams
 from _models import make_model
 from _parity import max_diff, noise_bound
 from _probes import ahead_blocks
@@ -412,8 +412,8 @@ def test_ctrl_c_during_the_commit_waits_for_the_whole_step(tmp_path, monkeypatch
     assert seen == [target.index]
     assert eng.global_step == 1
     eng.synchronize()
-    assert [b.stepped for b in eng.blocks] == [1] * len(eng.blocks)   # every update, once
-    assert all(b.pending is None or b.pending.exception() is None for b in eng.blocks)
+    assert [b.update.step for b in eng.blocks] == [1] * len(eng.blocks)   # every update, once
+    assert all(b.update.future is None or b.update.future.exception() is None for b in eng.blocks)
     eng.zero_grad()
     for idx, tgt in batches(3, seed=2):      # the next calls work: nothing re-raises the interrupt
         eng.backward(eng(idx, tgt))

@@ -191,13 +191,13 @@ def test_write_back_target_is_decided_once_per_update(tmp_path, monkeypatch):
     writes the same one home, even when the answer to "keep it staged?" changes in between
     (here it alternates on every question; a second question at the commit once wrote a
     fresh, unfilled staging buffer home instead)."""
-    from offload.params.offload import ParamOffload
+    from offload.params.write_through import WriteThrough
     asked = {}
 
     def keeps_staged(self, i):
         asked[i] = asked.get(i, 0) + 1
         return asked[i] % 2 == 0
-    monkeypatch.setattr(ParamOffload, "keeps_staged", keeps_staged)
+    monkeypatch.setattr(WriteThrough, "keeps_staged", keeps_staged)
     data = batches(2 * STEPS)
     got = engine_run(bf16_config(tmp_path, gradient_accumulation_steps=2), data=data)
     check_bf16(got, data, 2)

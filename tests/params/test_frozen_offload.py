@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.params.offload import DeviceBudgetError
+from offload.params.budget import DeviceBudgetError
 from _models import batches, clone
 from _lora import base_key_map, engine_run, lora_cfg, lora_llama, save_base
 from _parity import check_parity, reference_run
@@ -52,13 +52,13 @@ def test_frozen_base_lives_on_its_tier_in_its_dtype(tmp_path):
     model = lora_llama(layers=2)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     eng = offload.initialize(model, lora_cfg(tmp_path, "nvme"))
-    frozen = [u for u in eng.units if u.frozen]
+    frozen = [b for b in eng.blocks if b.frozen]
     assert frozen and all(p.dtype == torch.bfloat16 for u in frozen for p in u.frozen)
-    mixed = [u for u in eng.units if u.frozen and u.trainable is not None]
+    mixed = [b for b in eng.blocks if b.frozen and b.trainable is not None]
     assert mixed and all(u.trainable.dtype == torch.float32 for u in mixed)
     # between uses nothing of the base is on the device, and it has no optimizer state
     assert all(p.numel() == 0 for p in model.parameters())
-    assert sum(b.layout.numel for b in eng.blocks) == n_trainable
+    assert sum(b.layout.numel for b in eng.blocks if b.trains) == n_trainable
     eng.close()
 
 
@@ -125,8 +125,8 @@ def test_lora_base_read_in_place_matches_torch(in_place, tmp_path):
     for k in ref[0]:                               # the frozen base is the file's, in its dtype
         if "lora_" not in k:
             assert torch.equal(got[-1][k], ref[-1][k].float()), k
-    trained = sum(-(-u.trainable.home_nbytes // 4096) * 4096 for u in eng.units if u.trainable is not None)
-    frozen = sum(p.home_nbytes for u in eng.units for p in u.frozen)
+    trained = sum(-(-u.trainable.home_nbytes // 4096) * 4096 for u in eng.blocks if u.trainable is not None)
+    frozen = sum(p.home_nbytes for u in eng.blocks for p in u.frozen)
     st = eng.stats()
     if in_place:                                   # the swap file holds the adapters only
         assert swap_bytes(eng) == trained and st["source_bytes"] >= frozen
@@ -163,7 +163,7 @@ def test_backward_reads_each_frozen_block_at_most_once(tmp_path, monkeypatch):
     eng = offload.initialize(clone(base), c, weights=ck, key_map=base_key_map)
     base_bytes = eng.stats()["source_bytes"]
     home = base_bytes + swap_bytes(eng)
-    embed = [p.key for bp in eng.param_offload.params if bp is not None and bp.name.endswith("embed_tokens")
+    embed = [p.key for bp in eng.param_offload.offloaded if bp.name.endswith("embed_tokens")
              for p in bp.frozen]
     assert len(embed) == 1
     got, per_step, per_key = [], [], []

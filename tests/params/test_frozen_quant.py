@@ -410,17 +410,17 @@ def test_writing_one_frozen_tensor_leaves_the_others_as_stored(tmp_path):
     new tensor reads back as its own round trip."""
     eng = offload.initialize(lora_llama(layers=1), qcfg(tmp_path, "cpu", "nf4", double_quant=True))
     po = eng.param_offload
-    part = next(p for _, p in po._frozen_parts()
+    part = next(p for _, p in po.frozen_io.parts()
                 if p.codec is not None and sum(sc.fmt == "nf4" for sc in p.codec.segments) >= 2)
     a, b = [sc for sc in part.codec.segments if sc.fmt == "nf4"][:2]
     before = part.read_home(raw=True)
     new = torch.randn(a.shape, dtype=torch.bfloat16)
-    po.write_frozen({id(a.param): new})
+    po.frozen_io.write({id(a.param): new})
     after = part.read_home(raw=True)
     for off, n in b.pieces.values():
         assert torch.equal(after[off:off + n], before[off:off + n])
     assert not torch.equal(after[a.pieces["packed"][0]:][:a.pieces["packed"][1]],
                            before[a.pieces["packed"][0]:][:a.pieces["packed"][1]])
-    got = po.read_frozen({id(a.param)})[id(a.param)]
+    got = po.frozen_io.read({id(a.param)})[id(a.param)]
     assert torch.equal(got, quantized.round_trip(new, "nf4", double_quant=True))
     eng.close()

@@ -80,7 +80,7 @@ def test_cpu_device_reads_parameters_where_they_are(param, opt, tmp_path):
     assert eng.device.type == "cpu"
     # the disk sees each transfer once where the store bypasses the page cache (not on tmpfs)
     direct = param == "nvme" and eng.resources.store("params").direct
-    parts = [part for unit in eng.param_offload.params if unit is not None for part in unit.parts]
+    parts = [part for b in eng.blocks for part in b.parts]
     where = {id(s.param): part for part in parts for s in part.layout.segments}
     # the mappings the gradient buffers are lent from (a copy into one lands a gradient)
     grad_memory = {m.data.data_ptr() for pool in (eng.resources.pool("offload-host"), eng.resources.pool("offload-grads")) if pool is not None

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.optim.rule import UpdateRule
-from offload.params.residency import ParamState
+from offload.params.part import ParamState
 import _forked
 import _resume_worker
 from _models import Wide, batches, clone, make_model
@@ -200,7 +200,7 @@ def test_released_parameters_are_placeholders(tmp_path):
     # between steps nothing of layer 0 is on the device: a stray use fails loudly
     assert all(p.numel() == 0 for p in released)
     # the frozen layer is offloaded with its block too (no gradient, no optimizer state)
-    assert id(model.layers[1].ln1.weight) in eng.param_offload.frozen_ids()
+    assert id(model.layers[1].ln1.weight) in eng.param_offload.frozen_io.ids()
     eng.close()
 
 
@@ -243,9 +243,9 @@ def _wide_run(tmp_path, base, xs, prefetch):
         events.append(("read", int(key.split(".")[0][1:])))
         return real_read(key, *a, **k)
 
-    def materialize(i):                           # the block on the device, its reads done
-        real_materialize(i)
-        events.append(("use", i))
+    def materialize(block):                       # the block on the device, its reads done
+        real_materialize(block)
+        events.append(("use", block.index))
     store.read, po.materialize = read, materialize
     served, losses = [], []
     for x in xs:
@@ -259,7 +259,7 @@ def _wide_run(tmp_path, base, xs, prefetch):
         eng.backward(loss)
         eng.step()
         losses.append(loss.detach())
-    kept = [i for i in range(len(eng.blocks)) if eng.param_offload.keeps_staged(i)]
+    kept = [i for i in range(len(eng.blocks)) if eng.param_offload.write_through.keeps_staged(i)]
     got = eng.full_state_dict()
     eng.close()
     return served, kept, torch.stack(losses), got
@@ -371,7 +371,7 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
                                               offload_param={"device_budget_bytes": 2 * (block + 4096)}))
     store = eng.resources.store("params")
     pending, early, served_in_flight, read_after_write = {}, [], [0], [0]
-    offloaded = [bp for bp in eng.param_offload.params if bp is not None]
+    offloaded = eng.param_offload.offloaded
     gated = {p.key for bp in (offloaded[0], offloaded[-1]) for p in bp.parts}
     used = set()                       # gated keys whose block's use began since their last write
     real_write, real_read = store.write, store.read
@@ -391,12 +391,12 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
     store.write, store.read = write, read
     real_materialize = eng.param_offload.materialize
 
-    def materialize(i):
-        parts = eng.param_offload.params[i].parts
+    def materialize(block):
+        parts = block.parts
         waits = [p.key for p in parts if p.state is ParamState.WRITING]
         read_after_write[0] += bool(waits)
         used.update(waits)                 # the use waits for these writes: they may land now
-        real_materialize(i)
+        real_materialize(block)
         served_in_flight[0] += any(p.writing for p in parts)   # on the device, its write going on
         used.update(p.key for p in parts)  # a kept block's write lands after its use
     eng.param_offload.materialize = materialize
@@ -407,7 +407,7 @@ def test_write_back_in_flight_is_served_or_read_after_it(prefetch, tmp_path):
         eng.step()
         losses.append(loss.detach())
     got = eng.full_state_dict()
-    assert not eng.param_offload.params[0].writing        # synchronize waited for every write
+    assert not eng.param_offload.offloaded[0].writing        # synchronize waited for every write
     eng.close()
     assert early == [], early
     assert read_after_write[0] > 0                         # a use met a write in flight
@@ -435,15 +435,15 @@ def test_uses_that_need_no_fetch_fetch_nothing(tmp_path):
     budget = 2 * max(embed.numel() * 4, 32 * 1024) + 8192
     eng = offload.initialize(model, cfg(tmp_path, "nvme", opt="nvme", offload_param={"device_budget_bytes": budget}))
     po = eng.param_offload
-    emb = next(u.index for u in po.params if u is not None and any(s.param is embed for _, s in u.segments))
-    assert po.params[emb].trainable is None                      # frozen only
+    emb = next(b for b in po.offloaded if any(s.param is embed for _, s in b.segments))
+    assert emb.trainable is None                      # frozen only
     seen, issues, calls = [], [0], [0]
     real_materialize, real_issue = po.materialize, po.prefetcher.issue
 
-    def materialize(i):
+    def materialize(block):
         calls[0] += 1
-        seen.append((i, po.params[i].state, in_backward()))
-        real_materialize(i)
+        seen.append((block, block.residency, in_backward()))
+        real_materialize(block)
 
     def issue():
         issues[0] += 1
@@ -460,7 +460,7 @@ def test_uses_that_need_no_fetch_fetch_nothing(tmp_path):
                 first_backward = next((i, st) for i, st, back in seen if back)
                 assert first_backward == (emb, ParamState.ON_DEVICE), first_backward
                 # its read for the next forward is on its way already
-                assert po.params[emb].state is not ParamState.HOME
+                assert emb.residency is not ParamState.HOME
                 assert calls[0] > 2 * issues[0], (calls[0], issues[0])
             eng.step()
     finally:

@@ -11,10 +11,10 @@ hooks take precedence, so only the checkpoint boundaries (its saved inputs) move
 recomputation in backward saves its tensors on the device for their short life.
 
 saved.py: one saved tensor's record and its states; keys.py: the NVMe keys the copies are
-written to; offload.py: ``ActivationOffload``, the handler, which moves the records (host
+written to; handler.py: ``ActivationOffload``, the handler, which moves the records (host
 pool, NVMe, back to the device in the expected order).
 """
-from offload.engine.activations.offload import ActivationHostBudgetError, ActivationOffload
+from offload.engine.activations.handler import ActivationHostBudgetError, ActivationOffload
 from offload.engine.activations.saved import Saved, SavedState
 
 __all__ = ["ActivationOffload", "ActivationHostBudgetError", "Saved", "SavedState"]

@@ -7,7 +7,7 @@ caller's memory, ``CallerBuffer``: the tensor itself, a read target in device me
 committed to a key the free list gives at the write (activations/keys.py), kept
 (``Loan.keep``) when a fetch comes during the write, released once copied back, retired when
 the record goes. The record's own states are the device side only (``SavedState``), moved by
-activations/offload.py::
+activations/handler.py::
 
     pack:      COPYING_OUT --(D2H done)--> OFF_DEVICE     (loans READY [--commit()--> WRITING --> ON_TIER])
     backward:  OFF_DEVICE (loans READY: the host copy, or read back) --to_device()--> COPYING_IN

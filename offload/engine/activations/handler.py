@@ -91,7 +91,8 @@ class ActivationOffload:
 
     def __init__(self, *, model: nn.Module, device: torch.device, tier: Placement, min_bytes: int,
                  lookahead_bytes: int, pool, store=None, telemetry, wait_timeout_s: float = 600.0):
-        assert tier in (Placement.HOST, Placement.NVME), tier
+        if tier not in (Placement.HOST, Placement.NVME):
+            raise ValueError(f"offload_activations.device={tier!r}: use cpu or nvme")
         self.model = model
         self.device = device
         self.tier = tier
@@ -623,7 +624,8 @@ class ActivationOffload:
                 rec.loans[0].release()
             rec.event = None
             rec.state = SavedState.ON_DEVICE
-        assert rec.state is SavedState.ON_DEVICE, rec.state
+        if rec.state is not SavedState.ON_DEVICE:
+            raise RuntimeError(f"a saved activation is {rec.state.value} after its restore, not on the device")
         t, rec.restored = rec.restored, None
         with self._lock:
             self.device_bytes -= rec.nbytes

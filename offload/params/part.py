@@ -1,6 +1,7 @@
-"""Where one block's parameters live between uses (parameter offload), and their moves:
-``BlockParams`` for one flat part, ``BlockParts`` for a block's parts moving together, and
-``ParamWriteBack``, the updated parameters' way back home (the optimizer's two verbs per block).
+"""One parameter part of a block (``BlockParams``: one flat buffer, materialized as one
+unit) and its residency (``ParamState``): where it lives between uses (parameter offload) and
+its moves. A block's ``parts`` (core/block.py) move together; the updated parameters come
+home through params/write_back.py.
 
 The block's canonical parameter copy (compute dtype, 1-D, padded numel) lives on its home
 tier: a persistent host buffer (``HOST``) or a swap-file extent (``NVME``). It is
@@ -10,7 +11,7 @@ stale values, or, once the engine handed the model back its weights (``hand_back
 of a host copy of the home copy, current until the block next visits the device or its home
 changes (both put the placeholder, or the device copy, back first).
 
-Transitions (guarded by assertions)::
+Transitions (an illegal one raises ``ParamStateError``)::
 
     NVME home:  HOME --stage()--> STAGING --(read done)--> STAGED --to_device()--> FETCHING
     HOST home:  HOME --to_device()--> FETCHING
@@ -48,19 +49,16 @@ copy, and ``ensure()`` refetches a stale copy, so a stale block is never served.
 """
 from __future__ import annotations
 
-import collections
 import enum
 import threading
-import time
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
 from offload import device as dev
 from offload.core.blocks import BlockLayout
 from offload.core.errors import BlockError, block_error
-from offload.storage.loan import DEFAULT_WAIT_S, LoanState
-from offload.storage.pool import Room
+from offload.storage.loan import LoanState
 from offload.storage.tier import NvmeTier
 
 
@@ -72,6 +70,20 @@ class ParamState(enum.Enum):
     WRITING = "writing"                 # write-back in flight from a buffer that goes back after it
     FETCHING = "fetching"
     ON_DEVICE = "on_device"
+
+    @property
+    def order(self) -> int:
+        """How far along the way to the device (a block's residency is its parts' least)."""
+        return _ORDER[self]
+
+
+_ORDER = {ParamState.WRITING: 0, ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2,
+          ParamState.STAGED_WRITING: 2, ParamState.FETCHING: 3, ParamState.ON_DEVICE: 4}
+
+
+class ParamStateError(BlockError):
+    """A parameter part was asked for a move its residency does not allow (a bug in the
+    engine: the message names the part and its state)."""
 
 
 _HOST_SIDE = {LoanState.ON_TIER: ParamState.HOME, LoanState.READING: ParamState.STAGING,
@@ -121,10 +133,21 @@ class BlockParams:
         self._on_failure = on_failure     # a failed write-back's BlockError goes here (the engine's record)
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.handed_back: Optional[torch.Tensor] = None   # the copy the parameters view (hand_back)
+        self.origin = torch.device("cpu")   # where the parameters were at initialize (hand_back, close)
 
     @property
     def on_nvme(self) -> bool:
         return self._loan is not None
+
+    @property
+    def at_home(self) -> bool:
+        """HOME: no copy anywhere but the home."""
+        return self.state is ParamState.HOME
+
+    @property
+    def readable(self) -> bool:
+        """Whether ``to_device()`` can start from here (HOME, STAGING, STAGED, STAGED_WRITING)."""
+        return self.state in _READABLE
 
     @property
     def state(self) -> ParamState:
@@ -134,7 +157,8 @@ class BlockParams:
             return self._device_state
         if self._loan is None:
             return ParamState.HOME
-        assert self._loan.state in _HOST_SIDE, f"{self.what}: {self._loan.state}"
+        if self._loan.state not in _HOST_SIDE:
+            raise ParamStateError(f"{self.what}: its home's loan is {self._loan.state.value}, no parameter state")
         return _HOST_SIDE[self._loan.state]
 
     def _staged(self) -> torch.Tensor:
@@ -181,7 +205,8 @@ class BlockParams:
     def stage(self) -> bool:
         """NVMe -> host pool buffer, asynchronously (HOME -> STAGING). False: no buffer free."""
         with self._lock:
-            assert self.on_nvme and self.state is ParamState.HOME, self.state
+            if not (self.on_nvme and self.state is ParamState.HOME):
+                raise ParamStateError(f"{self.what}: stage() in state {self.state.value} (needs an NVMe home, HOME)")
             try:
                 if not self._loan.fetch():
                     return False
@@ -236,7 +261,8 @@ class BlockParams:
         with self._lock:
             if self.state is ParamState.HOME:
                 self._copy_version = self.home_version
-            assert self.state in _READABLE, self.state
+            if self.state not in _READABLE:
+                raise ParamStateError(f"{self.what}: to_device() in state {self.state.value}")
             # NVMe: waits (bounded) for a staging buffer and for the read; STAGED_WRITING: the
             # held bytes at once, their write goes on (both only read them)
             src = self._staged() if self.on_nvme else self.home_buf
@@ -345,8 +371,10 @@ class BlockParams:
         trains. It goes (placeholders, or the device copy, come back) when the block next
         visits the device or its home copy is replaced (``write_home``)."""
         with self._lock:
-            assert self._device_state is None, f"{self.what}: handed back while on the device"
-            assert flat.numel() >= self.layout.numel, (flat.numel(), self.layout.numel)
+            if self._device_state is not None:
+                raise ParamStateError(f"{self.what}: handed back while on the device")
+            if flat.numel() < self.layout.numel:
+                raise ValueError(f"{self.what}: a copy of {flat.numel()} elements cannot hold {self.layout.numel}")
             for s in self.layout.segments:
                 s.param.data = flat[s.offset:s.offset + s.numel].view(s.shape)
             self.handed_back = flat
@@ -399,7 +427,8 @@ class BlockParams:
             if self.handed_back is not None:
                 self._to_placeholders()  # the model's copy is stale from now on
             if self._through:            # src is the staged buffer (begin_write_through): it stays
-                assert buffer is None
+                if buffer is not None:
+                    raise ParamStateError(f"{self.what}: a buffer lent while a write-through holds the staged one")
                 self._through = False
                 self._commit_home(keep=True)
                 return
@@ -437,7 +466,8 @@ class BlockParams:
         with self._lock:
             if not self.on_nvme or self._gather is not None or self._device_state is not None:
                 return False
-            assert not self._through, f"{self.what}: adopted while a write-through is in flight"
+            if self._through:
+                raise ParamStateError(f"{self.what}: adopted while a write-through is in flight")
             if self.handed_back is not None:
                 self._to_placeholders()
             self.finish_write()            # the last write-back (raises its own failure)
@@ -485,305 +515,3 @@ class BlockParams:
         return None if self.on_nvme else self.home_buf
 
 
-_ORDER = {ParamState.WRITING: 0, ParamState.HOME: 0, ParamState.STAGING: 1, ParamState.STAGED: 2,
-          ParamState.STAGED_WRITING: 2, ParamState.FETCHING: 3, ParamState.ON_DEVICE: 4}
-
-
-class BlockParts:
-    """The parameter parts of one block that visit the device together.
-
-    A block's parameters may be several flat buffers: the trainable part (compute dtype, updated
-    by the optimizer, ``BlockShard.params``) and one frozen part per storage dtype (a bf16 base
-    beside fp32 adapters). Each part is a ``BlockParams`` with its own home (host buffer or NVMe
-    extent) and its own device copy; ``BlockParts`` drives them through the same transitions at
-    once, so parameter offload and prefetch handle a block as one unit of device bytes.
-
-    The state of the whole is the least advanced state of its parts
-    (WRITING, HOME < STAGING < STAGED, STAGED_WRITING < FETCHING < ON_DEVICE); parts share one
-    home tier, so they move in lockstep except that NVMe reads finish at different times, and
-    only the trainable part is written back (asynchronously: WRITING and STAGED_WRITING are
-    its). A block whose trainable part was rewritten by the optimizer is stale as a whole and
-    is refetched whole (frozen parts never change, but one release keeps one state per block).
-    """
-
-    def __init__(self, index: int, name: str, module, trainable: Optional[BlockParams],
-                 frozen: List[BlockParams]):
-        self.index = index                 # the block index (frozen-only blocks come after the trained ones)
-        self.name = name or "<root>"
-        self.module = module
-        self.trainable = trainable         # also BlockShard.params: the optimizer writes its home
-        self.frozen = list(frozen)
-        self.parts: List[BlockParams] = ([trainable] if trainable is not None else []) + self.frozen
-        assert self.parts, "a block has at least one part"
-        self.nbytes = sum(p.nbytes for p in self.parts)          # device bytes when fetched
-        self.users = 0                     # modules of this block running now (forward)
-
-    # ---- the whole's view of its parts ----------------------------------------------------
-    @property
-    def state(self) -> ParamState:
-        return min((p.state for p in self.parts), key=_ORDER.__getitem__)
-
-    @property
-    def on_nvme(self) -> bool:
-        return self.parts[0].on_nvme
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(p.device_bytes for p in self.parts)
-
-    @property
-    def stale(self) -> bool:
-        return any(p.stale for p in self.parts)
-
-    @property
-    def segments(self):
-        """Every parameter of the block: (part, segment) pairs."""
-        return [(p, s) for p in self.parts for s in p.layout.segments]
-
-    def device_bufs(self) -> List[torch.Tensor]:
-        return [p.device_buf for p in self.parts if p.device_buf is not None]
-
-    def slot_free(self) -> bool:
-        """Whether host staging buffers for every part are free now (NVMe home)."""
-        loans = []
-        try:
-            for p in self.parts:
-                loan = p.try_slot() if p.state is ParamState.HOME else None
-                if p.state is ParamState.HOME and loan is None:
-                    return False
-                if loan is not None:
-                    loans.append(loan)
-            return True
-        finally:
-            for loan in loans:
-                loan.release()
-
-    # ---- transitions (all parts together) ----------------------------------------------------
-    def stage(self) -> bool:
-        """NVMe -> host staging buffers for every part still at home (the trainable part may
-        be staged already, written through by its update); False (nothing staged) when a
-        buffer is missing for any of them."""
-        home = [p for p in self.parts if p.state is ParamState.HOME]
-        if not home or not self.slot_free():
-            return False
-        for k, p in enumerate(home):
-            if not p.stage():               # another thread took a buffer meanwhile
-                for q in home[:k]:
-                    q.release()
-                return False
-        return True
-
-    def poll(self) -> None:
-        for p in self.parts:
-            p.poll()
-
-    @property
-    def writing(self) -> bool:
-        """Whether a write-back of a part's home is in flight."""
-        return any(p.writing for p in self.parts)
-
-    def poll_write(self) -> None:
-        for p in self.parts:
-            p.poll_write()
-
-    def finish_write(self, timeout=None) -> None:
-        for p in self.parts:
-            p.finish_write(timeout)
-
-    def to_device(self, h2d_stream) -> int:
-        """Start every part's way to the device; the bytes copied from host to device memory
-        (none on a CPU device: ``BlockParams.to_device``)."""
-        return sum(p.to_device(h2d_stream) for p in self.parts
-                   if p.state in (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.STAGED_WRITING))
-
-    def ensure(self, h2d_stream) -> int:
-        """Every part on the device, current, its parameters bound to their views; the bytes
-        copied from host to device memory for it."""
-        if self.stale:
-            self.release()
-        return sum(p.ensure(h2d_stream) for p in self.parts)
-
-    def release(self) -> None:
-        for p in self.parts:
-            p.release()
-
-    def release_initial(self) -> None:
-        for p in self.parts:
-            p.release_initial()
-
-
-class ParamWriteBack:
-    """Parameter write-back: the updated parameters go where the parameters live.
-
-    The optimizer pipeline calls two verbs per block update, on its worker thread:
-
-        out = writer.target(block)      # where the kernel writes the new parameter copy (or None)
-        ... the rule's CPU step (writes ``out`` when it is not None) ...
-        writer.commit(block, master, out, compute_done)
-
-    Where the copy goes depends only on the parameters' residency:
-      * offloaded parameters (``block.params``, a BlockParams): the new home copy is assembled in
-        the HOST home itself, or (NVMe home) in a buffer of the write pool; ``BlockParams.write_home``
-        then bumps the home version, so device copies made before are stale and refetched. An
-        NVMe block the next forward uses soon (``keep_staged(index)``, decided by parameter
-        offload at the commit) is assembled in a staging buffer instead and written through: it
-        stays staged, current, for that use. NVMe writes are asynchronous: the job submits the
-        write and moves on; the buffer belongs to the block's home until the write completes
-        (params/residency.py settles it). A worker that finds no write buffer free settles the
-        oldest write it submitted (bounded); a failure found so is the written block's, recorded
-        by its home, never raised inside the job that found it;
-      * resident parameters (``block.param_flat`` on the device): on a CPU device the kernel
-        writes the flat directly; on CUDA into this worker's pinned staging buffer, copied to
-        the device on a side stream after the block's backward kernels (``compute_done``); the
-        compute stream waits for ``block.update_event`` before the next use;
-      * resident fp32 parameters, or optimizer state on the device: ``out`` is None and the copy
-        is taken from the fp32 master; on a CPU device with the state in host memory (tier cpu,
-        or none: the device's memory is the host's) the parameters are the master itself (engine/build.py
-        ``_master_is_param``), so ``commit`` has nothing to copy.
-    Offloaded parameters always get a ``target``, fp32 included: the CPU kernel writes the new
-    values there in the pass that updates the master (a device-side update copies them there)."""
-
-    def __init__(self, *, compute_device: torch.device, copy_param: bool, state_on_device: bool,
-                 write_pool=None, telemetry, wait_timeout_s: Optional[float] = None,
-                 keep_staged=None) -> None:
-        self._copy_param = copy_param             # fp32 parameters: copied from the master
-        self._state_on_device = state_on_device   # the master is on the device (tier none)
-        self._write_pool = write_pool             # host buffers for NVMe-home write-back
-        self._h2d = dev.new_stream(compute_device)
-        self._staging = threading.local()         # per worker: pinned copy for the H2D, NVMe write loan
-        self.telemetry = telemetry
-        self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
-        self._keep_staged = keep_staged           # block index -> write through a staging buffer
-        self._lock = threading.Lock()
-        self._pool_writes = collections.deque()   # BlockParams whose write may hold a write buffer
-
-    def target(self, block, whole_master: bool = True) -> Optional[torch.Tensor]:
-        """Where the kernel writes this rank's shard of the new parameters, in the same pass
-        as the update (None: resident fp32 parameters, copied from the master by ``commit``,
-        or the master itself). Offloaded parameters always get their destination (the home
-        copy being assembled), fp32 ones included: the kernel writes the updated values
-        there as it streams the master, so no copy of the master follows the update.
-        ``whole_master`` False (optimizer state in chunks: the master is never whole):
-        resident fp32 parameters get their destination too, which the caller fills from
-        each chunk's master."""
-        s0, s1 = block.shard
-        if block.params is not None:
-            return block.home_shard(self._home_target(block))
-        from_master = self._copy_param and whole_master
-        if from_master or self._state_on_device:
-            return None   # copied (and cast) from the master by commit()
-        if not dev.is_cuda(block.param_flat.device):
-            return block.param_flat[s0:s1]
-        buf = getattr(self._staging, "buf", None)
-        if buf is None or buf.numel() < s1 - s0 or buf.dtype != block.param_flat.dtype:
-            buf = dev.empty_host(max(s1 - s0, 1 << 20), block.param_flat.dtype, pin=True)
-            self._staging.buf = buf
-        return buf[:s1 - s0]
-
-    def _home_target(self, block) -> torch.Tensor:
-        """The buffer the new home copy of an offloaded block is assembled in: the HOST home
-        itself, or (NVMe home) a write buffer held by this worker until written."""
-        bp = block.params
-        home = bp.home_view_for_write()
-        if home is not None:
-            return home
-        # Decided once per update: ``target()`` and ``commit()`` both ask, and the kernel has
-        # written into the first answer by the time commit() asks again (whether the block is
-        # kept staged, or a staging buffer is free, may have changed in between).
-        current = getattr(self._staging, "current", None)
-        if current is not None:
-            return current
-        if self._keep_staged is not None and self._keep_staged(block.index):
-            # waits (bounded) for the home's last write-back, if it is still in flight
-            with self.telemetry.span("offload::param_write_wait"):
-                through = bp.begin_write_through()    # None: no staging buffer free now
-            if through is not None:
-                self._staging.through = through       # this worker's, until commit / abort
-                self._staging.current = through
-                return through
-        loan = getattr(self._staging, "loan", None)
-        if loan is None:
-            loan = self._staging.loan = self._write_buffer(bp.home_nbytes)
-        self._staging.current = loan.view(bp.dtype, bp.home_numel)
-        return self._staging.current
-
-    def _write_buffer(self, nbytes: int):
-        """A write-pool buffer: the pool's one bounded wait (``wait_timeout_s`` overall), the
-        oldest write-back in flight waited for while none is free."""
-        timeout = self.wait_timeout_s if self.wait_timeout_s is not None else DEFAULT_WAIT_S
-        deadline = time.monotonic() + timeout
-
-        def make_room() -> Room:
-            with self._lock:
-                older = self._pool_writes.popleft() if self._pool_writes else None
-            if older is None:           # every buffer is with another worker's job: it ends soon
-                return Room.WAIT
-            with self.telemetry.span("offload::param_write_wait"):
-                try:
-                    older.finish_write(max(0.0, deadline - time.monotonic()))
-                except BlockError:      # the written block's failure, recorded by its home
-                    pass
-            return Room.MADE
-        return self._write_pool.acquire(nbytes, timeout, holder="a parameter write-back", make_room=make_room)
-
-    def abort(self, block=None) -> None:
-        """After a failed update on this worker: give back the write buffer it held (and
-        ``block``'s staging buffer, when it was being written through)."""
-        self._staging.current = None
-        if getattr(self._staging, "through", None) is not None:
-            self._staging.through = None
-            if block is not None and block.params is not None:
-                block.params.abort_write_through()
-        loan = getattr(self._staging, "loan", None)
-        if loan is not None:
-            self._staging.loan = None
-            loan.release()
-
-    def adopt(self, block, slot) -> bool:
-        """An update computed ahead (optim/ahead.py) wrote the new parameters into its slot's
-        staged copy: an NVMe home takes that buffer as its new home copy, written from it and
-        kept staged when the next use is near, as ``target`` would decide, with no copy
-        (``BlockParams.adopt_home``). False, nothing done, where it cannot: the caller copies
-        into ``target`` and commits."""
-        bp = block.params
-        if bp is None or slot.out_buf is None:
-            return False
-        keep = self._keep_staged is not None and self._keep_staged(block.index)
-        with self.telemetry.span("offload::param_writeback"):
-            return bp.adopt_home(slot.lend_out, keep)
-
-    def commit(self, block, master: torch.Tensor, out: Optional[torch.Tensor], compute_done=None) -> None:
-        """Make the new parameters (``out``, or ``master`` when ``out`` is None) the block's
-        parameters on their tier. Returns once host buffers may be reused by this worker.
-        ``master`` may be None when ``out`` holds the new parameters (chunked state)."""
-        s0, s1 = block.shard
-        if block.params is not None:
-            bp = block.params
-            target = self._home_target(block)
-            assert out is not None, f"block {block.name}: the update wrote no new parameters (target())"
-            with self.telemetry.span("offload::param_writeback"):
-                self._staging.through = None          # write_home settles it, or gives it back on failure
-                self._staging.current = None
-                loan, self._staging.loan = getattr(self._staging, "loan", None), None
-                if loan is not None:
-                    with self._lock:           # (settled ones dropped: the deque stays short)
-                        self._pool_writes = collections.deque(
-                            [b for b in self._pool_writes if b.writing and b is not bp] + [bp])
-                bp.write_home(target, buffer=loan)    # submitted; the buffer is the home's now
-            return
-        dst = block.param_flat[s0:s1]
-        src = master if out is None else out
-        if src.data_ptr() == dst.data_ptr():
-            return
-        if src.device == dst.device:      # tier none: the master is on the device already
-            with torch.no_grad():
-                dst.copy_(src)
-            return
-        with self.telemetry.span("offload::param_h2d", "h2d", dst.numel() * dst.element_size()):
-            # kernels of the block's backward may still be queued: they read these parameters
-            dev.wait_event(self._h2d, compute_done)
-            ev = dev.copy_(dst, src, self._h2d)
-            # The staging buffer is reused by this worker's next job: wait for the copy here,
-            # on the worker thread; the compute stream waits on update_event, not the host.
-            dev.sync_event(ev)
-            block.update_event = ev
