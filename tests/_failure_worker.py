@@ -22,7 +22,7 @@ import time
 
 import offload
 from offload.dist.grad_sync import GradSync
-from offload.params.part import BlockParams
+from offload.params.part import ParamPart
 from _models import batches, make_model
 
 TARGET = 2          # block "layers.0"
@@ -99,14 +99,14 @@ def run(argv):
         # with prefetch the third step's update keeps the block staged (the trace is known)
         break_io(eng.resources.store("params"), f"b{TARGET}.param", "write", after=0 if noprefetch else 2)
     elif stage == "parameter write-back":
-        real = BlockParams.write_home
+        real = ParamPart.write_home
 
         def write_home(self, src, **kw):
             if self.layout.index == TARGET:
                 fire()
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", "/injected/home")
             return real(self, src, **kw)
-        BlockParams.write_home = write_home
+        ParamPart.write_home = write_home
     elif stage == "adam":              # the update rule's CPU step (the engine's rule object)
         real_step = eng.rule.cpu_step
         numel = eng.blocks[TARGET].state.numel

@@ -1,15 +1,12 @@
-"""The config layer's leaf: its error and the one way it reads a JSON file (schema.py,
-deepspeed.py and flags.py import it; it imports none of them)."""
+"""The config layer's leaf: the one way it reads a JSON file, and its error (``ConfigError``,
+defined with the error family in core/errors.py so that the layers below the config raise it
+too); schema.py, deepspeed.py and flags.py import them from here; it imports none of them."""
 from __future__ import annotations
 
 import json
 import os
 
-from offload.core.errors import OffloadError
-
-
-class ConfigError(ValueError, OffloadError):
-    """A configuration key or value is invalid; the message names it and the fix."""
+from offload.core.errors import ConfigError
 
 
 def read_json(path: str, what: str, fix: str = "", error=ConfigError, missing_error=None):

@@ -98,7 +98,7 @@ class Block:
 
     ``layout``     the trainable parameters' flat layout (None: frozen parameters only)
     ``parts``      the parameter parts materialized as one unit each (params/part.py
-                   ``BlockParams``): the trainable part first, then one frozen part per dtype;
+                   ``ParamPart``): the trainable part first, then one frozen part per dtype;
                    empty when parameters are not offloaded. Today a block's parts move
                    together; a block whose parts move one at a time (a MoE layer's experts)
                    changes only this list's users.
@@ -117,7 +117,7 @@ class Block:
     device: torch.device
     layout: Optional[BlockLayout]
     phase: BlockPhase
-    parts: List["BlockParams"]
+    parts: List["ParamPart"]
     param_flat: Optional[torch.Tensor]
     grads: Optional["GradBuffer"]
     landing: Optional["GradBuffer"]
@@ -156,12 +156,12 @@ class Block:
         return self.layout is not None
 
     @property
-    def trainable(self) -> Optional["BlockParams"]:
+    def trainable(self) -> Optional["ParamPart"]:
         """The trainable part (parameters offloaded), else None."""
         return self.parts[0] if self.parts and self.layout is not None else None
 
     @property
-    def frozen(self) -> List["BlockParams"]:
+    def frozen(self) -> List["ParamPart"]:
         """The frozen parts (one per storage dtype; parameters offloaded)."""
         return self.parts[1:] if self.layout is not None else list(self.parts)
 
@@ -251,7 +251,7 @@ class Block:
 
     def to_device(self, h2d_stream) -> int:
         """Start every part's way to the device; the bytes copied from host to device memory
-        (none on a CPU device: ``BlockParams.to_device``)."""
+        (none on a CPU device: ``ParamPart.to_device``)."""
         return sum(p.to_device(h2d_stream) for p in self.parts if p.readable)
 
     def ensure(self, h2d_stream) -> int:

@@ -36,6 +36,10 @@ class InvariantError(RuntimeError, OffloadError):
     use (please report it with the message)."""
 
 
+class ConfigError(ValueError, OffloadError):
+    """A configuration key or value is invalid; the message names it and the fix."""
+
+
 class BlockError(RuntimeError, OffloadError):
     """A stage of one block's work failed (``block``: "3 (layers.2)", ``stage``: its name)."""
 

@@ -26,6 +26,7 @@ from offload.core import blocks as blk
 from offload.core import sharding
 from offload.core.block import Block
 from offload.engine.grad_landing import GradBuffer
+from offload.engine.memory_plan import placement_refusal
 from offload.optim.ahead import AheadSlot
 from offload.optim.pipeline import StepPipeline
 from offload.optim.state import OptimState, chunk_key
@@ -45,16 +46,6 @@ def update_rule(config):
     if refused:
         raise ConfigError(refused)
     return rule
-
-
-def placement_refusal(config) -> Optional[str]:
-    """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
-    ``offload estimate`` marks a placement with."""
-    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.placement is Placement.DEVICE:
-        return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
-                "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
-                "state_dtype bf16 with offload_optimizer.device none")
-    return None
 
 
 def shard_range(lay: blk.BlockLayout, stage: int, comm) -> tuple:

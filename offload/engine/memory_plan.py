@@ -357,3 +357,13 @@ def host_lookahead(config, budget: int) -> int:
 
 def device_lookahead(config, budget: int, largest: int) -> int:
     return budgets.device_lookahead(config.prefetch.device_lookahead_bytes, budget, largest)
+
+
+def placement_refusal(config) -> Optional[str]:
+    """Why ``initialize`` refuses this config's optimizer placement (None: it runs it); what
+    ``offload estimate`` marks a placement with."""
+    if config.optimizer.state_dtype == "int8" and config.offload_optimizer.placement is Placement.DEVICE:
+        return ("optimizer.state_dtype='int8' needs the optimizer state on the CPU: int8 state is "
+                "quantized inside the CPU kernel. Set offload_optimizer.device to cpu or nvme, or use "
+                "state_dtype bf16 with offload_optimizer.device none")
+    return None

@@ -46,7 +46,7 @@ class AheadSlot:
     ``out_buf`` (the HostBuffer ``out`` views; parameters homed on NVMe): at the commit the
     parameter home takes that buffer as its new home copy, written from it and read by the
     next forward, instead of a copy into a buffer of its own (``lend_out``;
-    params/part.py ``BlockParams.adopt_home``). It comes back when the home lets it go
+    params/part.py ``ParamPart.adopt_home``). It comes back when the home lets it go
     (``_LentOut.release``). An update due while the home still holds it (``out_lent``)
     waits on its worker for the home's write-back from it (``StepControl._submit_ahead`` drops
     the stale staged copy first); one whose home holds it for a use is left to step()."""

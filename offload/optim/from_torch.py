@@ -50,7 +50,7 @@ def _public_name(cls: type) -> str:
 
 
 def _error(msg: str):
-    from offload.config import ConfigError
+    from offload.core.errors import ConfigError
     return ConfigError(msg)
 
 

@@ -73,7 +73,7 @@ def torch_step_hooks(kind: str) -> tuple:
 def check_group(where: str, group: dict, rule, defaults: dict) -> None:
     """A param group's hyper-parameters pass the same checks as the config's optimizer
     section (finite, in range: the rule's ``validate``); the error names the group and the key."""
-    from offload.config import ConfigError
+    from offload.core.errors import ConfigError
     hp = dict(defaults, **{k: v for k, v in group.items() if k in defaults})
     for k, v in hp.items():
         for x in (v if isinstance(v, (list, tuple)) else (v,)):
@@ -96,7 +96,7 @@ def make_optimizer(model: torch.nn.Module, param_groups, optimizer_config, rule,
     the config. ``param_groups``: None (one group of every parameter with
     ``requires_grad``), torch-style dicts, or a torch optimizer whose groups are shared
     (optim/from_torch.py). ``owner``: whose ``zero_grad`` the optimizer's is (held weakly)."""
-    from offload.config import ConfigError
+    from offload.core.errors import ConfigError
     o = optimizer_config
     defaults = o.hparams()
     rows = [r.name for r in rule.rows(defaults)]

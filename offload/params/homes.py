@@ -121,9 +121,9 @@ class ParamHomes:
         return lay.padded_numel
 
     def trainable_home(self, lay: blk.BlockLayout):
-        """The BlockParams of block ``lay``'s trainable part (its values are written home by
+        """The ParamPart of block ``lay``'s trainable part (its values are written home by
         the caller). With ZeRO-3 across ranks it all-gathers the shards on each visit."""
-        from offload.params.part import BlockParams
+        from offload.params.part import ParamPart
         n = self.home_numel(lay)
         gather = None
         if self._stage == 3 and self._comm.active:
@@ -137,18 +137,18 @@ class ParamHomes:
         kw = {"home_numel": n, "gather": gather}
         if self.device_kind is Placement.HOST:
             home = self._home_pool.acquire(n * self._dtype.itemsize).view(self._dtype, n)
-            return BlockParams(lay, self._dtype, self._device, home_buf=home, **kw)
-        return BlockParams(lay, self._dtype, self._device, store=self._store, pool=self._stage_pool,
+            return ParamPart(lay, self._dtype, self._device, home_buf=home, **kw)
+        return ParamPart(lay, self._dtype, self._device, store=self._store, pool=self._stage_pool,
                            write_pool=self._write_pool, key=f"b{lay.index}.param",
                            wait_timeout_s=self._config.wait_timeout_s, on_failure=self._on_write_failure, **kw)
 
     # ---- frozen parts -------------------------------------------------------------------
     def frozen_home(self, i: int, k: int, part: blk.BlockLayout):
-        """The BlockParams of frozen part ``k`` of block ``i``, in ``frozen_dtype``: its values
+        """The ParamPart of frozen part ``k`` of block ``i``, in ``frozen_dtype``: its values
         written home from the parameters (loaded from the checkpoint, or materialized from the
         meta device by the model's initialisation), whose original memory then goes; or, read
         in place, the checkpoint's own byte ranges with nothing copied."""
-        from offload.params.part import BlockParams
+        from offload.params.part import ParamPart
         part.index = i                     # errors name the block it visits the device with
         dtype = frozen_dtype(part.segments[0].param, self._dtype)
         key = f"b{i}.frozen{k}"
@@ -171,9 +171,9 @@ class ParamHomes:
             return flat
         if self.device_kind is Placement.HOST:
             home = fill(self._home_pool.acquire(nbytes))
-            bp = BlockParams(part, dtype, self._device, home_buf=home, codec=codec, flats=self.flats)
+            bp = ParamPart(part, dtype, self._device, home_buf=home, codec=codec, flats=self.flats)
         else:
-            bp = BlockParams(part, dtype, self._device, store=self._store, pool=self._stage_pool, key=key,
+            bp = ParamPart(part, dtype, self._device, store=self._store, pool=self._stage_pool, key=key,
                              codec=codec, flats=self.flats)
             with self._stage_pool.acquire(nbytes) as loan:   # page-aligned: O_DIRECT
                 bp.write_home(fill(loan))
@@ -183,19 +183,19 @@ class ParamHomes:
     def _source_home(self, key: str, part: blk.BlockLayout, dtype: torch.dtype):
         """A frozen part read in place: its tensors are read once now for their checksums
         (recorded as the base's origin, and checked on every later read)."""
-        from offload.params.part import BlockParams
+        from offload.params.part import ParamPart
         from offload.storage.source import SourceTensor
         crcs = self._weights.refer_all([s.param for s in part.segments])
         esize = dtype.itemsize
         self._source.add(key, self._in_place[id(part)],
                          [SourceTensor(s.name, s.offset * esize, s.numel * esize, crcs[id(s.param)])
                           for s in part.segments])
-        return BlockParams(part, dtype, self._device, store=self._source, pool=self._stage_pool, key=key,
+        return ParamPart(part, dtype, self._device, store=self._source, pool=self._stage_pool, key=key,
                            wait_timeout_s=self._config.wait_timeout_s)
 
 
 def hand_back_blocks(param_offload) -> list:
-    """Every offloaded block's parameters bound to host copies (``BlockParams.hand_back``)
+    """Every offloaded block's parameters bound to host copies (``ParamPart.hand_back``)
     of their current values, on the device each block was on at initialize (each part's
     ``origin``); blocks handed back already keep theirs. Returns
     (segment, tensor) of every offloaded parameter."""

@@ -1,4 +1,4 @@
-"""One parameter part of a block (``BlockParams``: one flat buffer, materialized as one
+"""One parameter part of a block (``ParamPart``: one flat buffer, materialized as one
 unit) and its residency (``ParamState``): where it lives between uses (parameter offload) and
 its moves. A block's ``parts`` (core/block.py) move together; the updated parameters come
 home through params/write_back.py.
@@ -93,7 +93,7 @@ _READABLE = (ParamState.HOME, ParamState.STAGING, ParamState.STAGED, ParamState.
 WRITE_BACK = "parameter write-back"     # the stage named in the errors of a home's write
 
 
-class BlockParams:
+class ParamPart:
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device, *, home_buf=None,
                  store=None, pool=None, write_pool=None, key: str = "", home_numel: int = 0, gather=None,
                  wait_timeout_s: Optional[float] = None, on_failure=None, codec=None, flats=None):

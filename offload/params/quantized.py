@@ -3,7 +3,7 @@
 A frozen part (core/blocks.py ``frozen_parts``: a block's frozen parameters, one flat) is
 kept in its home (a host pool slot, an NVMe extent) as one byte blob and materialized on the
 device as the usual flat of ``dtype`` values (the dtype the part is kept in), so everything
-downstream of ``BlockParams.ensure`` sees a plain frozen flat. Which tensors are quantized:
+downstream of ``ParamPart.ensure`` sees a plain frozen flat. Which tensors are quantized:
 2-D and 3-D floating tensors of at least ``min_numel`` elements; the others (norms, biases,
 small tensors) are stored as their values in ``dtype`` beside them. Trainable parameters never
 reach this module (they are not frozen parts).

@@ -27,8 +27,8 @@ class ParamWriteBack:
         writer.commit(block, master, out, compute_done)
 
     Where the copy goes depends only on the parameters' residency:
-      * offloaded parameters (``block.trainable``, a BlockParams): the new home copy is assembled in
-        the HOST home itself, or (NVMe home) in a buffer of the write pool; ``BlockParams.write_home``
+      * offloaded parameters (``block.trainable``, a ParamPart): the new home copy is assembled in
+        the HOST home itself, or (NVMe home) in a buffer of the write pool; ``ParamPart.write_home``
         then bumps the home version, so device copies made before are stale and refetched. An
         NVMe block the next forward uses soon (``keep_staged(index)``, decided by parameter
         offload at the commit) is assembled in a staging buffer instead and written through: it
@@ -60,7 +60,7 @@ class ParamWriteBack:
         self.wait_timeout_s = wait_timeout_s      # bound on waiting for a write buffer
         self._keep_staged = keep_staged           # block index -> write through a staging buffer
         self._lock = threading.Lock()
-        self._pool_writes = collections.deque()   # BlockParams whose write may hold a write buffer
+        self._pool_writes = collections.deque()   # ParamPart whose write may hold a write buffer
 
     def target(self, block, whole_master: bool = True) -> Optional[torch.Tensor]:
         """Where the kernel writes this rank's shard of the new parameters, in the same pass
@@ -148,7 +148,7 @@ class ParamWriteBack:
         """An update computed ahead (optim/ahead.py) wrote the new parameters into its slot's
         staged copy: an NVMe home takes that buffer as its new home copy, written from it and
         kept staged when the next use is near, as ``target`` would decide, with no copy
-        (``BlockParams.adopt_home``). False, nothing done, where it cannot: the caller copies
+        (``ParamPart.adopt_home``). False, nothing done, where it cannot: the caller copies
         into ``target`` and commits."""
         bp = block.trainable
         if bp is None or slot.out_buf is None:

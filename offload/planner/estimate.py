@@ -496,7 +496,7 @@ def placement_bytes(spec: ModelSpec, optimizer: str, param: str, precision: str 
                       grad_host_bytes, device_budget_bytes, world_size=W, activations=activations,
                       activation_host_bytes=activation_host_bytes, host_lookahead_bytes=host_lookahead_bytes,
                       rule=rule, state_dtype=state_dtype, update_ahead=update_ahead, frozen_dtype=spec.frozen_dtype)
-    from offload.engine.build import placement_refusal
+    from offload.engine.memory_plan import placement_refusal
     plan = mp.plan(spec_blocks(spec, precision), cfg, world_size=W, rank=0, rule=rule, state_dtype=state_dtype,
                    host_available=host_available)
     shard = -(-Pt // W)                     # P' = ceil(P / W), of the trainable parameters

@@ -28,15 +28,9 @@ DESIGN = os.path.join(ROOT, "docs", "design.md")
 # its folder keeps its entry. An entry that covers no import any more fails
 # test_pending_imports_still_exist: delete it then.
 PENDING = {
-    ("optim/", "config/"):
-        "ConfigError (optim/from_torch.py, optim/pipeline.py): the class belongs with the error "
-        "family in core/errors.py, below optim/",
     ("params/homes.py", "io/"):
-        "read_range (io/hf.py), checksum (io/loader.py): reading a byte range of a checkpoint file "
+        "read_range (io/safetensors.py), checksum (io/loader.py): reading a byte range of a checkpoint file "
         "in place and its CRC32C belong to storage/source.py, which params/ may import",
-    ("planner/", "engine/build.py"):
-        "placement_refusal (planner/estimate.py): a pure check of the config, it belongs in "
-        "engine/memory_plan.py",
 }
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from offload.params.part import BlockParams
+from offload.params.part import ParamPart
 from _models import make_model
 from _parity import max_diff, noise_bound
 from _probes import ahead_blocks
@@ -255,14 +255,14 @@ def test_update_ahead_waits_on_its_worker_for_the_homes_write_back(tmp_path, mon
     the next backward (no poll settles one here) is waited for by the update's job, on its
     worker, not by backward; every update is still computed ahead, and the weights follow
     torch's."""
-    monkeypatch.setattr(BlockParams, "poll_write", lambda self: not self.writing)
-    waits, finish = [], BlockParams.finish_write
+    monkeypatch.setattr(ParamPart, "poll_write", lambda self: not self.writing)
+    waits, finish = [], ParamPart.finish_write
 
     def finish_write(self, timeout=None):
         if self.writing:
             waits.append(threading.current_thread() is threading.main_thread())
         return finish(self, timeout)
-    monkeypatch.setattr(BlockParams, "finish_write", finish_write)
+    monkeypatch.setattr(ParamPart, "finish_write", finish_write)
     eng = offload.initialize(make_model(net=OutsideReads), cfg("cpu", "nvme", 0.0, tmp_path, True))
     losses = train(eng, batches(5))
     final = eng.full_state_dict()

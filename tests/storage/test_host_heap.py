@@ -303,7 +303,7 @@ def test_engine_host_buffers_ask_for_huge_pages_on_a_cpu_device(tier, tmp_path):
         eng.backward(eng(x).square().mean())
         block = eng.blocks[0]
         if tier == "cpu":
-            addresses = [block.grad.tensor.data_ptr(), block.state.chunks[0].acquire(timeout=10).data_ptr()]
+            addresses = [block.grads.tensor.data_ptr(), block.state.chunks[0].acquire(timeout=10).data_ptr()]
         else:
             addresses = []
             for pool in (eng.resources.pool("offload-grads"), eng.resources.pool("offload-swap")):

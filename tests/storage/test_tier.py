@@ -10,7 +10,8 @@ import torch
 
 from offload.storage import HostPool, NvmeStore
 from offload.storage.nvme import ExtentLayout
-from offload.storage.loan import LoanState, TierIOError, TierTimeout
+from offload.core.errors import InvariantError
+from offload.storage.loan import LoanState, LoanStateError, TierIOError, TierTimeout
 from offload.storage.tier import DeviceTier, HostTier, NvmeTier
 from offload.units import PAGE
 
@@ -68,7 +69,7 @@ def test_loan_round_trip_and_transitions(store, pool):
     assert torch.equal(loan.acquire(), data) and loan.state is LoanState.READY
     loan.release()                            # read only: no write
     assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
-    with pytest.raises(AssertionError, match="block 7"):
+    with pytest.raises(LoanStateError, match="block 7"):
         loan.commit()                         # verbs are guarded by the state
     # poll settles without waiting
     assert loan.fetch()
@@ -152,7 +153,7 @@ def test_kept_write_serves_the_bytes_and_fails_like_a_write(store, pool):
     loan.fill().copy_(data)
     loan.commit(keep=True)
     assert loan.state is LoanState.WRITING_KEPT and torch.equal(loan.acquire(), data)
-    with pytest.raises(AssertionError, match="write is in flight"):
+    with pytest.raises(LoanStateError, match="write is in flight"):
         loan.fill()                           # nobody modifies bytes a write is reading
     loan.finish_write()
     assert loan.state is LoanState.READY and torch.equal(loan.acquire(), data)
@@ -322,7 +323,7 @@ def test_key_bound_at_write_and_back_to_the_free_list_at_retirement(store, pool)
     keys = FreeList(tier)
     loan = tier.loan(None, 8192, "saved tensor 3", keys=keys)
     assert loan.state is LoanState.ON_TIER and loan.key is None
-    with pytest.raises(AssertionError, match="saved tensor 3: read before its first write"):
+    with pytest.raises(LoanStateError, match="saved tensor 3: read before its first write"):
         loan.acquire()
     assert loan.state is LoanState.ON_TIER and pool.stats()["in_use_bytes"] == 0
     loan.fill().fill_(5)
@@ -342,7 +343,7 @@ def test_key_bound_at_write_and_back_to_the_free_list_at_retirement(store, pool)
     assert other.key == "f1" and keys.made == 1                  # reused, nothing reserved
     no_list = tier.loan(None, 8192, "saved tensor 5")
     no_list.fill()
-    with pytest.raises(AssertionError, match="saved tensor 5: commit with no key nor free list"):
+    with pytest.raises(LoanStateError, match="saved tensor 5: commit with no key nor free list"):
         no_list.commit()
     no_list.release()
 
@@ -353,7 +354,7 @@ def test_keep_decided_after_the_write_started(store, pool):
     tier = NvmeTier(store, pool, wait_timeout_s=5)
     tier.reserve({"k": 8192})
     loan = tier.loan("k", 8192, "saved tensor 1")
-    with pytest.raises(AssertionError, match="saved tensor 1: keep from LoanState.ON_TIER"):
+    with pytest.raises(LoanStateError, match="saved tensor 1: keep from LoanState.ON_TIER"):
         loan.keep()
     data = torch.randint(0, 256, (8192,), dtype=torch.uint8)
     loan.fill().copy_(data)
@@ -394,7 +395,7 @@ def test_caller_buffer_writes_and_reads_in_place(store, pool):
     assert got.data_ptr() == dst.data_ptr() and torch.equal(dst, src)
     loan.release()
     assert torch.equal(dst, src) and pool.stats()["in_use_bytes"] == 0
-    with pytest.raises(AssertionError, match="a view of"):
+    with pytest.raises(InvariantError, match="a view of"):
         CallerBuffer(dst).view(torch.uint8, 3 * PAGE + 1)
 
 
