@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _paths import ROOT as REPO  # noqa: E402
 OPT = {"optimizer": {"type": "AdamW", "lr": 1e-2}}
 
 

@@ -28,7 +28,7 @@ from offload.storage import nvme as nvme_mod
 pytestmark = pytest.mark.filterwarnings("ignore:a buffer at .* is not 4096-aligned")
 
 BLOCK = 64 << 10  # small extents, so small tensors still span several
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _paths import ROOT as REPO  # noqa: E402
 
 BACKENDS = [pytest.param({"backend": "native"}, id="native"),
             pytest.param({"backend": "native", "io_uring": False}, id="native-threads"),
