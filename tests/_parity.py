@@ -77,3 +77,19 @@ def reference_run(model, data, *, lr=1e-3, wd=0.01, clip=0.0, gas=1, adamw=True,
                 sch.step()
             snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return snaps
+
+
+def plain_run(model, data, fused=False, lr=1e-3, wd=0.01):
+    """The plain loop (plain torch / PEFT): AdamW, single-tensor or fused, on the trainable
+    parameters; each step's state_dict and loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **({"fused": True} if fused else {"foreach": False}))
+    snaps, losses = [], []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return snaps, losses

@@ -12,23 +12,9 @@ from offload.config.errors import ConfigError
 from offload.core import blocks as blk
 from offload.params import quantized
 from _models import batches, clone
-from _parity import max_diff, noise_bound, parity_bounds
+from _parity import max_diff, noise_bound, parity_bounds, plain_run
 from _lora import MIN_NUMEL, base_key_map, dequantized, dequantized_base, engine_run, lora_llama, qcfg, save_base
 from _probes import swap_bytes
-
-def plain_run(model, data, fused=False, lr=1e-3, wd=0.01):
-    """The plain PEFT loop: AdamW (single-tensor or fused) on the trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **({"fused": True} if fused else {"foreach": False}))
-    snaps, losses = [], []
-    for x, y in data:
-        loss = model(x, y)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return snaps, losses
 
 
 # ---- the codec ---------------------------------------------------------------------------

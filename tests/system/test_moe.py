@@ -14,7 +14,7 @@ from offload.core import blocks as blk
 from offload.params import quantized
 from _models import batches, clone
 import _paths
-from _parity import max_diff, parity_bounds
+from _parity import max_diff, parity_bounds, plain_run
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -184,21 +184,6 @@ def dequantized(model, fmt, double_quant=False):
                 if not p.requires_grad and quantized.quantizes(p.shape, p.dtype, fmt, MIN_NUMEL):
                     p.copy_(quantized.round_trip(p.data, fmt, double_quant))
     return model
-
-
-def plain_run(model, data, fused=False, lr=1e-3, wd=0.01):
-    """The plain loop: AdamW (single-tensor or fused) on the trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, **({"fused": True} if fused else {"foreach": False}))
-    snaps, losses = [], []
-    for x, y in data:
-        loss = model(x, y)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return snaps, losses
 
 
 def engine_run(model, data, config):
