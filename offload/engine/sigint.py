@@ -14,7 +14,7 @@ class sigint_deferred:
     and only a handler Python installed can be put back; elsewhere this does nothing.
     Swapped through ``_signal``, the C module under ``signal``: ``signal``'s wrappers turn
     each handler into an enum member by raising and catching a ValueError, twice per swap,
-    and right after a backward (caches cold) a swap through them took 60-90 us of step()."""
+    which costs step() measurably right after a backward (benchmarks/RESULTS.md)."""
 
     __slots__ = ("previous", "caught")
 

@@ -260,7 +260,7 @@ MEASUREMENT = re.compile(
     r"|\b\d+(?:\.\d+)?x (?:faster|slower)|\b\d+(?:\.\d+)? ?% (?:faster|slower)")
 # Quoted figures still in a file another change owns, by their text (they survive a move):
 # delete the figure from the comment (benchmarks/RESULTS.md has it) and the entry here.
-MEASUREMENTS_PENDING = {"60-90 us": "engine/step_control.py, _sigint_deferred: the swap through signal's wrappers"}
+MEASUREMENTS_PENDING: dict = {}
 
 
 def _comments(path: str):
